@@ -1,0 +1,29 @@
+# Two commands for a fresh CPU machine: `make demo` and `make test`. Each builds the venv first.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-gpu venv clean
+
+$(STAMP): pyproject.toml constraints/cpu.txt
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q -c constraints/cpu.txt torch
+	$(VPY) -m pip install -q -c constraints/cpu.txt -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) examples/quickstart.py
+
+# CPU tests; Triton kernels run in the interpreter. GPU tests (-m gpu) skip without CUDA.
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests
+
+test-gpu:
+	python3 -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""FP8MoE, FP8Linear and converters (see DESIGN.md)."""
