@@ -25,8 +25,9 @@ import torch
 
 from ..checks import check_offsets, check_offsets_values, check_tensor
 
-__all__ = ["FP8_DTYPES", "emulated_grouped_mm_2d3d", "emulated_grouped_mm_2d2d"]
+__all__ = ["BLOCK", "FP8_DTYPES", "emulated_grouped_mm_2d3d", "emulated_grouped_mm_2d2d"]
 
+BLOCK = 128  # block edge of the blockwise recipe's scales
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -42,15 +43,12 @@ def _check_out_dtype(out_dtype: torch.dtype) -> None:
 
 
 def _blockwise_group(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-    """``a (m, K) @ b (N, K).T`` with 1x128 scales ``sa (m, KB)`` and 128x128 scales ``sb (NB, KB)``."""
-    K = a.shape[1]
-    kb_size = -(-K // sa.shape[1])
-    nb_size = -(-b.shape[0] // sb.shape[0])
+    """``a (m, K) @ b (N, K).T`` with 1xB scales ``sa (m, KB)`` and BxB scales ``sb (NB, KB)``, B = 128."""
     acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32)
     for kb in range(sa.shape[1]):
-        ks = slice(kb * kb_size, (kb + 1) * kb_size)
+        ks = slice(kb * BLOCK, (kb + 1) * BLOCK)
         partial = a[:, ks].float() @ b[:, ks].float().T
-        col_scale = sb[:, kb].repeat_interleave(nb_size)[: b.shape[0]]
+        col_scale = sb[:, kb].repeat_interleave(BLOCK)[: b.shape[0]]
         acc += col_scale * (sa[:, kb : kb + 1] * partial)
     return acc
 
@@ -91,9 +89,9 @@ def emulated_grouped_mm_2d3d(
         check_tensor("scale_a", scale_a, shape=(M,))
         check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, N))
     else:
-        kb = -(-K // 128)
+        kb = -(-K // BLOCK)
         check_tensor("scale_a", scale_a, shape=(M, kb))
-        check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, -(-N // 128), kb))
+        check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, -(-N // BLOCK), kb))
     a, b, scale_a, scale_b = (t.cpu() for t in (a, b, scale_a, scale_b))
     out = torch.zeros(M, N, dtype=torch.float32)
     for g, (start, end) in enumerate(_group_bounds(offs)):
