@@ -8,7 +8,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q -c constraints/cpu.txt torch
 	$(VPY) -m pip install -q -c constraints/cpu.txt -e '.[test]'
 	touch $(STAMP)
