@@ -1,0 +1,156 @@
+"""Dense FP8 linear layer: ``y = x @ W.T (+ b)`` with the three GEMMs through ``torch._scaled_mm``.
+
+Recipes (see ``moe_fp8.quant.recipes``):
+
+* ``rowwise``: x per row, W per output row (forward); grad_out per row, W per input column
+  (dgrad); grad_out per output column, x per input column (wgrad). All three GEMMs in FP8.
+* ``rowwise_gw_hp``: as ``rowwise`` with the weight-gradient GEMM in BF16 (AMD's published best
+  dense training recipe).
+* ``tensorwise``: one scale per tensor in all three GEMMs.
+
+The high-precision input and weight are saved for backward (like TorchAO's ``Float8Linear``); each
+operand is quantized in the layout its GEMM needs. ``torch._scaled_mm`` wants the first operand
+row-major and the second column-major with every dimension a multiple of 16, except the first
+operand's rows: the token count, which wgrad contracts over, is zero-padded to a multiple of 16
+there (zero rows add nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checks import check_multiple_of
+from ..quant import formats, quantize_rowwise, quantize_tensorwise
+from ..quant.recipes import Float8Recipe, get_recipe
+
+__all__ = ["FP8Linear", "DENSE_RECIPES", "fp8_linear"]
+
+# Recipes a dense layer takes; "bf16" runs plain F.linear (the A/B baseline).
+
+DENSE_RECIPES = ("rowwise", "rowwise_gw_hp", "tensorwise")
+_ALIGN = 16
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % _ALIGN
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def _quantize(t: torch.Tensor, recipe: Float8Recipe, fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows of a 2-D tensor; returns ``q`` row-major and a scale shaped ``(rows, 1)`` or ``()``."""
+    if recipe.scaling == "tensorwise":
+        return quantize_tensorwise(t, fmt, pow2=recipe.pow2_scales)
+    q, scale = quantize_rowwise(t, fmt, pow2=recipe.pow2_scales)
+    return q, scale[:, None]
+
+
+def _scaled_mm(a_q, a_s, b_q_t, b_s_t, out_dtype) -> torch.Tensor:
+    """``a (M, K) @ b (K, N)`` where ``b_q_t`` is ``b.T`` quantized row-major ``(N, K)``.
+
+    The FP8 GEMM writes bf16 (the only output every rowwise backend takes), then casts.
+    """
+    b_scale = b_s_t if b_s_t.dim() == 0 else b_s_t.reshape(1, -1)
+    out = torch._scaled_mm(a_q, b_q_t.t(), a_s, b_scale, out_dtype=torch.bfloat16, use_fast_accum=True)
+    return out.to(out_dtype)
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe, fmt, grad_fmt):
+        x_q, x_s = _quantize(x, recipe, fmt)
+        w_q, w_s = _quantize(weight, recipe, fmt)
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.fmt, ctx.grad_fmt = recipe, fmt, grad_fmt
+        return _scaled_mm(x_q, x_s, w_q, w_s, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        recipe, fmt, grad_fmt = ctx.recipe, ctx.fmt, ctx.grad_fmt
+        grad_out = grad_out.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            g_q, g_s = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N)
+            wt_q, wt_s = _quantize(weight.t(), recipe, fmt)  # per input column of W (over N)
+            grad_x = _scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype)
+        if ctx.needs_input_grad[1]:
+            if recipe.fp8_wgrad:
+                gt_q, gt_s = _quantize(_pad_rows(grad_out).t(), recipe, grad_fmt)  # (N, M_pad)
+                xt_q, xt_s = _quantize(_pad_rows(x).t(), recipe, fmt)  # (K, M_pad)
+                grad_w = _scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype)
+            else:
+                grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def _check_dense_recipe(recipe) -> Float8Recipe:
+    recipe = get_recipe(recipe)
+    if recipe.scaling == "blockwise":
+        raise ValueError(f"recipe: expected one of {DENSE_RECIPES} or 'bf16' for a dense layer, got {recipe.name!r}")
+    return recipe
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, recipe="rowwise", fmt=None
+) -> torch.Tensor:
+    """Functional FP8 linear: ``x (..., K) @ weight (N, K).T + bias`` -> ``(..., N)`` in x's dtype.
+
+    x and weight are bf16 (or fp16/fp32: the FP8 GEMMs write bf16, then cast to x's dtype); K and N
+    must be multiples of 16. Differentiable in x, weight and bias. ``recipe="bf16"`` is plain
+    ``F.linear`` (the baseline of the same call).
+    """
+    recipe = _check_dense_recipe(recipe)
+    if not recipe.is_fp8:
+        return F.linear(x, weight, bias)
+    check_multiple_of("weight.shape[1] (in_features)", weight.shape[1], _ALIGN)
+    check_multiple_of("weight.shape[0] (out_features)", weight.shape[0], _ALIGN)
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x: expected last dim {weight.shape[1]} (in_features), got shape {tuple(x.shape)}")
+    fmt = formats.resolve_format(fmt, x.device)
+    grad_fmt = formats.resolve_format(recipe.grad_format) if recipe.grad_format else fmt
+    lead = x.shape[:-1]
+    out = _FP8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe, fmt, grad_fmt)
+    out = out.reshape(*lead, weight.shape[0])
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` whose three GEMMs run in FP8 (see the module docstring for the recipes).
+
+    Parameters and ``state_dict`` are those of ``nn.Linear``, so checkpoints load either way.
+    Under ``torch.autocast`` the input and weight are cast to the autocast dtype first.
+    ``in_features`` and ``out_features`` must be multiples of 16.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe="rowwise",
+                 fmt=None, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._configure(recipe, fmt)
+
+    def _configure(self, recipe, fmt) -> None:
+        check_multiple_of("in_features", self.in_features, _ALIGN)
+        check_multiple_of("out_features", self.out_features, _ALIGN)
+        self.recipe = _check_dense_recipe(recipe)
+        self.fmt = None if fmt is None else formats.resolve_format(fmt)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, recipe="rowwise", fmt=None) -> "FP8Linear":
+        """A new ``FP8Linear`` sharing ``linear``'s parameters (no copy)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        new._configure(recipe, fmt)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+        return fp8_linear(x, weight, bias, recipe=self.recipe, fmt=self.fmt)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"

@@ -1,0 +1,118 @@
+"""FP8Linear / convert_to_fp8 against fp64 references and the BF16 layer."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from moe_fp8 import FP8Linear, convert_to_fp8
+from moe_fp8.layers.fp8_linear import fp8_linear
+from moe_fp8.quant.reference import quantize_rowwise
+from moe_fp8.testing import sqnr
+
+
+def _data(M=40, K=64, N=48, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * K**-0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    dy = torch.randn(M, N, generator=g).to(dtype)
+    return x, w, b, dy
+
+
+def _grads(fn, x, w, b, dy):
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y = fn(x, w, b)
+    y.backward(dy)
+    return y, x.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise"])
+@pytest.mark.parametrize("M", [40, 3, 64])  # token counts not multiples of 16 pad for wgrad
+def test_fp8_linear_vs_fp64(recipe, M):
+    x, w, b, dy = _data(M=M)
+    y, gx, gw, gb = _grads(lambda x, w, b: fp8_linear(x, w, b, recipe=recipe), x, w, b, dy)
+    y64, gx64, gw64, gb64 = _grads(lambda x, w, b: x @ w.T + b, x.double(), w.double(), b.double(), dy.double())
+    assert y.dtype == torch.bfloat16 and gx.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+    assert sqnr(y64, y) > 25
+    assert sqnr(gx64, gx) > 25
+    assert sqnr(gw64, gw) > (30 if recipe == "rowwise_gw_hp" else 22)
+    assert torch.allclose(gb.double(), gb64, rtol=1e-2, atol=1e-2)
+
+
+def test_forward_equals_scaled_mm_of_reference_quantization():
+    x, w, _, _ = _data()
+    xq, xs = quantize_rowwise(x)
+    wq, ws = quantize_rowwise(w)
+    ref = torch._scaled_mm(xq, wq.t(), xs[:, None], ws[None, :], out_dtype=torch.bfloat16, use_fast_accum=True)
+    assert torch.equal(fp8_linear(x, w, recipe="rowwise"), ref)
+
+
+def test_bf16_recipe_is_plain_linear():
+    x, w, b, _ = _data()
+    assert torch.equal(fp8_linear(x, w, b, recipe="bf16"), nn.functional.linear(x, w, b))
+
+
+def test_module_matches_functional_and_state_dict_roundtrip():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32).to(torch.bfloat16)
+    fp8 = FP8Linear.from_linear(lin, recipe="rowwise")
+    assert fp8.weight is lin.weight and "recipe=rowwise" in repr(fp8)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    out = fp8(x)
+    assert out.shape == (2, 5, 32)
+    assert torch.equal(out, fp8_linear(x, lin.weight, lin.bias))
+    fresh = FP8Linear(64, 32, dtype=torch.bfloat16)
+    fresh.load_state_dict(lin.state_dict())
+    assert torch.equal(fresh(x), out)
+    assert set(fresh.state_dict()) == {"weight", "bias"}
+
+
+def test_autocast_and_frozen_weight():
+    torch.manual_seed(1)
+    lin = FP8Linear(32, 16)  # fp32 parameters
+    lin.weight.requires_grad_(False)
+    x = torch.randn(8, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape and lin.weight.grad is None
+    assert sqnr(x @ lin.weight.T + lin.bias, y.float()) > 20
+
+
+def test_convert_to_fp8(caplog):
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 20), nn.Linear(20, 16)))
+    model.add_module("head", nn.Linear(16, 16))
+    with caplog.at_level(logging.INFO, logger="moe_fp8"):
+        convert_to_fp8(model, recipe="tensorwise", filter_fn=lambda m, fqn: fqn != "head")
+    assert isinstance(model[0], FP8Linear) and model[0].recipe.name == "tensorwise"
+    assert type(model[2][0]) is nn.Linear and type(model[2][1]) is nn.Linear  # 20 is not a multiple of 16
+    assert type(model.head) is nn.Linear  # filtered out
+    assert "2.0 stays in BF16: out_features=20" in caplog.text
+    assert "2.1 stays in BF16: in_features=20" in caplog.text
+    single = convert_to_fp8(nn.Linear(16, 32))
+    assert isinstance(single, FP8Linear)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="in_features: expected a multiple of 16"):
+        FP8Linear(20, 16)
+    with pytest.raises(ValueError, match="out_features: expected a multiple of 16"):
+        FP8Linear.from_linear(nn.Linear(16, 20))
+    with pytest.raises(ValueError, match="recipe: expected one of"):
+        FP8Linear(16, 16, recipe="blockwise")
+    with pytest.raises(ValueError, match="x: expected last dim 16"):
+        fp8_linear(torch.randn(4, 32), torch.randn(16, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise"])
+def test_fp8_linear_gpu(recipe):
+    x, w, b, dy = (t.cuda() for t in _data(M=1000, K=1024, N=512))
+    y, gx, gw, _ = _grads(lambda x, w, b: fp8_linear(x, w, b, recipe=recipe), x, w, b, dy)
+    y64, gx64, gw64, _ = _grads(lambda x, w, b: x @ w.T + b, x.double(), w.double(), b.double(), dy.double())
+    assert sqnr(y64, y) > 25 and sqnr(gx64, gx) > 25 and sqnr(gw64, gw) > 22
+    compiled = torch.compile(lambda x: fp8_linear(x, w, b, recipe=recipe), fullgraph=True)
+    assert sqnr(y64, compiled(x)) > 25
