@@ -1,0 +1,145 @@
+"""Fused SwiGLU + rowwise FP8 quantization (forward) and the SwiGLU backward, in Triton.
+
+The expert MLP computes ``a = silu(gate) * up`` from the gate/up projection ``h = [gate | up]``
+``(M, 2I)`` and feeds ``a`` to the down projection, whose FP8 GEMM wants ``a`` quantized per
+row. One launch reads ``h`` once and writes ``a`` in bf16 (kept for the down projection's
+weight gradient), its FP8 rows and their scales. The backward kernel reads ``h`` and ``grad_a``
+once and writes ``grad_h``.
+
+Numerics: ``a`` is computed in fp32 and rounded once to ``h``'s dtype; its FP8 rows follow
+``moe_fp8.quant.reference.quantize_rowwise`` exactly (same bytes and scales as quantizing the
+returned ``a``). ``silu`` uses the hardware ``exp``, so ``a`` may differ from torch's in the last
+bit. Rows are independent: ``M`` may be anything, including 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_tensor
+from .formats import resolve_format
+from .reference import HIGH_PRECISION_DTYPES
+from .triton_helpers import fp8_constexprs, fp8_quantize, fp8_scales
+
+__all__ = ["swiglu_quantize", "swiglu_backward", "swiglu_reference"]
+
+
+def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in fp32, rounded to ``h``'s dtype; ``h`` is ``(M, 2I)`` = ``[gate | up]``."""
+    gate, up = h.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(h.dtype)
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _swiglu_quant_kernel(
+    h_ptr, a_ptr, q_ptr, scale_ptr, M, I, stride_h, stride_a, stride_q,
+    POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr, FP8_NEG_ZERO: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Pass 1: a = silu(gate) * up, written in the output dtype; amax over the rounded values.
+    for i0 in range(0, I, BLOCK_I):
+        cols = i0 + tl.arange(0, BLOCK_I)
+        mask = row_ok[:, None] & (cols < I)[None, :]
+        h_row = h_ptr + rows64[:, None] * stride_h + cols[None, :]
+        gate = tl.load(h_row, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_row + I, mask=mask, other=0.0).to(tl.float32)
+        a = _silu_mul(gate, up).to(a_ptr.dtype.element_ty)
+        tl.store(a_ptr + rows64[:, None] * stride_a + cols[None, :], a, mask=mask)
+        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+    inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
+    tl.store(scale_ptr + rows64, scale, mask=row_ok)
+    # Pass 2: re-read the rounded a (just written, in L2) and quantize it.
+    for i0 in range(0, I, BLOCK_I):
+        cols = i0 + tl.arange(0, BLOCK_I)
+        mask = row_ok[:, None] & (cols < I)[None, :]
+        a = tl.load(a_ptr + rows64[:, None] * stride_a + cols[None, :], mask=mask, other=0.0)
+        q = fp8_quantize(a, inv_scale[:, None], FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    h_ptr, grad_a_ptr, grad_h_ptr, M, I, stride_h, stride_ga, stride_gh,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    h_row = h_ptr + rows64 * stride_h + cols[None, :]
+    gate = tl.load(h_row, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_row + I, mask=mask, other=0.0).to(tl.float32)
+    grad_a = tl.load(grad_a_ptr + rows64 * stride_ga + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    silu = gate * sig
+    grad_gate = grad_a * up * (sig + silu * (1.0 - sig))
+    grad_up = grad_a * silu
+    out = grad_h_ptr + rows64 * stride_gh + cols[None, :]
+    tl.store(out, grad_gate.to(grad_h_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + I, grad_up.to(grad_h_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_h(h: torch.Tensor) -> int:
+    check_tensor("h", h, dtypes=HIGH_PRECISION_DTYPES, ndim=2)
+    if h.shape[1] % 2:
+        raise ValueError(f"h: expected an even last dim (gate and up halves), got shape {tuple(h.shape)}")
+    if h.stride(1) != 1:
+        raise ValueError("h: expected unit stride along the last dim")
+    return h.shape[1] // 2
+
+
+def _blocks(I: int) -> tuple[int, int]:
+    block_i = min(triton.next_power_of_2(max(I, 16)), 1024)
+    return max(1, 2048 // block_i), block_i
+
+
+def swiglu_quantize(h: torch.Tensor, fmt=None, *, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``a = silu(gate) * up`` and rowwise FP8 quantization of ``a``.
+
+    Args:
+        h: ``(M, 2I)`` bf16/fp16/fp32, ``[gate | up]`` along the last dim, unit last stride.
+        fmt: FP8 format (default: detected for ``h``'s device).
+    Returns:
+        ``a`` ``(M, I)`` in ``h``'s dtype, ``q`` ``(M, I)`` row-major fp8, ``scale`` ``(M,)`` fp32.
+    """
+    I = _check_h(h)
+    fmt = resolve_format(fmt, h.device)
+    M = h.shape[0]
+    a = torch.empty(M, I, device=h.device, dtype=h.dtype)
+    q = torch.empty(M, I, device=h.device, dtype=fmt.torch_dtype)
+    scale = torch.empty(M, device=h.device, dtype=torch.float32)
+    if M:
+        block_m, block_i = _blocks(I)
+        _swiglu_quant_kernel[(triton.cdiv(M, block_m),)](
+            h, a, q, scale, M, I, h.stride(0), a.stride(0), q.stride(0),
+            POW2=pow2, BLOCK_M=block_m, BLOCK_I=block_i, **fp8_constexprs(fmt),
+        )
+    return a, q, scale
+
+
+def swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``silu(gate) * up`` w.r.t. ``h = [gate | up]``: ``(M, 2I)`` in ``h``'s dtype."""
+    I = _check_h(h)
+    check_tensor("grad_a", grad_a, dtypes=HIGH_PRECISION_DTYPES, shape=(h.shape[0], I))
+    if grad_a.stride(1) != 1:
+        grad_a = grad_a.contiguous()
+    M = h.shape[0]
+    grad_h = torch.empty_like(h)
+    if M:
+        block_m, block_i = _blocks(min(I, 128))
+        grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_i))
+        _swiglu_bwd_kernel[grid](h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
+                                 BLOCK_M=block_m, BLOCK_I=block_i)
+    return grad_h

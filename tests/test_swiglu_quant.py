@@ -1,0 +1,69 @@
+import pytest
+import torch
+import triton
+
+from moe_fp8.quant.formats import E4M3FN, E4M3FNUZ
+from moe_fp8.quant.reference import quantize_rowwise
+from moe_fp8.quant.swiglu import swiglu_backward, swiglu_quantize, swiglu_reference
+
+FNUZ_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
+
+
+def _check(M, I, fmt, pow2, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(M, 2 * I, generator=g) * 3).to(torch.bfloat16)
+    if M > 2:
+        h[1] = 0  # all-zero row
+        h[2, :I] = 40.0  # large values
+    h = h.to(device)
+    a, q, scale = swiglu_quantize(h, fmt, pow2=pow2)
+    ref_a = swiglu_reference(h.cpu())
+    # a: torch's silu and the kernel's may differ in the last bit of bf16.
+    assert ((a.cpu().float() - ref_a.float()).abs() <= ref_a.float().abs() * 2**-7 + 1e-6).all()
+    # q, scale: exactly the reference quantization of the returned a.
+    ref_q, ref_scale = quantize_rowwise(a.cpu(), fmt, pow2=pow2)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(scale.cpu(), ref_scale)
+
+
+def _check_backward(M, I, device, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(M, 2 * I, generator=g, dtype=torch.float64)
+    grad_a = torch.randn(M, I, generator=g, dtype=torch.float64)
+    h_ref = h.clone().requires_grad_()
+    gate, up = h_ref.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).backward(grad_a)
+    grad_h = swiglu_backward(h.to(torch.bfloat16).to(device), grad_a.to(torch.bfloat16).to(device))
+    assert grad_h.dtype == torch.bfloat16 and grad_h.shape == (M, 2 * I)
+    err = (grad_h.cpu().double() - h_ref.grad).abs()
+    assert (err <= h_ref.grad.abs() * 2**-5 + 0.05).all()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", [E4M3FN] + ([E4M3FNUZ] if FNUZ_OK else []), ids=lambda f: f.name)
+@pytest.mark.parametrize("M, I, pow2", [(7, 48, False), (16, 100, True), (1, 16, False), (0, 32, False)])
+def test_swiglu_quantize_cpu(M, I, fmt, pow2):
+    _check(M, I, fmt, pow2, "cpu")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("M, I", [(9, 40), (0, 16)])
+def test_swiglu_backward_cpu(M, I):
+    _check_backward(M, I, "cpu")
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="h: expected an even last dim"):
+        swiglu_quantize(torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="h: expected dtype"):
+        swiglu_quantize(torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="grad_a: expected shape"):
+        swiglu_backward(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, I", [(4096, 2048), (1000, 768), (513, 8192)])
+def test_swiglu_quantize_gpu(M, I):
+    _check(M, I, E4M3FN, False, "cuda")
+    _check(M, I, E4M3FN, True, "cuda")
+    _check_backward(M, I, "cuda")
