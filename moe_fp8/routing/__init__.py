@@ -9,10 +9,10 @@ Typical forward of an MoE layer::
     out = combine(y, plan, r.topk_weights)                  # (T, H)
 """
 
-from .combine import combine
+from .combine_ops import combine
 from .config import RouterConfig, RouterOutput
 from .losses import expert_counts, load_balancing_loss, router_z_loss, update_correction_bias_
-from .permute import permute, permute_quantize
+from .permute_ops import permute, permute_quantize
 from .plan import DispatchPlan, make_dispatch_plan, padded_num_rows
 from .reference import padding_scale
 from .router import Router

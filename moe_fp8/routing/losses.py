@@ -66,7 +66,7 @@ def update_correction_bias_(bias: torch.Tensor, counts: torch.Tensor, rate: floa
     ones keep their bias. ``counts`` is the load since the last update (sum it over data-parallel
     ranks first when training distributed). Returns ``bias``.
     """
-    check_tensor("bias", bias, dtypes=(torch.float32,), ndim=1)
+    check_tensor("bias", bias, dtypes=(torch.float32, torch.bfloat16, torch.float16), ndim=1)
     check_tensor("counts", counts, ndim=1, shape=(bias.shape[0],))
     load = counts.float()
     bias.add_(torch.sign(load.mean() - load), alpha=rate)

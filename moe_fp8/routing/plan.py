@@ -76,6 +76,9 @@ def padded_num_rows(num_pairs: int, num_experts: int, pad_multiple: int = 1) -> 
     return num_pairs + (pad_multiple - 1) * num_experts
 
 
+_SCAN_CHUNK = 1024  # blocks per step of the per-expert scan (tests shrink it to exercise the carry)
+
+
 def _block_size(e_pow2: int) -> int:
     """Pairs per program: keeps the (pairs x experts) one-hot tile near 8K elements."""
     return max(16, min(128, 8192 // e_pow2))
@@ -123,7 +126,7 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
     with device_guard(ids):
         if num_blocks:
             plan_histogram_kernel[(num_blocks,)](ids, block_counts, rank, N, num_blocks, E=E, E_POW2=e_pow2, BLOCK=block)
-        plan_scan_kernel[(E,)](block_counts, totals, num_blocks, CHUNK=1024)
+        plan_scan_kernel[(E,)](block_counts, totals, num_blocks, CHUNK=_SCAN_CHUNK)
         plan_rows_kernel[(max(num_blocks, 1),)](
             ids, rank, block_counts, totals, counts, offsets, pair_to_row, row_to_pair, pad_rows, N, num_blocks,
             E=E, E_POW2=e_pow2, BLOCK=block, PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),

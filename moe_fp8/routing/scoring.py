@@ -31,6 +31,7 @@ from .losses import expert_counts, load_balancing_loss, router_z_loss
 __all__ = ["route", "group_limited_mask"]
 
 _NORM_EPS = 1e-20
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def group_limited_mask(key: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
@@ -52,18 +53,18 @@ def route(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor
     Args:
         logits: ``(T, E)`` bf16/fp16/fp32 (``T`` may be 0).
         cfg: the router configuration.
-        correction_bias: ``(E,)`` fp32 selection bias, required iff ``cfg.use_correction_bias``.
+        correction_bias: ``(E,)`` selection bias (added in fp32), required iff ``cfg.use_correction_bias``.
     Returns:
         :class:`RouterOutput` (see its docstring); no host sync.
     """
-    check_tensor("logits", logits, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
+    check_tensor("logits", logits, dtypes=_FLOATS, ndim=2)
     T, E = logits.shape
     if E != cfg.num_experts:
         raise ValueError(f"logits: expected {cfg.num_experts} experts in dim 1, got shape {(T, E)}")
     if cfg.use_correction_bias:
         if correction_bias is None:
             raise ValueError("correction_bias: required by a config with use_correction_bias=True")
-        check_tensor("correction_bias", correction_bias, dtypes=(torch.float32,), shape=(E,))
+        check_tensor("correction_bias", correction_bias, dtypes=_FLOATS, shape=(E,))
     elif correction_bias is not None:
         raise ValueError("correction_bias: given, but the config has use_correction_bias=False")
 
@@ -77,7 +78,7 @@ def route(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor
         scores = torch.sigmoid(clean)
         density = scores / (scores.sum(-1, keepdim=True) + _NORM_EPS)
         if cfg.use_correction_bias or cfg.grouped:
-            key = scores + correction_bias if correction_bias is not None else scores
+            key = scores + correction_bias.float() if correction_bias is not None else scores
             key = key.masked_fill(nan, float("-inf"))
             if cfg.grouped:
                 key = group_limited_mask(key, cfg.n_group, cfg.topk_group)

@@ -25,7 +25,7 @@ from ..checks import check_same_device, check_tensor
 from ..quant.reference import HIGH_PRECISION_DTYPES
 from ._backend import device_guard, use_triton
 from .combine_kernels import combine_backward_kernel, combine_kernel
-from .permute import _permute_op
+from .permute_ops import _permute_op
 from .plan import DispatchPlan
 from .reference import combine_backward_reference, combine_reference
 

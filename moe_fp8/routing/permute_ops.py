@@ -27,13 +27,12 @@ _CHUNK = 4096
 _PAD_ROWS_PER_PROGRAM = 16
 
 
-def _row_blocking(H: int, max_single_block: int) -> tuple[int, int]:
-    """``(BLOCK_H, NUM_CHUNKS)`` for rows of ``H`` elements."""
+def _row_blocking(H: int) -> tuple[int, int]:
+    """``(BLOCK_H, NUM_CHUNKS)`` for rows of ``H`` elements (module constants: tests shrink them)."""
     block = triton.next_power_of_2(max(H, 1))
-    if block <= max_single_block:
+    if block <= _MAX_SINGLE_BLOCK:
         return block, 1
-    block = min(_CHUNK, max_single_block)
-    return block, triton.cdiv(H, block)
+    return _CHUNK, triton.cdiv(H, _CHUNK)
 
 
 def launch_permute(
@@ -44,12 +43,8 @@ def launch_permute(
     num_rows: int,
     fmt: Float8Format | None,
     pow2: bool = False,
-    max_single_block: int = _MAX_SINGLE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the permute kernel (``fmt=None``: copy in ``x.dtype``; else quantize): ``(out, scale | None)``.
-
-    ``max_single_block`` is exposed for tests of the two-pass path on small rows.
-    """
+    """Run the permute kernel (``fmt=None``: copy in ``x.dtype``; else quantize): ``(out, scale | None)``."""
     T, H = x.shape
     quantize = fmt is not None
     out = torch.empty(num_rows, H, dtype=fmt.torch_dtype if quantize else x.dtype, device=x.device)
@@ -60,7 +55,7 @@ def launch_permute(
         if quantize and num_rows:
             scale.fill_(padding_scale(fmt, pow2))
         return out, scale
-    block, chunks = _row_blocking(H, max_single_block)
+    block, chunks = _row_blocking(H)
     consts = fp8_constexprs(fmt) if quantize else fp8_constexprs(resolve_format("e4m3fn"))
     with device_guard(x):
         permute_rows_kernel[(grid,)](
@@ -94,7 +89,7 @@ def _permute_setup(ctx, inputs, output):
 
 
 def _permute_backward(ctx, grad):
-    from .combine import _combine_op  # noqa: PLC0415  (combine imports this module)
+    from .combine_ops import _combine_op  # noqa: PLC0415  (combine imports this module)
 
     plan_tensors = ctx.saved_tensors
     return _combine_op(grad.contiguous(), *plan_tensors, None, ctx.top_k), None, None, None, None
