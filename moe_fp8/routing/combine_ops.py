@@ -32,7 +32,9 @@ from .reference import combine_backward_reference, combine_reference
 __all__ = ["combine"]
 
 _FWD_BLOCK_H = 1024
+_FWD_WARPS = 4
 _BWD_TILE = 4096  # k x BLOCK_H elements per backward iteration
+_BWD_WARPS = 4
 _PAD_ROWS_PER_PROGRAM = 16
 
 
@@ -55,7 +57,7 @@ def _combine_op(
     with device_guard(y):
         combine_kernel[(T, triton.cdiv(H, block))](
             y, weights if weights is not None else y, out, pair_to_row, H,
-            TOPK=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=block, num_warps=4,
+            TOPK=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=block, num_warps=_FWD_WARPS,
         )
     return out
 
@@ -86,7 +88,7 @@ def _combine_backward_op(
     with device_guard(y):
         combine_backward_kernel[(grid,)](
             grad_out, y, weights, grad_y, grad_w, pair_to_row, pad_rows, T, H, num_pad,
-            TOPK=k, TOPK_POW2=k_pow2, BLOCK_H=block, PAD_ROWS=_PAD_ROWS_PER_PROGRAM, num_warps=4,
+            TOPK=k, TOPK_POW2=k_pow2, BLOCK_H=block, PAD_ROWS=_PAD_ROWS_PER_PROGRAM, num_warps=_BWD_WARPS,
         )
     return grad_y, grad_w
 

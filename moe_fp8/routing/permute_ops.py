@@ -2,8 +2,8 @@
 
 Both are torch custom ops (``moe_fp8::routing_permute``, ``moe_fp8::routing_permute_quantize``)
 with fake kernels, so they trace under ``torch.compile`` and capture in CUDA graphs. The bf16
-permute is differentiable (its backward is the unweighted combine); the quantizing one is not
-(FP8 outputs feed a GEMM whose autograd op owns the backward).
+permute is differentiable (its backward is the unweighted combine); the quantizing one marks its
+outputs non-differentiable (FP8 codes feed a GEMM whose autograd op owns the backward).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ __all__ = ["permute", "permute_quantize", "launch_permute"]
 _MAX_SINGLE_BLOCK = 8192  # widest row kept whole in registers; wider rows take two passes
 _CHUNK = 4096
 _PAD_ROWS_PER_PROGRAM = 16
+
+
+def _num_warps(block: int) -> int:
+    return 8 if block >= 4096 else 4
 
 
 def _row_blocking(H: int) -> tuple[int, int]:
@@ -62,7 +66,7 @@ def launch_permute(
             x, out, scale if quantize else out, pair_to_row, pad_rows,
             T, H, x.stride(0), num_pad, padding_scale(fmt, pow2) if quantize else 0.0,
             TOPK=top_k, BLOCK_H=block, NUM_CHUNKS=chunks, PAD_ROWS=_PAD_ROWS_PER_PROGRAM,
-            QUANTIZE=quantize, POW2=pow2, num_warps=8 if block >= 4096 else 4, **consts,
+            QUANTIZE=quantize, POW2=pow2, num_warps=_num_warps(block), **consts,
         )
     return out, scale
 
@@ -119,6 +123,19 @@ def _permute_quantize_op(
 def _(x, pair_to_row, row_to_pair, pad_rows, top_k, fmt, pow2):
     M = row_to_pair.shape[0]
     return x.new_empty(M, x.shape[1], dtype=resolve_format(fmt).torch_dtype), x.new_empty(M, dtype=torch.float32)
+
+
+def _permute_quantize_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)  # FP8 codes and scales carry no gradient
+
+
+def _permute_quantize_backward(ctx, grad_q, grad_scale):
+    return None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "moe_fp8::routing_permute_quantize", _permute_quantize_backward, setup_context=_permute_quantize_setup
+)
 
 
 # --- public API ---------------------------------------------------------------------------------

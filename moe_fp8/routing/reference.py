@@ -7,6 +7,8 @@ what runs on a CPU without the Triton interpreter.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..quant.formats import Float8Format
@@ -72,6 +74,7 @@ def permute_quantize_reference(
     return quantize_rowwise(permute_reference(x, row_to_pair, top_k), fmt, pow2=pow2)
 
 
+@functools.lru_cache(maxsize=None)
 def padding_scale(fmt: Float8Format, pow2: bool = False) -> float:
     """The dequantization scale of an all-zero row (``EPS / max``, or its pow2 form)."""
     return float(amax_to_scales(torch.zeros(()), fmt, pow2)[1])
