@@ -33,7 +33,7 @@ __all__ = ["combine"]
 
 _FWD_BLOCK_H = 1024
 _FWD_WARPS = 4
-_BWD_TILE = 4096  # k x BLOCK_H elements per backward iteration
+_BWD_TILE = 2048  # k x BLOCK_H elements per backward iteration (H200 sweep: 2048 > 4096 > 8192)
 _BWD_WARPS = 4
 _PAD_ROWS_PER_PROGRAM = 16
 
