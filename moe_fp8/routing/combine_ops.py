@@ -1,0 +1,144 @@
+"""Combine: un-permute the expert outputs and sum each token's k rows weighted by the router.
+
+``out[t] = sum_{j<k} w[t, j] * y[pair_to_row[t*k + j]]``, accumulated in fp32 in slot order and
+rounded once to ``y.dtype``. Deterministic: every output element belongs to one program (no
+atomics), so the same inputs give the same bits on every run. Differentiable in ``y`` and ``w``:
+
+* ``grad_y[pair_to_row[t*k + j]] = w[t, j] * grad_out[t]`` (padding rows get 0);
+* ``grad_w[t, j] = <grad_out[t], y[pair_to_row[t*k + j]]>`` (fp32 dot, fixed order).
+
+Why a Triton kernel rather than ``y[rows].view(T, k, H)`` + a weighted sum in torch: the torch
+form writes and re-reads the gathered ``(T, k, H)`` tensor (plus an fp32 copy for the weighted
+sum): about 3x the bytes of the one-pass kernel, which reads the k rows once and writes the
+token once. ``index_add_`` avoids the copy but uses float atomics, whose order (and bits) vary.
+
+Exposed as the torch custom ops ``moe_fp8::routing_combine`` (autograd registered) and
+``moe_fp8::routing_combine_backward``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..checks import check_same_device, check_tensor
+from ..quant.reference import HIGH_PRECISION_DTYPES
+from ._backend import device_guard, use_triton
+from .combine_kernels import combine_backward_kernel, combine_kernel
+from .permute_ops import _permute_op
+from .plan import DispatchPlan
+from .reference import combine_backward_reference, combine_reference
+
+__all__ = ["combine"]
+
+_FWD_BLOCK_H = 1024
+_FWD_WARPS = 4
+_BWD_TILE = 2048  # k x BLOCK_H elements per backward iteration (H200 sweep: 2048 > 4096 > 8192)
+_BWD_WARPS = 4
+_PAD_ROWS_PER_PROGRAM = 16
+
+
+@torch.library.custom_op("moe_fp8::routing_combine", mutates_args=())
+def _combine_op(
+    y: torch.Tensor,
+    pair_to_row: torch.Tensor,
+    row_to_pair: torch.Tensor,
+    pad_rows: torch.Tensor,
+    weights: torch.Tensor | None,
+    top_k: int,
+) -> torch.Tensor:
+    T, H = pair_to_row.shape[0] // top_k, y.shape[1]
+    if not use_triton(combine_kernel, y):
+        return combine_reference(y, pair_to_row, weights, top_k)
+    out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+    if T == 0 or H == 0:
+        return out
+    block = min(triton.next_power_of_2(H), _FWD_BLOCK_H)
+    with device_guard(y):
+        combine_kernel[(T, triton.cdiv(H, block))](
+            y, weights if weights is not None else y, out, pair_to_row, H,
+            TOPK=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=block, num_warps=_FWD_WARPS,
+        )
+    return out
+
+
+@_combine_op.register_fake
+def _(y, pair_to_row, row_to_pair, pad_rows, weights, top_k):
+    return y.new_empty(pair_to_row.shape[0] // top_k, y.shape[1])
+
+
+@torch.library.custom_op("moe_fp8::routing_combine_backward", mutates_args=())
+def _combine_backward_op(
+    grad_out: torch.Tensor, y: torch.Tensor, pair_to_row: torch.Tensor, pad_rows: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, k = weights.shape
+    M, H = y.shape
+    if not use_triton(combine_backward_kernel, y):
+        return combine_backward_reference(grad_out, y, pair_to_row, weights, k)
+    grad_y = torch.empty_like(y)
+    grad_w = torch.empty_like(weights)
+    num_pad = pad_rows.numel()
+    grid = T + triton.cdiv(num_pad, _PAD_ROWS_PER_PROGRAM)
+    if H == 0:
+        return grad_y, grad_w.zero_()
+    if grid == 0:
+        return grad_y, grad_w
+    k_pow2 = triton.next_power_of_2(k)
+    block = min(triton.next_power_of_2(H), max(128, _BWD_TILE // k_pow2))
+    with device_guard(y):
+        combine_backward_kernel[(grid,)](
+            grad_out, y, weights, grad_y, grad_w, pair_to_row, pad_rows, T, H, num_pad,
+            TOPK=k, TOPK_POW2=k_pow2, BLOCK_H=block, PAD_ROWS=_PAD_ROWS_PER_PROGRAM, num_warps=_BWD_WARPS,
+        )
+    return grad_y, grad_w
+
+
+@_combine_backward_op.register_fake
+def _(grad_out, y, pair_to_row, pad_rows, weights):
+    return torch.empty_like(y), torch.empty_like(weights)
+
+
+def _combine_setup(ctx, inputs, output):
+    y, pair_to_row, row_to_pair, pad_rows, weights, top_k = inputs
+    ctx.save_for_backward(y if weights is not None else None, pair_to_row, row_to_pair, pad_rows, weights)
+    ctx.top_k = top_k
+
+
+def _combine_backward(ctx, grad_out):
+    y, pair_to_row, row_to_pair, pad_rows, weights = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    if weights is None:
+        grad_y, grad_w = _permute_op(grad_out, pair_to_row, row_to_pair, pad_rows, ctx.top_k), None
+    else:
+        grad_y, grad_w = _combine_backward_op(grad_out, y, pair_to_row, pad_rows, weights)
+    return grad_y, None, None, None, grad_w, None
+
+
+torch.library.register_autograd("moe_fp8::routing_combine", _combine_backward, setup_context=_combine_setup)
+
+
+def combine(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Un-permute and weight-sum the expert outputs (deterministic, differentiable in ``y`` and ``weights``).
+
+    Args:
+        y: ``(M, H)`` expert outputs in the plan's row layout (``M = plan.num_rows``),
+            bf16/fp16/fp32, row-major. Padding rows are never read.
+        plan: the :class:`DispatchPlan` the rows were permuted with.
+        weights: ``(T, k)`` router weights (fp32/bf16/fp16), or ``None`` for unit weights
+            (Llama 4, whose weights scaled the inputs; or the backward of :func:`permute`).
+    Returns:
+        ``(T, H)`` in ``y.dtype``.
+    """
+    check_tensor("y", y, dtypes=HIGH_PRECISION_DTYPES, ndim=2)
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan: expected DispatchPlan, got {type(plan).__name__}")
+    if y.shape[0] != plan.num_rows:
+        raise ValueError(f"y: expected {plan.num_rows} rows (plan.num_rows), got shape {tuple(y.shape)}")
+    T, k = plan.num_tokens, plan.top_k
+    if weights is not None:
+        check_tensor("weights", weights, dtypes=HIGH_PRECISION_DTYPES, shape=(T, k))
+        check_same_device(y=y, weights=weights, plan=plan.pair_to_row)
+        weights = weights.contiguous()
+    else:
+        check_same_device(y=y, plan=plan.pair_to_row)
+    return _combine_op(y.contiguous(), plan.pair_to_row, plan.row_to_pair, plan.pad_rows, weights, k)

@@ -1,0 +1,186 @@
+"""Permute token rows into the expert-sorted layout: bf16 (baseline) or fused with rowwise FP8 quantization.
+
+Both are torch custom ops (``moe_fp8::routing_permute``, ``moe_fp8::routing_permute_quantize``)
+with fake kernels, so they trace under ``torch.compile`` and capture in CUDA graphs. The bf16
+permute is differentiable (its backward is the unweighted combine); the quantizing one marks its
+outputs non-differentiable (FP8 codes feed a GEMM whose autograd op owns the backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..checks import check_tensor
+from ..quant.formats import Float8Format, resolve_format
+from ..quant.reference import HIGH_PRECISION_DTYPES
+from ..quant.triton_helpers import fp8_constexprs
+from ._backend import device_guard, use_triton
+from .permute_kernels import permute_rows_kernel
+from .plan import DispatchPlan
+from .reference import padding_scale, permute_quantize_reference, permute_reference
+
+__all__ = ["permute", "permute_quantize", "launch_permute"]
+
+_MAX_SINGLE_BLOCK = 8192  # widest row kept whole in registers; wider rows take two passes
+_CHUNK = 4096
+_PAD_ROWS_PER_PROGRAM = 16
+
+
+def _num_warps(block: int) -> int:
+    return 8 if block >= 4096 else 4
+
+
+def _row_blocking(H: int) -> tuple[int, int]:
+    """``(BLOCK_H, NUM_CHUNKS)`` for rows of ``H`` elements (module constants: tests shrink them)."""
+    block = triton.next_power_of_2(max(H, 1))
+    if block <= _MAX_SINGLE_BLOCK:
+        return block, 1
+    return _CHUNK, triton.cdiv(H, _CHUNK)
+
+
+def launch_permute(
+    x: torch.Tensor,
+    pair_to_row: torch.Tensor,
+    pad_rows: torch.Tensor,
+    top_k: int,
+    num_rows: int,
+    fmt: Float8Format | None,
+    pow2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the permute kernel (``fmt=None``: copy in ``x.dtype``; else quantize): ``(out, scale | None)``."""
+    T, H = x.shape
+    quantize = fmt is not None
+    out = torch.empty(num_rows, H, dtype=fmt.torch_dtype if quantize else x.dtype, device=x.device)
+    scale = torch.empty(num_rows, dtype=torch.float32, device=x.device) if quantize else None
+    num_pad = pad_rows.numel()
+    grid = T + triton.cdiv(num_pad, _PAD_ROWS_PER_PROGRAM)
+    if grid == 0 or H == 0:
+        if quantize and num_rows:
+            scale.fill_(padding_scale(fmt, pow2))
+        return out, scale
+    block, chunks = _row_blocking(H)
+    consts = fp8_constexprs(fmt) if quantize else fp8_constexprs(resolve_format("e4m3fn"))
+    with device_guard(x):
+        permute_rows_kernel[(grid,)](
+            x, out, scale if quantize else out, pair_to_row, pad_rows,
+            T, H, x.stride(0), num_pad, padding_scale(fmt, pow2) if quantize else 0.0,
+            TOPK=top_k, BLOCK_H=block, NUM_CHUNKS=chunks, PAD_ROWS=_PAD_ROWS_PER_PROGRAM,
+            QUANTIZE=quantize, POW2=pow2, num_warps=_num_warps(block), **consts,
+        )
+    return out, scale
+
+
+# --- bf16 permute (differentiable) ---------------------------------------------------------------
+@torch.library.custom_op("moe_fp8::routing_permute", mutates_args=())
+def _permute_op(
+    x: torch.Tensor, pair_to_row: torch.Tensor, row_to_pair: torch.Tensor, pad_rows: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    if not use_triton(permute_rows_kernel, x):
+        return permute_reference(x, row_to_pair, top_k)
+    return launch_permute(x, pair_to_row, pad_rows, top_k, row_to_pair.shape[0], None)[0]
+
+
+@_permute_op.register_fake
+def _(x, pair_to_row, row_to_pair, pad_rows, top_k):
+    return x.new_empty(row_to_pair.shape[0], x.shape[1])
+
+
+def _permute_setup(ctx, inputs, output):
+    _, pair_to_row, row_to_pair, pad_rows, top_k = inputs
+    ctx.save_for_backward(pair_to_row, row_to_pair, pad_rows)
+    ctx.top_k = top_k
+
+
+def _permute_backward(ctx, grad):
+    from .combine_ops import _combine_op  # noqa: PLC0415  (combine imports this module)
+
+    plan_tensors = ctx.saved_tensors
+    return _combine_op(grad.contiguous(), *plan_tensors, None, ctx.top_k), None, None, None, None
+
+
+torch.library.register_autograd("moe_fp8::routing_permute", _permute_backward, setup_context=_permute_setup)
+
+
+# --- fused permute + rowwise FP8 quantization ----------------------------------------------------
+@torch.library.custom_op("moe_fp8::routing_permute_quantize", mutates_args=())
+def _permute_quantize_op(
+    x: torch.Tensor,
+    pair_to_row: torch.Tensor,
+    row_to_pair: torch.Tensor,
+    pad_rows: torch.Tensor,
+    top_k: int,
+    fmt: str,
+    pow2: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    f = resolve_format(fmt)
+    if not use_triton(permute_rows_kernel, x):
+        return permute_quantize_reference(x, row_to_pair, top_k, f, pow2)
+    return launch_permute(x, pair_to_row, pad_rows, top_k, row_to_pair.shape[0], f, pow2)
+
+
+@_permute_quantize_op.register_fake
+def _(x, pair_to_row, row_to_pair, pad_rows, top_k, fmt, pow2):
+    M = row_to_pair.shape[0]
+    return x.new_empty(M, x.shape[1], dtype=resolve_format(fmt).torch_dtype), x.new_empty(M, dtype=torch.float32)
+
+
+def _permute_quantize_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)  # FP8 codes and scales carry no gradient
+
+
+def _permute_quantize_backward(ctx, grad_q, grad_scale):
+    return None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "moe_fp8::routing_permute_quantize", _permute_quantize_backward, setup_context=_permute_quantize_setup
+)
+
+
+# --- public API ---------------------------------------------------------------------------------
+def _check(x: torch.Tensor, plan: DispatchPlan) -> None:
+    check_tensor("x", x, dtypes=HIGH_PRECISION_DTYPES, ndim=2)
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan: expected DispatchPlan, got {type(plan).__name__}")
+    if plan.pair_to_row.numel() != x.shape[0] * plan.top_k:
+        raise ValueError(
+            f"x: expected {plan.pair_to_row.numel() // plan.top_k} tokens (the plan's T), got shape {tuple(x.shape)}"
+        )
+    if plan.pair_to_row.device != x.device:
+        raise ValueError(f"plan: expected tensors on {x.device} like x, got {plan.pair_to_row.device}")
+
+
+def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """Expert-sorted copy of the token rows (differentiable).
+
+    Args:
+        x: ``(T, H)`` bf16/fp16/fp32 (unit stride along H).
+        plan: from :func:`make_dispatch_plan` for these ``T`` tokens.
+    Returns:
+        ``(M, H)`` in ``x.dtype``: row ``r`` is ``x[plan.row_to_pair[r] // k]``; padding rows 0.
+    """
+    _check(x, plan)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return _permute_op(x, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, plan.top_k)
+
+
+def permute_quantize(
+    x: torch.Tensor, plan: DispatchPlan, fmt: Float8Format | str | torch.dtype | None = None, *, pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused permute + rowwise FP8 quantization (one launch; reads each token row once).
+
+    Bit-identical to ``quantize_rowwise(permute(x, plan), fmt, pow2=pow2)``.
+
+    Args:
+        x: ``(T, H)`` bf16/fp16/fp32, finite.
+        plan: from :func:`make_dispatch_plan`.
+        fmt: FP8 format (``None``: detected for ``x``'s device).
+    Returns:
+        ``q`` ``(M, H)`` fp8 row-major and ``scale`` ``(M,)`` fp32 dequantization scales; padding
+        rows are 0 with ``scale = padding_scale(fmt, pow2)`` (the scale of an all-zero row).
+    """
+    _check(x, plan)
+    f = resolve_format(fmt, x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return _permute_quantize_op(x, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, plan.top_k, f.name, pow2)

@@ -1,0 +1,134 @@
+"""The dispatch plan: where each (token, slot) pair goes in the expert-sorted activation.
+
+Layout of the permuted activation (``M = num_rows`` rows, a static size):
+
+* pairs are numbered ``p = t * k + j`` (token ``t``, slot ``j``); expert ``e``'s group holds its
+  pairs in increasing ``p`` (a STABLE sort by expert), starting at row ``offsets[e-1]``
+  (0 for ``e = 0``);
+* with ``pad_multiple = P > 1`` each group is followed by zero rows up to a multiple of ``P``
+  (what some grouped GEMMs need); ``offsets`` are the PADDED cumulative end offsets, so every
+  group, padding included, is a multiple of ``P`` rows;
+* ``M = T*k + (P-1)*E``: the static upper bound of the padded total (each group adds at most
+  ``P-1`` rows). Rows ``[offsets[-1], M)`` belong to no group; they and the in-group padding
+  rows are listed in ``pad_rows`` (exactly ``(P-1)*E`` of them) and are written as zeros by
+  the permutes (never read back by the GEMMs or the combine).
+
+Pairs whose id lies outside ``[0, E)`` (e.g. -1 for "no expert") are DROPPED, not checked (a
+check would sync): they get ``pair_to_row = -1``, join no group and contribute 0 to the combine.
+Then ``offsets[-1]`` is smaller and the last ``dropped`` rows past the listed padding rows are
+left unwritten by the permutes (they belong to no group).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from ..checks import check_tensor
+from ._backend import device_guard, use_triton
+from .plan_kernels import plan_histogram_kernel, plan_rows_kernel, plan_scan_kernel
+from .reference import dispatch_plan_reference
+
+__all__ = ["DispatchPlan", "make_dispatch_plan", "padded_num_rows"]
+
+
+class DispatchPlan(NamedTuple):
+    """Where each (token, slot) pair goes; all tensors int32 on the device of ``topk_ids``.
+
+    Attributes:
+        counts: ``(E,)`` pairs routed to each expert (unpadded).
+        offsets: ``(E,)`` cumulative END offsets of the groups in the permuted rows (padded
+            when ``pad_multiple > 1``): the ``offs`` of the grouped GEMMs.
+        pair_to_row: ``(T*k,)`` row of pair ``t*k + j`` (-1 if dropped): the combine's gather map.
+        row_to_pair: ``(M,)`` pair held by each row, -1 for padding rows: the permute's source
+            map (source token ``row_to_pair[r] // k``).
+        pad_rows: ``((P-1)*E,)`` every padding row (in-group padding and rows past the groups).
+        top_k: ``k``.
+        pad_multiple: ``P``.
+    """
+
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    pair_to_row: torch.Tensor
+    row_to_pair: torch.Tensor
+    pad_rows: torch.Tensor
+    top_k: int
+    pad_multiple: int
+
+    @property
+    def num_rows(self) -> int:
+        """``M``: rows of the permuted activation (static)."""
+        return self.row_to_pair.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.pair_to_row.shape[0] // self.top_k
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts.shape[0]
+
+
+def padded_num_rows(num_pairs: int, num_experts: int, pad_multiple: int = 1) -> int:
+    """Static row count ``M = num_pairs + (pad_multiple - 1) * num_experts`` of the permuted activation."""
+    return num_pairs + (pad_multiple - 1) * num_experts
+
+
+_SCAN_CHUNK = 1024  # blocks per step of the per-expert scan (tests shrink it to exercise the carry)
+
+
+def _block_size(e_pow2: int) -> int:
+    """Pairs per program: keeps the (pairs x experts) one-hot tile near 8K elements."""
+    return max(16, min(128, 8192 // e_pow2))
+
+
+def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple: int = 1) -> DispatchPlan:
+    """Build the :class:`DispatchPlan` on the device of ``topk_ids`` (no host sync, static sizes).
+
+    Args:
+        topk_ids: ``(T, k)`` int32/int64 expert ids (``T`` may be 0). Ids outside ``[0, E)`` drop
+            their pair (see the module docstring).
+        num_experts: ``E``.
+        pad_multiple: ``P``: pad each group to a multiple of ``P`` rows (1: no padding).
+    Returns:
+        the plan; ``plan.num_rows == T*k + (P-1)*E``.
+    """
+    check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), ndim=2)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    if not isinstance(pad_multiple, int) or pad_multiple < 1:
+        raise ValueError(f"pad_multiple: expected a positive int, got {pad_multiple!r}")
+    T, k = topk_ids.shape
+    if k < 1 or k > num_experts:
+        raise ValueError(f"topk_ids: expected 1 <= k <= num_experts={num_experts} columns, got shape {(T, k)}")
+    ids = topk_ids.contiguous()
+    if not use_triton(plan_rows_kernel, ids):
+        return DispatchPlan(*dispatch_plan_reference(ids, num_experts, pad_multiple), k, pad_multiple)
+
+    E, P = num_experts, pad_multiple
+    N = T * k
+    M = padded_num_rows(N, E, P)
+    e_pow2 = triton.next_power_of_2(E)
+    block = _block_size(e_pow2)
+    num_blocks = triton.cdiv(N, block)
+    dev = ids.device
+    i32 = torch.int32
+    block_counts = torch.empty(E * num_blocks, dtype=i32, device=dev)
+    rank = torch.empty(N, dtype=i32, device=dev)
+    totals = torch.empty(E, dtype=i32, device=dev)
+    counts = torch.empty(E, dtype=i32, device=dev)
+    offsets = torch.empty(E, dtype=i32, device=dev)
+    pair_to_row = torch.empty(N, dtype=i32, device=dev)
+    row_to_pair = torch.full((M,), -1, dtype=i32, device=dev)
+    pad_rows = torch.empty((P - 1) * E, dtype=i32, device=dev)
+    with device_guard(ids):
+        if num_blocks:
+            plan_histogram_kernel[(num_blocks,)](ids, block_counts, rank, N, num_blocks, E=E, E_POW2=e_pow2, BLOCK=block)
+        plan_scan_kernel[(E,)](block_counts, totals, num_blocks, CHUNK=_SCAN_CHUNK)
+        plan_rows_kernel[(max(num_blocks, 1),)](
+            ids, rank, block_counts, totals, counts, offsets, pair_to_row, row_to_pair, pad_rows, N, num_blocks,
+            E=E, E_POW2=e_pow2, BLOCK=block, PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
+        )
+    return DispatchPlan(counts, offsets, pair_to_row, row_to_pair, pad_rows, k, P)

@@ -1,0 +1,139 @@
+"""Dispatch plan: invariants, Triton == torch reference, padding, dropped ids, edge sizes, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_fp8.routing.plan as plan_mod
+from moe_fp8.routing import DispatchPlan, make_dispatch_plan, padded_num_rows
+from moe_fp8.routing.reference import dispatch_plan_reference
+
+KINDS = ("balanced", "skewed", "empty", "one")
+
+
+def random_topk_ids(T, E, k, kind, seed=0, dtype=torch.int64):
+    """``(T, k)`` distinct expert ids per token, drawn so that the load is balanced / skewed / has
+    empty experts / sends every token's first slot to one expert."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "balanced":
+        p = torch.ones(E)
+    elif kind == "skewed":
+        p = torch.rand(E, generator=g) ** 4 + 1e-3
+    elif kind == "empty":
+        p = torch.ones(E)
+        p[torch.randperm(E, generator=g)[: max(0, min(E - k, E // 2))]] = 0
+    else:
+        p = torch.ones(E)
+    ids = torch.stack([torch.multinomial(p, k, generator=g) for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.long)
+    if kind == "one" and T:
+        hot = int(torch.randint(E, (1,), generator=g))
+        for t in range(T):  # slot 0 -> hot expert, keep the ids distinct
+            row = ids[t].tolist()
+            if hot in row:
+                row.remove(hot)
+            else:
+                row.pop()
+            ids[t] = torch.tensor([hot] + row)
+    return ids.to(dtype)
+
+
+def check_plan_invariants(plan: DispatchPlan, ids: torch.Tensor, E: int, P: int):
+    T, k = ids.shape
+    N, M = T * k, padded_num_rows(T * k, E, P)
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < E)
+    for t in plan[:5]:
+        assert t.dtype == torch.int32
+    assert plan.num_rows == M and plan.pad_rows.numel() == (P - 1) * E and plan.top_k == k
+    counts = torch.bincount(flat[valid], minlength=E)
+    assert torch.equal(plan.counts.long(), counts)
+    sizes = torch.diff(plan.offsets.long(), prepend=torch.zeros(1, dtype=torch.long))
+    assert (sizes >= 0).all(), "offsets must be non-decreasing"
+    assert (sizes % P == 0).all() and (sizes >= counts).all() and (sizes - counts < P).all()
+    # every valid (token, slot) pair exactly once, in its expert's group, in increasing pair order
+    p2r = plan.pair_to_row.long()
+    assert (p2r[~valid] == -1).all()
+    rows = p2r[valid]
+    assert rows.unique().numel() == rows.numel() and (rows >= 0).all() and (rows < M).all()
+    pairs = torch.arange(N)[valid]
+    assert torch.equal(plan.row_to_pair.long()[rows], pairs)
+    starts = plan.offsets.long() - sizes
+    for e in range(E):
+        group = plan.row_to_pair.long()[starts[e] : starts[e] + counts[e]]
+        assert (flat[group] == e).all() and (torch.diff(group) > 0).all(), "stable, expert-sorted"
+    # padding rows: exactly the rows no pair uses (when nothing is dropped), all marked -1
+    pad = plan.pad_rows.long()
+    assert pad.unique().numel() == pad.numel() and (plan.row_to_pair.long()[pad] == -1).all()
+    if valid.all():
+        assert torch.equal(torch.sort(torch.cat([rows, pad])).values, torch.arange(M))
+    assert (plan.row_to_pair >= -1).all() and (plan.row_to_pair < N).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("E,k,P", [(8, 2, 1), (8, 2, 16), (64, 6, 16), (256, 8, 16), (5, 3, 4)])
+def test_plan_matches_reference_and_invariants(kind, E, k, P, monkeypatch):
+    monkeypatch.setattr(plan_mod, "_SCAN_CHUNK", 4)  # exercise the scan's carry across chunks
+    ids = random_topk_ids(97, E, k, kind, seed=E * 7 + P)
+    plan = make_dispatch_plan(ids, E, pad_multiple=P)
+    check_plan_invariants(plan, ids, E, P)
+    ref = dispatch_plan_reference(ids, E, P)
+    for name, got, want in zip(DispatchPlan._fields, plan, ref):
+        assert torch.equal(got, want), name
+    check_plan_invariants(DispatchPlan(*ref, k, P), ids, E, P)
+
+
+def test_plan_int32_ids_duplicates_and_determinism():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (300, 4), generator=g, dtype=torch.int32)  # duplicates within a token too
+    a = make_dispatch_plan(ids, 6, pad_multiple=8)
+    b = make_dispatch_plan(ids, 6, pad_multiple=8)
+    check_plan_invariants(a, ids, 6, 8)
+    for x, y in zip(a[:5], b[:5]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("P", [1, 16])
+def test_out_of_range_ids_are_dropped(P):
+    ids = random_topk_ids(40, 8, 3, "balanced", seed=9)
+    ids[3, 1] = -1
+    ids[7, 0] = 8
+    ids[11, 2] = 1000
+    plan = make_dispatch_plan(ids, 8, pad_multiple=P)
+    check_plan_invariants(plan, ids, 8, P)
+    assert plan.pair_to_row[3 * 3 + 1] == -1 and plan.pair_to_row[7 * 3] == -1
+    assert int(plan.counts.sum()) == 40 * 3 - 3
+    ref = dispatch_plan_reference(ids, 8, P)
+    for got, want in zip(plan, ref):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("T", [0, 1])
+@pytest.mark.parametrize("P", [1, 16])
+def test_zero_and_one_token(T, P):
+    ids = random_topk_ids(T, 4, 2, "balanced", seed=T)
+    plan = make_dispatch_plan(ids, 4, pad_multiple=P)
+    check_plan_invariants(plan, ids, 4, P)
+    assert plan.num_rows == 2 * T + 4 * (P - 1)
+
+
+def test_single_expert_everything_to_it():
+    ids = torch.zeros(50, 1, dtype=torch.long)
+    plan = make_dispatch_plan(ids, 1, pad_multiple=16)
+    assert plan.counts.tolist() == [50] and plan.offsets.tolist() == [64]
+    assert torch.equal(plan.pair_to_row, torch.arange(50, dtype=torch.int32))
+    assert sorted(plan.pad_rows.tolist()) == list(range(50, 65))
+
+
+def test_bad_input():
+    ids = torch.zeros(4, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match="topk_ids"):
+        make_dispatch_plan(ids.float(), 4)
+    with pytest.raises(ValueError, match="topk_ids"):
+        make_dispatch_plan(ids.view(-1), 4)
+    with pytest.raises(ValueError, match="topk_ids"):
+        make_dispatch_plan(torch.zeros(4, 5, dtype=torch.long), 4)  # top_k > experts
+    with pytest.raises(ValueError, match="num_experts"):
+        make_dispatch_plan(ids, 0)
+    with pytest.raises(ValueError, match="pad_multiple"):
+        make_dispatch_plan(ids, 4, pad_multiple=0)
