@@ -14,8 +14,10 @@ How the work is laid out, with no host sync (nothing is read from ``offs`` on th
   is the tail ``[offs[-1], M)``: its tiles write zeros, so every output row is defined. Programs
   past the last tile return at once. Row tiles are visited ``group_m`` at a time per column sweep,
   so consecutive programs reuse one expert's weight tiles from L2.
-* 2D x 2D: one program per ``(group, output tile)``; it loops over its group's rows (any count,
-  masked, so no 16-row padding is needed) and an empty group stores zeros.
+* 2D x 2D: one program per ``(group, output tile)``; it loops over its group's rows (any count:
+  no 16-row padding is needed) and an empty group stores zeros. The rows are split into a
+  16-aligned body, loaded as 16-byte vectors when the rows are the contiguous dim (column-major
+  operands, ``M % 16 == 0``), and up to 15 head and 15 tail rows handled in one masked slice.
 * fp32 accumulation with ``tl.dot`` on the FP8 operands; scales are applied in the epilogue as
   ``scale_b[col] * (scale_a[row] * acc)`` like the CUDA kernel (blockwise: per 128-deep slice in
   the main loop); pointer offsets are int64.
@@ -152,6 +154,16 @@ def _grouped_mm_2d3d_kernel(
 
 
 @triton.jit
+def _dot_rows(a_ptr, b_ptr, rows, r_mask, ns, ks, stride_ar, stride_an, stride_br, stride_bk, acc,
+              MAX_IMPRECISE: tl.constexpr):  # fmt: skip
+    """``acc + a[rows, ns].T @ b[rows, ks]`` with masked-out rows read as zeros."""
+    rows64 = rows.to(tl.int64)
+    a = tl.load(a_ptr + ns[:, None] * stride_an + rows64[None, :] * stride_ar, mask=r_mask[None, :], other=0.0)
+    b = tl.load(b_ptr + rows64[:, None] * stride_br + ks[None, :] * stride_bk, mask=r_mask[:, None], other=0.0)
+    return tl.dot(a, b, acc, max_num_imprecise_acc=MAX_IMPRECISE)
+
+
+@triton.jit
 def _grouped_mm_2d2d_kernel(
     a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, offs_ptr,
     M, N, K,
@@ -188,15 +200,25 @@ def _grouped_mm_2d2d_kernel(
     k_mask = ks < K
     ns_ld = tl.minimum(ns, N - 1).to(tl.int64)
     ks_ld = tl.minimum(ks, K - 1).to(tl.int64)
-    r = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for r0 in range(start, end, BK):
+    # Rows split into a 16-aligned body [body_start, body_end), whose loads are 16-byte vectors
+    # when the rows are the contiguous dim, and at most 15 head rows [start, head_end) and 15 tail
+    # rows [tail_start, end) outside it, gathered into one masked 32-row slice.
+    body_start = tl.multiple_of((start + 15) // 16 * 16, 16)
+    body_end = tl.multiple_of(end // 16 * 16, 16)
+    head_end = tl.minimum(body_start, end)
+    tail_start = tl.maximum(body_end, head_end)
+    if (head_end > start) | (end > tail_start):
+        i = tl.arange(0, 32)
+        rows = tl.where(i < 16, start // 16 * 16 + i, body_end + i - 16)
+        r_mask = tl.where(i < 16, (rows >= start) & (rows < head_end), (rows >= tail_start) & (rows < end))
+        acc = _dot_rows(a_ptr, b_ptr, rows, r_mask, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
+                        acc, MAX_IMPRECISE)  # fmt: skip
+    r = tl.arange(0, BK)
+    for r0 in range(body_start, body_end, BK):
         rows = r0 + r
-        r_mask = rows < end
-        rows64 = rows.to(tl.int64)
-        a = tl.load(a_ptr + ns_ld[:, None] * stride_an + rows64[None, :] * stride_ar, mask=r_mask[None, :], other=0.0)
-        b = tl.load(b_ptr + rows64[:, None] * stride_br + ks_ld[None, :] * stride_bk, mask=r_mask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=MAX_IMPRECISE)
+        acc = _dot_rows(a_ptr, b_ptr, rows, rows < body_end, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
+                        acc, MAX_IMPRECISE)  # fmt: skip
 
     if SCALE_MODE == 1:
         sa = tl.load(sa_ptr + g.to(tl.int64) * stride_sae + ns_ld * stride_san)
