@@ -174,7 +174,7 @@ def _grouped_mm_2d2d_kernel(
     stride_sbe, stride_sbk,
     SCALE_MODE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr, EDGE_MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
 ):  # fmt: skip
     # Output tile (BM rows of N) x (BN cols of K) of group g; BK is the reduction over rows.
     pid = tl.program_id(0)
@@ -200,25 +200,26 @@ def _grouped_mm_2d2d_kernel(
     k_mask = ks < K
     ns_ld = tl.minimum(ns, N - 1).to(tl.int64)
     ks_ld = tl.minimum(ks, K - 1).to(tl.int64)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     # Rows split into a 16-aligned body [body_start, body_end), whose loads are 16-byte vectors
     # when the rows are the contiguous dim, and at most 15 head rows [start, head_end) and 15 tail
-    # rows [tail_start, end) outside it, gathered into one masked 32-row slice.
-    body_start = tl.multiple_of((start + 15) // 16 * 16, 16)
-    body_end = tl.multiple_of(end // 16 * 16, 16)
+    # rows [tail_start, end) outside it, gathered into one masked 32-row slice. That slice is
+    # always computed (all-masked when the group is aligned): a branch around it would make
+    # ptxas serialize the wgmma pipeline.
+    body_start = (start + 15) // 16 * 16
+    body_end = end // 16 * 16
     head_end = tl.minimum(body_start, end)
     tail_start = tl.maximum(body_end, head_end)
-    if (head_end > start) | (end > tail_start):
-        i = tl.arange(0, 32)
-        rows = tl.where(i < 16, start // 16 * 16 + i, body_end + i - 16)
-        r_mask = tl.where(i < 16, (rows >= start) & (rows < head_end), (rows >= tail_start) & (rows < end))
-        acc = _dot_rows(a_ptr, b_ptr, rows, r_mask, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
-                        acc, MAX_IMPRECISE)  # fmt: skip
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     r = tl.arange(0, BK)
     for r0 in range(body_start, body_end, BK):
         rows = r0 + r
         acc = _dot_rows(a_ptr, b_ptr, rows, rows < body_end, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
                         acc, MAX_IMPRECISE)  # fmt: skip
+    i = tl.arange(0, 32)
+    rows = tl.where(i < 16, start // 16 * 16 + i, body_end + i - 16)
+    r_mask = tl.where(i < 16, (rows >= start) & (rows < head_end), (rows >= tail_start) & (rows < end))
+    acc = _dot_rows(a_ptr, b_ptr, rows, r_mask, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
+                    acc, EDGE_MAX_IMPRECISE)  # fmt: skip
 
     if SCALE_MODE == 1:
         sa = tl.load(sa_ptr + g.to(tl.int64) * stride_sae + ns_ld * stride_san)
@@ -377,6 +378,7 @@ def triton_grouped_mm_2d2d(
 
     out = torch.empty((E, N, K), dtype=out_dtype, device=a.device)
     cfg = config or config_2d2d(N, K, E, mode, a.device)
+    max_imprecise = _max_imprecise(cfg, a.device)  # the head/tail slice is only 32 rows deep
     grid = (E * triton.cdiv(N, cfg.block_m) * triton.cdiv(K, cfg.block_n),)
     _grouped_mm_2d2d_kernel[grid](
         a, b, out, scale_a, scale_b, offs,
@@ -388,7 +390,8 @@ def triton_grouped_mm_2d2d(
         *sb_strides,
         SCALE_MODE=mode,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        MAX_IMPRECISE=_max_imprecise(cfg, a.device), OUT_BF16=out_dtype == torch.bfloat16,
+        MAX_IMPRECISE=max_imprecise, EDGE_MAX_IMPRECISE=max_imprecise and min(max_imprecise, 32),
+        OUT_BF16=out_dtype == torch.bfloat16,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
