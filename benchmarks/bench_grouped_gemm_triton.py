@@ -58,6 +58,7 @@ VARIANTS_2D2D = {
     "256x128x128_s3": GemmConfig(256, 128, 128, 8, 3, 8),
     "256x128x128_s3_stagger": GemmConfig(256, 128, 128, 8, 3, 8, stagger=True),
     "128x256x64_s4": GemmConfig(128, 256, 64, 8, 4, 8),
+    "128x256x128_s3_g4_stagger": GemmConfig(128, 256, 128, 4, 3, 8, stagger=True),
     "128x128x128_s4_precise": GemmConfig(128, 128, 128, 8, 4, 8, fast_accum=False),
 }
 
