@@ -19,7 +19,6 @@ each FP8 output is against the ``cuda`` output (same FP8 inputs) and against bf1
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import pathlib
@@ -54,11 +53,9 @@ VARIANTS_2D3D = {
 }
 VARIANTS_2D2D = {
     "128x256x128_s3": GemmConfig(128, 256, 128, 8, 3, 8),
-    "128x256x128_s3_stagger": GemmConfig(128, 256, 128, 8, 3, 8, stagger=True),
     "256x128x128_s3": GemmConfig(256, 128, 128, 8, 3, 8),
-    "256x128x128_s3_stagger": GemmConfig(256, 128, 128, 8, 3, 8, stagger=True),
     "128x256x64_s4": GemmConfig(128, 256, 64, 8, 4, 8),
-    "128x256x128_s3_g4_stagger": GemmConfig(128, 256, 128, 4, 3, 8, stagger=True),
+    "128x256x128_s3_g16": GemmConfig(128, 256, 128, 16, 3, 8),
     "128x128x128_s4_precise": GemmConfig(128, 128, 128, 8, 4, 8, fast_accum=False),
 }
 
@@ -175,10 +172,7 @@ def bench_2d2d(name, M, K, N, E, variants, gen, rows):
         p.copy_(t)
     impls["triton[default]/stride_M+64"] = (
         lambda: triton_grouped_mm_2d2d(padded[0], sa16, padded[1], sb16, offs16), default, "aligned16")
-    if variants:
-        stag = dataclasses.replace(default, stagger=True)
-        impls["triton[stagger]/stride_M+64"] = (
-            lambda: triton_grouped_mm_2d2d(padded[0], sa16, padded[1], sb16, offs16, config=stag), stag, "aligned16")
+
     cuda_out = _try(impls["cuda"][0]) if has_cuda_op else None
     for label, (fn, cfg, tag) in impls.items():
         ms = _time(fn)

@@ -223,10 +223,8 @@ def test_2d2d_group_edges(layout):
     (a, sa), (b, sb) = quantize_group_colwise(dy, offs), quantize_group_colwise(x, offs)
     if layout == "col":
         a, b = _col_major(a), _col_major(b)
-    ref = emulated_grouped_mm_2d2d(a, sa, b, sb, offs, torch.float32)
-    assert_matches_reference(triton_grouped_mm_2d2d(a, sa, b, sb, offs, torch.float32), ref)
-    staggered = GemmConfig(16, 16, 16, 2, 1, 1, stagger=True)
-    assert_matches_reference(triton_grouped_mm_2d2d(a, sa, b, sb, offs, torch.float32, config=staggered), ref)
+    out = triton_grouped_mm_2d2d(a, sa, b, sb, offs, torch.float32)
+    assert_matches_reference(out, emulated_grouped_mm_2d2d(a, sa, b, sb, offs, torch.float32))
 
 
 @needs_cpu_kernel
@@ -370,9 +368,6 @@ def test_gpu_2d2d_large(layout):
         a, b = _col_major(a), _col_major(b)
     ref = emulated_grouped_mm_2d2d(a, sa, b, sb, offs, torch.float32)
     out = triton_grouped_mm_2d2d(*(t.cuda() for t in (a, sa, b, sb, offs)), torch.float32)
-    assert sqnr(ref, out) >= FAST_ACCUM_MIN_SQNR
-    staggered = GemmConfig(128, 256, 128, 8, 3, 8, stagger=True)
-    out = triton_grouped_mm_2d2d(*(t.cuda() for t in (a, sa, b, sb, offs)), torch.float32, config=staggered)
     assert sqnr(ref, out) >= FAST_ACCUM_MIN_SQNR
     empty = ref.flatten(1).abs().amax(1) == 0
     assert bool((out.cpu()[empty] == 0).all())

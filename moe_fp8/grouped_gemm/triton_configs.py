@@ -32,10 +32,6 @@ class GemmConfig:
     (Triton's default there, ``use_fast_accum=True`` in ``torch._scaled_mm`` terms); ``False``
     promotes the partial sum into the fp32 accumulator after every ``block_k`` slice (CUTLASS's
     default: more registers, so smaller tiles). Ignored off sm90 and in the interpreter.
-
-    ``stagger`` (2D x 2D only): each program starts its sweep over the group's rows at a
-    different row block and wraps around, so that programs running together do not all read
-    the same offsets of a column-major operand whose row stride is a power of two.
     """
 
     block_m: int
@@ -45,7 +41,6 @@ class GemmConfig:
     num_stages: int = 3
     num_warps: int = 8
     fast_accum: bool = True
-    stagger: bool = False
 
 
 def interpreter_active() -> bool:

@@ -174,7 +174,7 @@ def _grouped_mm_2d2d_kernel(
     stride_sbe, stride_sbk,
     SCALE_MODE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr, EDGE_MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr, STAGGER: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr, EDGE_MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
 ):  # fmt: skip
     # Output tile (BM rows of N) x (BN cols of K) of group g; BK is the reduction over rows.
     pid = tl.program_id(0)
@@ -211,14 +211,8 @@ def _grouped_mm_2d2d_kernel(
     tail_start = tl.maximum(body_end, head_end)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     r = tl.arange(0, BK)
-    num_chunks = tl.cdiv(tl.maximum(body_end - body_start, 0), BK)
-    # STAGGER: start each program's sweep at a different chunk (wrapping around), so programs
-    # running together read different addresses of operands with a power-of-two row stride.
-    first = (tile_m * 3 + tile_n) % tl.maximum(num_chunks, 1) if STAGGER else 0
-    for j in range(0, num_chunks):
-        c = j + first
-        c = tl.where(c >= num_chunks, c - num_chunks, c)
-        rows = body_start + c * BK + r
+    for r0 in range(body_start, body_end, BK):
+        rows = r0 + r
         acc = _dot_rows(a_ptr, b_ptr, rows, rows < body_end, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
                         acc, MAX_IMPRECISE)  # fmt: skip
     i = tl.arange(0, 32)
@@ -397,7 +391,7 @@ def triton_grouped_mm_2d2d(
         SCALE_MODE=mode,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         MAX_IMPRECISE=max_imprecise, EDGE_MAX_IMPRECISE=max_imprecise and min(max_imprecise, 32),
-        OUT_BF16=out_dtype == torch.bfloat16, STAGGER=cfg.stagger,
+        OUT_BF16=out_dtype == torch.bfloat16,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
