@@ -19,6 +19,7 @@ from moe_fp8.grouped_gemm.emulated import emulated_grouped_mm_2d2d, emulated_gro
 from moe_fp8.grouped_gemm.triton_configs import GemmConfig, interpreter_active
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d2d, triton_grouped_mm_2d3d
 from moe_fp8.quant.reference import (
+    dequantize,
     quantize_blockwise,
     quantize_expert_colwise,
     quantize_expert_tensorwise,
@@ -107,6 +108,22 @@ def test_2d3d_blockwise_matches_emulated(poisoned_empty):
         assert_matches_reference(out, emulated_grouped_mm_2d3d(a, sa, b, sb, offs, dtype))
         assert bool((out[64:] == 0).all())
     assert sqnr(reference_grouped_mm(x, w, offs), out) >= 28
+
+
+@needs_cpu_kernel
+def test_2d3d_blockwise_partial_blocks():
+    # K = N = 144: the last 1x128 / 128x128 scale blocks are partial (16 wide). Checked against
+    # the fp64 product of the dequantized operands (emulated_grouped_mm_2d3d infers the block
+    # size as ceil(K / blocks) = 72 here, so it is not the reference for this case).
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(40, 144, generator=gen), torch.randn(3, 144, 144, generator=gen)
+    x[:, 128:] *= 100  # a wrongly applied scale slice would show
+    offs = random_offsets(37, 3, "skewed", generator=gen)
+    a, sa = quantize_blockwise(x, block=(1, 128))
+    b, sb = quantize_blockwise(w, block=(128, 128))
+    out = triton_grouped_mm_2d3d(a, sa, b, sb, offs, torch.float32)
+    ref = reference_grouped_mm(dequantize(a, sa, block=(1, 128)), dequantize(b, sb, block=(128, 128)), offs)
+    assert sqnr(ref, out) >= 100
 
 
 @needs_cpu_kernel
