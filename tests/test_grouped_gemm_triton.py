@@ -264,18 +264,22 @@ def _bad_2d3d_cases():
     return [
         (dict(ok, a=a.to(torch.bfloat16)), TypeError, "a:"),
         (dict(ok, b=b.to(torch.float8_e5m2)), TypeError, "b:"),
+        (dict(ok, b=b.float()), TypeError, "b:"),
+        (dict(ok, b=None), TypeError, "b:"),
         (dict(ok, b=torch.zeros(2, 16, 48, dtype=torch.float8_e4m3fn)), ValueError, "b:"),
         (dict(ok, a=torch.zeros(8, 40, dtype=torch.float8_e4m3fn), b=torch.zeros(2, 16, 40, dtype=torch.float8_e4m3fn)),
          ValueError, "K"),
         (dict(ok, b=torch.zeros(2, 24, 32, dtype=torch.float8_e4m3fn), scale_b=torch.ones(2, 24)), ValueError, "N"),
         (dict(ok, offs=offs.long()), TypeError, "offs:"),
         (dict(ok, offs=torch.tensor([8], dtype=torch.int32)), ValueError, "offs:"),
+        (dict(ok, offs=torch.tensor([[4, 8]], dtype=torch.int32)), ValueError, "offs:"),
         (dict(ok, scale_a=torch.ones(7)), ValueError, "scale_a:"),
         (dict(ok, scale_a=sa.bfloat16()), TypeError, "scale_a:"),
         (dict(ok, scale_b=torch.ones(2)), ValueError, "scale_b:"),
         (dict(ok, scale_a=torch.ones(()), scale_b=torch.ones(2, 16)), ValueError, "scale_b:"),
         (dict(ok, scale_a=torch.ones(8, 1), scale_b=torch.ones(2, 16)), ValueError, "scale_b:"),
         (dict(ok, out_dtype=torch.int32), TypeError, "out_dtype:"),
+        (dict(ok, scale_a=sa.to("meta")), ValueError, "scale_a:.*one device"),
     ]  # fmt: skip
 
 
@@ -301,6 +305,7 @@ def _bad_2d2d_cases():
         (dict(ok, scale_a=torch.ones(3, 32)), ValueError, "scale_a:"),
         (dict(ok, scale_b=torch.ones(())), ValueError, "scale_b:"),
         (dict(ok, scale_a=torch.ones(()), scale_b=torch.ones(2, 16)), ValueError, "scale_b:"),
+        (dict(ok, offs=offs.to("meta")), ValueError, "offs:.*one device"),
     ]  # fmt: skip
 
 

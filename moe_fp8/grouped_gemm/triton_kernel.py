@@ -231,12 +231,17 @@ def _grouped_mm_2d2d_kernel(
     _store_tile(out_g, ns, ks, n_mask, k_mask, stride_on, stride_ok, acc, OUT_BF16)
 
 
-def _check_device_and_dtypes(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> None:
+def _check_dtypes(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> None:
     check_tensor("a", a, dtypes=FP8_DTYPES, ndim=2)
+    check_tensor("b", b, dtypes=FP8_DTYPES)
     if b.dtype != a.dtype:
         raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
+
+
+def _check_can_launch(a: torch.Tensor) -> None:
+    """The device of ``a`` can run the kernel (checked after the arguments themselves)."""
     if a.device.type == "cpu" and not interpreter_active():
         raise ValueError("a: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
     if a.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(a.device) < (8, 9):
@@ -277,7 +282,7 @@ def triton_grouped_mm_2d3d(
     Returns:
         ``(M, N)`` contiguous ``out_dtype``; rows at or past ``offs[-1]`` are zero.
     """
-    _check_device_and_dtypes(a, b, out_dtype)
+    _check_dtypes(a, b, out_dtype)
     check_tensor("b", b, ndim=3, shape=(None, None, a.shape[1]))
     E, N, K = b.shape
     M = a.shape[0]
@@ -300,6 +305,7 @@ def triton_grouped_mm_2d3d(
         check_tensor("scale_a", scale_a, shape=(M, kb))
         check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, triton.cdiv(N, BLOCKWISE_BLOCK), kb))
     check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, offs=offs)
+    _check_can_launch(a)
 
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0:
@@ -354,7 +360,7 @@ def triton_grouped_mm_2d2d(
     Returns:
         ``(E, N, K)`` contiguous ``out_dtype``.
     """
-    _check_device_and_dtypes(a, b, out_dtype)
+    _check_dtypes(a, b, out_dtype)
     check_tensor("b", b, ndim=2, shape=(a.shape[0], None))
     M, N = a.shape
     K = b.shape[1]
@@ -375,6 +381,7 @@ def triton_grouped_mm_2d2d(
         check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, K))
         sa_strides, sb_strides = tuple(scale_a.stride()), tuple(scale_b.stride())
     check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, offs=offs)
+    _check_can_launch(a)
 
     out = torch.empty((E, N, K), dtype=out_dtype, device=a.device)
     cfg = config or config_2d2d(N, K, E, mode, a.device)
