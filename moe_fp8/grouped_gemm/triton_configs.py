@@ -1,0 +1,80 @@
+"""Tile configurations of the Triton FP8 grouped GEMM (:mod:`.triton_kernel`).
+
+A small heuristic table keyed on the stable problem dims (``N``, ``K``, number of groups, scale
+granularity) and the device: no autotuning, so the first call compiles one kernel and later calls
+with a different token count reuse it. Under the CPU interpreter (``TRITON_INTERPRET=1``) tiny tiles
+keep CI fast while still exercising multi-tile, masking and group-boundary paths.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GemmConfig", "interpreter_active", "config_2d3d", "config_2d2d"]
+
+SCALE_TENSORWISE, SCALE_ROWWISE, SCALE_BLOCKWISE = 0, 1, 2
+BLOCKWISE_BLOCK = 128  # 1x128 activation blocks, 128x128 weight blocks
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One kernel configuration.
+
+    2D x 3D: output tile ``block_m x block_n`` of ``(M, N)``, reduction tile ``block_k`` over K;
+    ``group_m`` output row tiles share a column sweep (L2 reuse of the weight tiles).
+    2D x 2D: output tile ``block_m x block_n`` of one group's ``(N, K)``, reduction tile
+    ``block_k`` over that group's rows; ``group_m`` as above within a group.
+
+    ``fast_accum``: on sm90 let the FP8 tensor-core accumulator run over the whole reduction
+    (Triton's default there, ``use_fast_accum=True`` in ``torch._scaled_mm`` terms); ``False``
+    promotes the partial sum into the fp32 accumulator after every ``block_k`` slice (CUTLASS's
+    default: more registers, so smaller tiles). Ignored off sm90 and in the interpreter.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    fast_accum: bool = True
+
+
+def interpreter_active() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def config_2d3d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.device) -> GemmConfig:
+    """Configuration of the 2D x 3D kernel (forward / dgrad) for weights ``(num_groups, n, k)``."""
+    if device.type == "cpu":
+        return GemmConfig(16, 16, BLOCKWISE_BLOCK if scale_mode == SCALE_BLOCKWISE else 32, 2, 1, 1)
+    if scale_mode == SCALE_BLOCKWISE:
+        # Two fp32 tiles live at once (running sum + the current 128-deep slice): 128x128.
+        return GemmConfig(128, 128, BLOCKWISE_BLOCK, 8, 3 if _is_sm90(device) else 2, 8)
+    if torch.version.hip is not None:
+        return GemmConfig(128, 128, 64, 8, 2, 8)
+    if not _is_sm90(device):
+        # sm89 / sm120: ~100 KB of shared memory per block.
+        return GemmConfig(128, 128, 64, 8, 3, 8)
+    wide = n >= 256 and n % 256 == 0
+    return GemmConfig(128, 256 if wide else 128, 128, 8, 3 if wide else 4, 8)
+
+
+def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.device) -> GemmConfig:
+    """Configuration of the 2D x 2D kernel (wgrad) producing ``(num_groups, n, k)``."""
+    if device.type == "cpu":
+        return GemmConfig(16, 16, 16, 2, 1, 1)
+    if torch.version.hip is not None:
+        return GemmConfig(128, 128, 64, 8, 2, 8)
+    if not _is_sm90(device):
+        return GemmConfig(128, 128, 64, 8, 3, 8)
+    wide = k >= 256 and k % 256 == 0
+    return GemmConfig(128, 256 if wide else 128, 128, 8, 3 if wide else 4, 8)
