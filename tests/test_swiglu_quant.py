@@ -67,3 +67,19 @@ def test_swiglu_quantize_gpu(M, I):
     _check(M, I, E4M3FN, False, "cuda")
     _check(M, I, E4M3FN, True, "cuda")
     _check_backward(M, I, "cuda")
+
+
+@pytest.mark.interpreter
+def test_autograd_function_matches_torch():
+    from moe_fp8.quant.swiglu import SwiGLUQuantize
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 64, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    a, q, scale = SwiGLUQuantize.apply(h, E4M3FN, False)
+    assert not q.requires_grad and not scale.requires_grad
+    grad = torch.randn(6, 32, generator=g, dtype=torch.bfloat16)
+    a.backward(grad)
+    h64 = h.detach().double().requires_grad_()
+    gate, up = h64.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).backward(grad.double())
+    assert ((h.grad.double() - h64.grad).abs() <= h64.grad.abs() * 2**-6 + 1e-2).all()

@@ -23,7 +23,7 @@ from .formats import resolve_format
 from .reference import HIGH_PRECISION_DTYPES
 from .triton_helpers import fp8_constexprs, fp8_quantize, fp8_scales
 
-__all__ = ["swiglu_quantize", "swiglu_backward", "swiglu_reference"]
+__all__ = ["SwiGLUQuantize", "swiglu_quantize", "swiglu_backward", "swiglu_reference"]
 
 
 def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
@@ -143,3 +143,24 @@ def swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
         _swiglu_bwd_kernel[grid](h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
                                  BLOCK_M=block_m, BLOCK_I=block_i)
     return grad_h
+
+
+class SwiGLUQuantize(torch.autograd.Function):
+    """``apply(h, fmt, pow2) -> (a, q, scale)``: :func:`swiglu_quantize` with autograd through ``a``.
+
+    ``q`` and ``scale`` (the FP8 rows of ``a``) are non-differentiable outputs for the next FP8
+    GEMM; the gradient reaches ``h`` through ``a`` only (via :func:`swiglu_backward`). ``h`` is
+    saved for backward, as eager PyTorch's SwiGLU does.
+    """
+
+    @staticmethod
+    def forward(ctx, h, fmt, pow2):
+        a, q, scale = swiglu_quantize(h, fmt, pow2=pow2)
+        ctx.save_for_backward(h)
+        ctx.mark_non_differentiable(q, scale)
+        return a, q, scale
+
+    @staticmethod
+    def backward(ctx, grad_a, _grad_q, _grad_scale):
+        (h,) = ctx.saved_tensors
+        return swiglu_backward(h, grad_a), None, None
