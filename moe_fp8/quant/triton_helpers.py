@@ -27,7 +27,10 @@ from .reference import EPS
 
 __all__ = ["fp8_constexprs", "fp8_scales", "fp8_round", "fp8_quantize"]
 
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds |v| < 2**22 to an integer (ties even)
+# Globals a @triton.jit function reads must be tl.constexpr (the interpreter would take a plain
+# float; the GPU compiler does not).
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding it rounds |v| < 2**22 to an integer (ties even)
+_EPS = tl.constexpr(EPS)
 
 
 def fp8_constexprs(fmt: Float8Format) -> dict:
@@ -44,7 +47,7 @@ def fp8_constexprs(fmt: Float8Format) -> dict:
 @triton.jit
 def fp8_scales(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """``(inv_scale, scale)`` from an fp32 amax (any shape): see ``reference.amax_to_scales``."""
-    amax = tl.maximum(amax.to(tl.float32), EPS)
+    amax = tl.maximum(amax.to(tl.float32), _EPS)
     inv_scale = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax)
     if POW2:
         inv_scale = (inv_scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
