@@ -73,12 +73,14 @@ def fp8_round(
     normal = bits.to(tl.float32, bitcast=True)
     mag = tl.abs(y)
     sub = ((mag * FP8_SUB_SCALE + _ROUND_MAGIC) - _ROUND_MAGIC) * (1.0 / FP8_SUB_SCALE)
+    # Put the sign back with a bit OR: Triton's unary minus is `0 - x`, which turns -0 into +0.
+    signed_sub = (sub.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(
+        tl.float32, bitcast=True
+    )
     if FP8_NEG_ZERO:
-        negative = (y.to(tl.uint32, bitcast=True) >> 31) != 0
+        sub = signed_sub
     else:
-        negative = y < 0
-        sub = tl.where(sub == 0.0, 0.0, sub)
-    sub = tl.where(negative, -sub, sub)
+        sub = tl.where(sub == 0.0, sub, signed_sub)
     out = tl.where(mag < FP8_MIN_NORMAL, sub, normal)
     return tl.minimum(tl.maximum(out, -FP8_MAX), FP8_MAX)
 
