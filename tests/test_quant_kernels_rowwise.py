@@ -140,3 +140,23 @@ def test_expert_colwise_gpu(shape):
     w = hard_input(shape, seed=2, device="cuda")
     _check_expert(w, True, E4M3FN)
     _check_expert(w[:, :, : shape[2] // 2], False, E4M3FN)  # strided rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hw_cast", [False, True], ids=["preround", "hw_cast"])
+def test_both_cast_paths_gpu(hw_cast):
+    """The fp32 pre-rounding path and the direct hardware cast give the reference's bytes on the GPU."""
+    x = hard_input((4096, 5120), seed=3, device="cuda")
+    q, s = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(4096, device="cuda")
+    launch_rowwise(x, q, s, E4M3FN, False, M=4096, K=5120, rows_per_group=4096, stride_g=0, stride_r=5120,
+                   stride_k=1, hw_cast=hw_cast)
+    rq, rs = ref.quantize_rowwise(x, E4M3FN)
+    assert_same(q, rq, "rowwise q")
+    assert_same(s, rs, "rowwise scale")
+    w = x.view(4, 1024, 5120)
+    q = torch.empty((4, 5120, 1024), dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty((4, 5120), device="cuda")
+    launch_expert_colwise_t(w, q, s, E4M3FN, True, hw_cast=hw_cast)
+    rq, rs = ref.quantize_expert_colwise(w, E4M3FN, pow2=True, transposed=True)
+    assert_same(q, rq, "dgrad q")
+    assert_same(s, rs, "dgrad scale")

@@ -8,7 +8,6 @@ tensors; the public, validated entry points are the custom ops in :mod:`moe_fp8.
 * :mod:`.rowwise`: one scale per row (activations, grad_output, the forward expert layout);
 * :mod:`.colwise`: one scale per column of each row group, written transposed (the dgrad expert
   layout, the wgrad operands over jagged token groups, optionally padded);
-* :mod:`.expert_dual`: both expert layouts in one launch;
 * :mod:`.blockwise`: 1 x 128 / 128 x 128 block scales;
 * :mod:`.tensorwise`: one scale for the whole tensor.
 """

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from ..formats import Float8Format
-from ..triton_helpers import fp8_quantize, fp8_scales
-from .common import format_constexprs, next_power_of_2
+from ..triton_helpers import fp8_scales
+from .common import format_constexprs, next_power_of_2, to_fp8
 
 __all__ = ["MAX_BLOCK_ELEMENTS", "supported_block", "launch_blockwise"]
 
@@ -40,6 +40,7 @@ def _blockwise_kernel(
     ROW_SCALES: tl.constexpr,
     BLOCK_C: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr,
@@ -59,14 +60,15 @@ def _blockwise_kernel(
     s_batch = s_ptr + batch * scale_rows * n_col_blocks
     if ROW_SCALES:  # block (1, BLOCK_C): one scale per row of the tile
         inv_scale, scale = fp8_scales(tl.max(tl.abs(x), axis=1), FP8_MAX, POW2)
-        q = fp8_quantize(x, inv_scale[:, None], FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        q = to_fp8(x, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                   FP8_NEG_ZERO)
         tl.store(s_batch + rows.to(tl.int64) * n_col_blocks + cb, scale, mask=row_ok)
     else:  # block (TILE_R, BLOCK_C): one scale for the tile
         inv_scale, scale = fp8_scales(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FP8_MAX, POW2)
-        q = fp8_quantize(x, inv_scale, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        q = to_fp8(x, inv_scale, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
         tl.store(s_batch + rt * n_col_blocks + cb, scale)
     dst = q_ptr + batch * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
-    tl.store(dst, q.to(OUT_DTYPE), mask=mask)
+    tl.store(dst, q, mask=mask)
 
 
 def supported_block(block) -> bool:
@@ -77,7 +79,7 @@ def supported_block(block) -> bool:
 
 
 def launch_blockwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
-                     block: tuple[int, int]) -> None:
+                     block: tuple[int, int], hw_cast: bool | None = None) -> None:
     """``x (B?, R, C)`` -> ``q`` contiguous, ``scale (B?, ceil(R/br), ceil(C/bc))`` contiguous."""
     br, bc = block
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
@@ -90,5 +92,5 @@ def launch_blockwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt:
     _blockwise_kernel[grid](
         x3, q, scale, R, C, n_row_tiles, n_col_blocks, triton.cdiv(R, br), x3.stride(0), x3.stride(1), x3.stride(2),
         POW2=bool(pow2), TILE_R=tile_r, ROW_SCALES=br == 1, BLOCK_C=bc,
-        num_warps=8 if tile_r * bc >= 8192 else 4, **format_constexprs(fmt),
+        num_warps=8 if tile_r * bc >= 8192 else 4, **format_constexprs(fmt, x.device, hw_cast),
     )

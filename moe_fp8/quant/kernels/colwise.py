@@ -31,10 +31,46 @@ import triton
 import triton.language as tl
 
 from ..formats import Float8Format
-from ..triton_helpers import fp8_quantize, fp8_scales
-from .common import format_constexprs, multiprocessor_count
+from ..triton_helpers import fp8_scales
+from .common import format_constexprs, multiprocessor_count, to_fp8
 
-__all__ = ["colwise_strip", "expert_colwise_t_item", "colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
+__all__ = ["colwise_strip", "colwise_config", "expert_t_config", "launch_expert_colwise_t", "launch_group_colwise"]
+
+
+@triton.jit
+def _store_rows(
+    x_cols,
+    q_cols,
+    o0,
+    o_start,
+    o_end,
+    in_start,
+    stride_r,
+    stride_qr,
+    inv_scale,
+    col_ok,
+    MASK_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr,
+    FP8_NEG_ZERO: tl.constexpr,
+):
+    """Quantize output rows ``o0 + [0, BLOCK_R)`` (only those in ``[o_start, o_end)`` when ``MASK_ROWS``)."""
+    o = o0 + tl.arange(0, BLOCK_R)
+    src = x_cols + (o - o_start + in_start).to(tl.int64)[:, None] * stride_r
+    dst = q_cols + o.to(tl.int64)[:, None] * stride_qr
+    if MASK_ROWS:
+        mask = ((o >= o_start) & (o < o_end))[:, None] & col_ok[None, :]
+    else:
+        mask = col_ok[None, :]
+    x = tl.load(src, mask=mask, other=0.0)
+    q = to_fp8(x, inv_scale[None, :], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+               FP8_NEG_ZERO)
+    tl.store(dst, q, mask=mask)
 
 
 @triton.jit
@@ -61,6 +97,7 @@ def colwise_strip(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr,
@@ -90,24 +127,26 @@ def colwise_strip(
     if is_group:
         tl.store(s_ptr + scale_base + cols, scale, mask=col_ok)
 
+    # Pass 2, backwards (the freshest rows in L2 first): the partial chunk at the end, the full
+    # chunks, the partial chunk at the start. Full chunks get no row mask, so their stores along
+    # the output's contiguous dim stay vectorized (a shared masked store would not be).
     q_cols = q_ptr + out_base + cols.to(tl.int64)[None, :] * stride_qc
-    size = in_end - in_start
-    o_end = o_start + size
-    o_lo = (o_start // BLOCK_R) * BLOCK_R
-    n_chunks = tl.where(size > 0, tl.cdiv(o_end - o_lo, BLOCK_R), 0)
-    for i in range(0, n_chunks):
-        o0 = o_lo + (n_chunks - 1 - i) * BLOCK_R  # backwards: the freshest rows in L2 first
-        o = o0 + tl.arange(0, BLOCK_R)
-        row_ok = (o >= o_start) & (o < o_end) & (o < o_limit)
-        x = tl.load(x_cols + (o - o_start + in_start).to(tl.int64)[:, None] * stride_r,
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        q = fp8_quantize(x, inv_scale[None, :], FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
-                         FP8_NEG_ZERO).to(OUT_DTYPE)
-        dst = q_cols + o.to(tl.int64)[:, None] * stride_qr
-        if (o0 >= o_start) & (o0 + BLOCK_R <= o_end) & (o0 + BLOCK_R <= o_limit):
-            tl.store(dst, q, mask=col_ok[None, :])
-        else:
-            tl.store(dst, q, mask=row_ok[:, None] & col_ok[None, :])
+    o_end = tl.minimum(o_start + (in_end - in_start), o_limit)
+    full_lo = tl.cdiv(o_start, BLOCK_R) * BLOCK_R
+    full_hi = tl.maximum((o_end // BLOCK_R) * BLOCK_R, full_lo)
+    if full_hi < o_end:
+        _store_rows(x_cols, q_cols, full_hi, o_start, o_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
+                    True, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                    FP8_NEG_ZERO)
+    for j in range(0, (full_hi - full_lo) // BLOCK_R):
+        o0 = tl.multiple_of(full_hi - (j + 1) * BLOCK_R, BLOCK_R)
+        _store_rows(x_cols, q_cols, o0, o_start, o_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
+                    False, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                    FP8_NEG_ZERO)
+    if (o_start < full_lo) & (o_start < o_end):
+        _store_rows(x_cols, q_cols, full_lo - BLOCK_R, o_start, o_end, in_start, stride_r, stride_qr, inv_scale,
+                    col_ok, True, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                    FP8_NEG_ZERO)
 
     zero = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32).to(OUT_DTYPE)
     z_end = tl.minimum(o_zero_end, o_limit)
@@ -133,6 +172,7 @@ def expert_colwise_t_item(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr,
@@ -143,7 +183,7 @@ def expert_colwise_t_item(
     e = (item // NB).to(tl.int64)
     colwise_strip(w_ptr, q_ptr, s_ptr, item % NB, K, e * stride_we, 0, N, stride_wn, stride_wk,
                   e * K * N, 0, N, N, 1, N, e * K, True,
-                  POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+                  POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
 @triton.jit
@@ -162,6 +202,7 @@ def _expert_colwise_t_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr,
@@ -170,7 +211,7 @@ def _expert_colwise_t_kernel(
 ):
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         expert_colwise_t_item(w_ptr, q_ptr, s_ptr, item, N, K, NB, stride_we, stride_wn, stride_wk,
-                              POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                              POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
                               FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
@@ -206,6 +247,7 @@ def _group_colwise_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr,
@@ -236,28 +278,43 @@ def _group_colwise_kernel(
             if cb < NB_A:
                 colwise_strip(a_ptr, qa_ptr, sa_ptr, cb, C_A, 0, start, end, stride_ar, stride_ac,
                               0, o_start, o_zero_end, rows_out, stride_qar, stride_qac, g.to(tl.int64) * C_A, real,
-                              POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                              POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
                               FP8_SUB_SCALE, FP8_NEG_ZERO)
             else:
                 colwise_strip(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, start, end, stride_br, stride_bc,
                               0, o_start, o_zero_end, rows_out, stride_qbr, stride_qbc, g.to(tl.int64) * C_B, real,
-                              POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                              POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
                               FP8_SUB_SCALE, FP8_NEG_ZERO)
         else:
             colwise_strip(a_ptr, qa_ptr, sa_ptr, cb, C_A, 0, start, end, stride_ar, stride_ac,
                           0, o_start, o_zero_end, rows_out, stride_qar, stride_qac, g.to(tl.int64) * C_A, real,
-                          POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                          POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
                           FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
-def colwise_config(group_rows: int, block_r: int = 512, block_c: int = 16, num_warps: int = 8,
-                   programs_per_sm: int = 2) -> dict:
+def colwise_config(group_rows: int, *, block_r: int | None = None, block_c: int | None = None,
+                   num_warps: int | None = None, programs_per_sm: int | None = None) -> dict:
     """Strip shape and launch width from static sizes (``group_rows`` = rows / groups, never data).
 
-    ``programs_per_sm = 0`` launches one program per strip instead of a persistent grid.
+    ``programs_per_sm = 0`` launches one program per strip instead of a persistent grid. Defaults
+    (one H200, 2026-11, DeepSeek-V3 shapes): 256 x 32 strips, 8 warps, 2 programs per SM for groups
+    of >= 2048 rows (best of six configurations on the wgrad operands); 256 x 16, 4 warps, one
+    program per strip for smaller groups, where a strip is a single chunk and only many programs in
+    flight hide the latency.
     """
+    big = group_rows >= 2048
+    block_r = block_r or 256
     block_r = min(block_r, max(16, triton.next_power_of_2(max(group_rows, 1))))
-    return dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps, programs_per_sm=programs_per_sm)
+    return dict(BLOCK_R=block_r, BLOCK_C=block_c or (32 if big else 16), num_warps=num_warps or (8 if big else 4),
+                programs_per_sm=(2 if big else 0) if programs_per_sm is None else programs_per_sm)
+
+
+def expert_t_config(rows: int) -> dict:
+    """Strips of the dgrad weight layout (``rows = N``): 256 x 16, 4 warps, 4 programs per SM.
+
+    Best of six configurations on DeepSeek-V3 and Llama 4 weights (one H200, 2026-11).
+    """
+    return colwise_config(rows, block_r=256, block_c=16, num_warps=4, programs_per_sm=4)
 
 
 def _grid(n_items: int, device: torch.device, programs_per_sm: int) -> tuple[int]:
@@ -267,17 +324,17 @@ def _grid(n_items: int, device: torch.device, programs_per_sm: int) -> tuple[int
 
 
 def launch_expert_colwise_t(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
-                            config: dict | None = None) -> None:
+                            config: dict | None = None, hw_cast: bool | None = None) -> None:
     """``w (E, N, K)`` -> ``q (E, K, N)`` contiguous, ``scale (E, K)`` (amax over N)."""
     E, N, K = w.shape
-    cfg = dict(config or colwise_config(N))
+    cfg = dict(config or expert_t_config(N))
     nb = triton.cdiv(K, cfg["BLOCK_C"])
     n_items = E * nb
     if n_items == 0:
         return
     grid = _grid(n_items, w.device, cfg.pop("programs_per_sm"))
     _expert_colwise_t_kernel[grid](w, q, scale, N, K, nb, n_items, w.stride(0), w.stride(1), w.stride(2),
-                                   POW2=bool(pow2), **cfg, **format_constexprs(fmt))
+                                   POW2=bool(pow2), **cfg, **format_constexprs(fmt, w.device, hw_cast))
 
 
 def launch_group_colwise(
@@ -292,6 +349,7 @@ def launch_group_colwise(
     fmt: Float8Format,
     pow2: bool,
     config: dict | None = None,
+    hw_cast: bool | None = None,
 ) -> None:
     """Per-group column scales of ``a (M, C_A)`` (and ``b (M, C_B)``) into the given ``q``/``scale`` buffers.
 
@@ -313,5 +371,5 @@ def launch_group_colwise(
         a, qa, sa, a.shape[1], a.stride(0), a.stride(1), qa.stride(0), qa.stride(1),
         *b_args,
         offs, padded_offs if padded_offs is not None else offs, G, rows_in, rows_out, nb_a, nb_b, n_items,
-        POW2=bool(pow2), HAS_B=has_b, PADDED=padded_offs is not None, **cfg, **format_constexprs(fmt),
+        POW2=bool(pow2), HAS_B=has_b, PADDED=padded_offs is not None, **cfg, **format_constexprs(fmt, a.device, hw_cast),
     )

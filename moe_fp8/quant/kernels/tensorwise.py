@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ..formats import Float8Format
-from ..triton_helpers import fp8_quantize, fp8_scales
-from .common import format_constexprs, multiprocessor_count, next_power_of_2
+from ..triton_helpers import fp8_scales
+from .common import format_constexprs, multiprocessor_count, next_power_of_2, to_fp8
 
 __all__ = ["launch_tensorwise"]
 
@@ -44,6 +44,7 @@ def _tensorwise_cast_kernel(
     BLOCK: tl.constexpr,
     PARTIALS: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr,
@@ -59,11 +60,12 @@ def _tensorwise_cast_kernel(
         offs = tl.cast(chunk, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        q = fp8_quantize(x, inv_scale, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
-        tl.store(q_ptr + offs, q.to(OUT_DTYPE), mask=mask)
+        q = to_fp8(x, inv_scale, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        tl.store(q_ptr + offs, q, mask=mask)
 
 
-def launch_tensorwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool) -> None:
+def launch_tensorwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
+                      hw_cast: bool | None = None) -> None:
     """``x`` contiguous (any shape) -> ``q`` contiguous, ``scale`` 0-d."""
     numel = x.numel()
     programs = max(1, min(triton.cdiv(numel, _BLOCK), multiprocessor_count(x.device) * _PROGRAMS_PER_SM))
@@ -71,5 +73,5 @@ def launch_tensorwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt
     _partial_amax_kernel[(programs,)](x, partial, numel, BLOCK=_BLOCK, num_warps=8)
     _tensorwise_cast_kernel[(programs,)](
         x, q, scale, partial, programs, numel, POW2=bool(pow2), BLOCK=_BLOCK, PARTIALS=next_power_of_2(programs),
-        num_warps=8, **format_constexprs(fmt),
+        num_warps=8, **format_constexprs(fmt, x.device, hw_cast),
     )
