@@ -9,6 +9,12 @@ number of programs looping over strips) bounds the programs in flight. When the 
 programs in flight do not fit in L2, the second pass reads HBM again (5 bytes moved per element
 instead of 3 for bf16 in, fp8 out).
 
+Measured on one H200 (2026-11, ``benchmarks/results/quant.md``): 42-52% of copy bandwidth for
+groups of >= 1536 rows (experts, DeepSeek-V3 token groups) and 20-26% for groups of 512-1024 rows,
+where each strip is one or two chunks and the program's chain of dependent loads (offsets, pass 1,
+pass 2) leaves the memory system idle. The strips are latency-bound, not bandwidth-bound: a strip
+of 16 columns reads 32 bytes per row, so few bytes are in flight per program.
+
 Users:
 
 * ``quantize_expert_colwise(transposed=True)``: groups are experts (``N`` rows each) of
