@@ -1,0 +1,360 @@
+"""Public Triton FP8 quantizers: validated wrappers around the ``moe_fp8::*`` torch custom ops.
+
+Each ``triton_quantize_*`` function resolves the format (a :class:`Float8Format`, its name, its
+torch dtype, or ``None`` to detect it), then calls a ``torch.library.custom_op`` whose fake
+implementation gives shapes, dtypes and strides, so ``torch.compile(fullgraph=True)`` traces
+through without graph breaks. The op checks its inputs (metadata only, no device sync) and raises
+``TypeError``/``ValueError`` naming the argument. Results equal the matching function of
+:mod:`moe_fp8.quant.reference` byte for byte (FP8 values and fp32 scales).
+
+Inputs may be bf16, fp16 or fp32 with any strides (unit stride on the last dim is what makes the
+loads wide). Kernels run on CUDA/ROCm tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from typing import Optional
+
+import torch
+
+from ..checks import check_offsets, check_same_device, check_tensor
+from .formats import Float8Format, resolve_format
+from .kernels.blockwise import launch_blockwise, supported_block
+from .kernels.colwise import launch_expert_colwise_t, launch_group_colwise
+from .kernels.rowwise import launch_rowwise
+from .kernels.tensorwise import launch_tensorwise
+from .reference import HIGH_PRECISION_DTYPES
+
+__all__ = [
+    "triton_quantize_rowwise",
+    "triton_quantize_expert_colwise",
+    "triton_quantize_expert_colwise_dual",
+    "triton_quantize_group_colwise",
+    "triton_quantize_group_colwise_dual",
+    "triton_quantize_tensorwise",
+    "triton_quantize_blockwise",
+]
+
+_F32 = torch.float32
+
+
+def _format(fmt, device: torch.device) -> Float8Format:
+    f = resolve_format(fmt, device)
+    if f.is_fnuz and device.type == "cuda" and torch.version.hip is None:
+        raise ValueError(f"fmt: {f.name} is a ROCm gfx94x format; Triton cannot write it on an NVIDIA GPU")
+    return f
+
+
+def _hp(name: str, t, ndim) -> None:
+    check_tensor(name, t, dtypes=HIGH_PRECISION_DTYPES, ndim=ndim)
+
+
+def _col_major(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``(rows, cols)`` with strides ``(1, rows)``: its transpose is row-major."""
+    return torch.empty_strided((rows, cols), (1, max(rows, 1)), dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------------------- rowwise
+
+
+def _check_rowwise(x, fmt: str) -> Float8Format:
+    _hp("x", x, 2)
+    return _format(fmt, x.device)
+
+
+@torch.library.custom_op("moe_fp8::quantize_rowwise", mutates_args=())
+def _rowwise_op(x: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    f = _check_rowwise(x, fmt)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=f.torch_dtype, device=x.device)
+    scale = torch.empty((M,), dtype=_F32, device=x.device)
+    launch_rowwise(x, q, scale, f, pow2, M=M, K=K, rows_per_group=M, stride_g=0, stride_r=x.stride(0),
+                   stride_k=x.stride(1))
+    return q, scale
+
+
+@_rowwise_op.register_fake
+def _(x, fmt, pow2):
+    f = _check_rowwise(x, fmt)
+    return x.new_empty(x.shape, dtype=f.torch_dtype), x.new_empty((x.shape[0],), dtype=_F32)
+
+
+def triton_quantize_rowwise(x: torch.Tensor, fmt=None, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row: ``x (M, K)`` -> ``q (M, K)`` row-major fp8, ``scale (M,)`` fp32 (dequant)."""
+    _hp("x", x, 2)
+    return _rowwise_op(x, _format(fmt, x.device).name, bool(pow2))
+
+
+# ---------------------------------------------------------------------------------- expert colwise
+
+
+def _check_expert(w, fmt: str) -> Float8Format:
+    _hp("w", w, 3)
+    return _format(fmt, w.device)
+
+
+@torch.library.custom_op("moe_fp8::quantize_expert_colwise", mutates_args=())
+def _expert_colwise_op(w: torch.Tensor, fmt: str, pow2: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    f = _check_expert(w, fmt)
+    E, N, K = w.shape
+    if transposed:
+        q = torch.empty((E, K, N), dtype=f.torch_dtype, device=w.device)
+        scale = torch.empty((E, K), dtype=_F32, device=w.device)
+        launch_expert_colwise_t(w, q, scale, f, pow2)
+    else:
+        q = torch.empty((E, N, K), dtype=f.torch_dtype, device=w.device)
+        scale = torch.empty((E, N), dtype=_F32, device=w.device)
+        launch_rowwise(w, q, scale, f, pow2, M=E * N, K=K, rows_per_group=N, stride_g=w.stride(0),
+                       stride_r=w.stride(1), stride_k=w.stride(2))
+    return q, scale
+
+
+@_expert_colwise_op.register_fake
+def _(w, fmt, pow2, transposed):
+    f = _check_expert(w, fmt)
+    E, N, K = w.shape
+    inner, outer = (K, N) if transposed else (N, K)
+    return w.new_empty((E, inner, outer), dtype=f.torch_dtype), w.new_empty((E, inner), dtype=_F32)
+
+
+def triton_quantize_expert_colwise(
+    w: torch.Tensor, fmt=None, pow2: bool = False, transposed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert, per-output-column scales of ``w (E, N, K)`` (``nn.Linear`` layout), one launch.
+
+    ``transposed=False`` (forward): ``q (E, N, K)`` contiguous, ``scale (E, N)`` (amax over K).
+    ``transposed=True`` (dgrad): ``q (E, K, N)`` contiguous, ``scale (E, K)`` (amax over N).
+    """
+    _hp("w", w, 3)
+    return _expert_colwise_op(w, _format(fmt, w.device).name, bool(pow2), bool(transposed))
+
+
+@torch.library.custom_op("moe_fp8::quantize_expert_colwise_dual", mutates_args=())
+def _expert_dual_op(
+    w: torch.Tensor, fmt: str, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    f = _check_expert(w, fmt)
+    E, N, K = w.shape
+    q_fwd = torch.empty((E, N, K), dtype=f.torch_dtype, device=w.device)
+    s_fwd = torch.empty((E, N), dtype=_F32, device=w.device)
+    q_bwd = torch.empty((E, K, N), dtype=f.torch_dtype, device=w.device)
+    s_bwd = torch.empty((E, K), dtype=_F32, device=w.device)
+    launch_rowwise(w, q_fwd, s_fwd, f, pow2, M=E * N, K=K, rows_per_group=N, stride_g=w.stride(0),
+                   stride_r=w.stride(1), stride_k=w.stride(2))
+    launch_expert_colwise_t(w, q_bwd, s_bwd, f, pow2)
+    return q_fwd, s_fwd, q_bwd, s_bwd
+
+
+@_expert_dual_op.register_fake
+def _(w, fmt, pow2):
+    f = _check_expert(w, fmt)
+    E, N, K = w.shape
+    return (w.new_empty((E, N, K), dtype=f.torch_dtype), w.new_empty((E, N), dtype=_F32),
+            w.new_empty((E, K, N), dtype=f.torch_dtype), w.new_empty((E, K), dtype=_F32))
+
+
+def triton_quantize_expert_colwise_dual(
+    w: torch.Tensor, fmt=None, pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both layouts of ``w (E, N, K)``: ``(q_fwd (E,N,K), s_fwd (E,N), q_bwd (E,K,N), s_bwd (E,K))``.
+
+    Equal to ``triton_quantize_expert_colwise(w, transposed=False)`` and ``(..., transposed=True)``,
+    in one op (one graph node) of two launches: the layouts reduce over different axes (K and N)
+    before any byte of either can be written and no on-chip buffer holds an expert, so ``w`` is
+    read once per layout. (A single launch holding both program kinds measured slower on one H200.)
+    """
+    _hp("w", w, 3)
+    return _expert_dual_op(w, _format(fmt, w.device).name, bool(pow2))
+
+
+# ----------------------------------------------------------------------------------- group colwise
+
+
+def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows) -> tuple[Float8Format, int]:
+    """Validate the per-group operands; return the format and the output row count."""
+    _hp("a", a, 2)
+    if b is not None:
+        _hp("b", b, 2)
+        if b.shape[0] != a.shape[0]:
+            raise ValueError(f"b: expected {a.shape[0]} rows like a, got shape {tuple(b.shape)}")
+        check_same_device(a=a, b=b)
+    check_offsets(offs, device=a.device)
+    if (padded_offs is None) != (padded_rows is None):
+        raise ValueError("padded_offs, padded_rows: expected both or neither")
+    rows_out = a.shape[0]
+    if padded_offs is not None:
+        check_tensor("padded_offs", padded_offs, dtypes=(torch.int32,), shape=(offs.numel(),))
+        if padded_offs.device != a.device:
+            raise ValueError(f"padded_offs: expected device {a.device}, got {padded_offs.device}")
+        if isinstance(padded_rows, bool) or not isinstance(padded_rows, int) or padded_rows < 0:
+            raise ValueError(f"padded_rows: expected a non-negative int, got {padded_rows!r}")
+        rows_out = padded_rows
+    return _format(fmt, a.device), rows_out
+
+
+@torch.library.custom_op("moe_fp8::quantize_group_colwise", mutates_args=())
+def _group_colwise_op(
+    x: torch.Tensor, offs: torch.Tensor, fmt: str, pow2: bool, column_major: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    f, rows = _check_group(x, None, offs, fmt, None, None)
+    C = x.shape[1]
+    q = _col_major(rows, C, f.torch_dtype, x.device) if column_major else torch.empty(
+        (rows, C), dtype=f.torch_dtype, device=x.device)
+    scale = torch.empty((offs.numel(), C), dtype=_F32, device=x.device)
+    launch_group_colwise(x, q, scale, None, None, None, offs, None, f, pow2)
+    return q, scale
+
+
+@_group_colwise_op.register_fake
+def _(x, offs, fmt, pow2, column_major):
+    f, rows = _check_group(x, None, offs, fmt, None, None)
+    C = x.shape[1]
+    q = _col_major(rows, C, f.torch_dtype, x.device) if column_major else x.new_empty((rows, C), dtype=f.torch_dtype)
+    return q, x.new_empty((offs.numel(), C), dtype=_F32)
+
+
+def triton_quantize_group_colwise(
+    x: torch.Tensor, offs: torch.Tensor, fmt=None, pow2: bool = False, *, column_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group, per-column scales over jagged row groups (``reference.quantize_group_colwise``).
+
+    ``x (M, C)``, ``offs (E,)`` int32 end offsets (on ``x``'s device, not checked for monotonicity:
+    that would sync) -> ``q (M, C)`` (row-major, or column-major strides with ``column_major``;
+    rows at or past ``offs[-1]`` are 0), ``scale (E, C)``.
+    """
+    _hp("x", x, 2)
+    return _group_colwise_op(x, offs, _format(fmt, x.device).name, bool(pow2), bool(column_major))
+
+
+@torch.library.custom_op("moe_fp8::quantize_group_colwise_dual", mutates_args=())
+def _group_dual_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    fmt: str,
+    pow2: bool,
+    padded_offs: Optional[torch.Tensor],
+    padded_rows: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows)
+    E, N, K = offs.numel(), a.shape[1], b.shape[1]
+    qa, qb = _col_major(rows, N, f.torch_dtype, a.device), _col_major(rows, K, f.torch_dtype, a.device)
+    sa = torch.empty((E, N), dtype=_F32, device=a.device)
+    sb = torch.empty((E, K), dtype=_F32, device=a.device)
+    launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, f, pow2)
+    return qa, sa, qb, sb
+
+
+@_group_dual_op.register_fake
+def _(a, b, offs, fmt, pow2, padded_offs, padded_rows):
+    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows)
+    E, N, K = offs.numel(), a.shape[1], b.shape[1]
+    return (_col_major(rows, N, f.torch_dtype, a.device), a.new_empty((E, N), dtype=_F32),
+            _col_major(rows, K, f.torch_dtype, a.device), a.new_empty((E, K), dtype=_F32))
+
+
+def triton_quantize_group_colwise_dual(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    fmt=None,
+    pow2: bool = False,
+    *,
+    padded_offs: Optional[torch.Tensor] = None,
+    padded_rows: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two wgrad operands in one launch: per-group, per-column scales over jagged row groups.
+
+    Args:
+        a: ``(M, N)`` (grad_output), bf16/fp16/fp32.
+        b: ``(M, K)`` (activations), same rows.
+        offs: ``(E,)`` int32 cumulative end offsets on the same device (values are not checked:
+            that would sync; offsets past ``M`` are clamped so memory stays safe).
+        padded_offs: optional ``(E,)`` int32 end offsets of the padded groups (each group start a
+            multiple of 16 and each padded group at least as large as its group), with
+        padded_rows: the static row count of the padded outputs (>= ``padded_offs[-1]``).
+    Returns:
+        ``qa (R, N)`` and ``qb (R, K)`` with column-major strides (``qa.t()`` is row-major), where
+        ``R = M`` or ``padded_rows``; group ``g``'s rows sit at ``offs[g-1]`` (or the padded start)
+        and every other row is 0; ``sa (E, N)``, ``sb (E, K)`` fp32 dequant scales (empty group:
+        ``EPS / fmt.max``).
+    """
+    _hp("a", a, 2)
+    return _group_dual_op(a, b, offs, _format(fmt, a.device).name, bool(pow2), padded_offs, padded_rows)
+
+
+# -------------------------------------------------------------------------------------- tensorwise
+
+
+def _check_tensorwise(x, fmt: str) -> Float8Format:
+    _hp("x", x, None)
+    return _format(fmt, x.device)
+
+
+@torch.library.custom_op("moe_fp8::quantize_tensorwise", mutates_args=())
+def _tensorwise_op(x: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    f = _check_tensorwise(x, fmt)
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=f.torch_dtype, device=x.device)
+    scale = torch.empty((), dtype=_F32, device=x.device)
+    launch_tensorwise(x, q, scale, f, pow2)
+    return q, scale
+
+
+@_tensorwise_op.register_fake
+def _(x, fmt, pow2):
+    f = _check_tensorwise(x, fmt)
+    return x.new_empty(x.shape, dtype=f.torch_dtype), x.new_empty((), dtype=_F32)
+
+
+def triton_quantize_tensorwise(x: torch.Tensor, fmt=None, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the tensor: ``x`` (any shape) -> ``q`` contiguous fp8, ``scale`` 0-d fp32.
+
+    A non-contiguous ``x`` is copied to contiguous first.
+    """
+    _hp("x", x, None)
+    return _tensorwise_op(x, _format(fmt, x.device).name, bool(pow2))
+
+
+# --------------------------------------------------------------------------------------- blockwise
+
+
+def _check_blockwise(x, fmt: str, block) -> Float8Format:
+    _hp("x", x, (2, 3))
+    if len(block) != 2 or not supported_block(tuple(block)):
+        raise ValueError(f"block: expected (br, bc), powers of two with bc >= 16 and br * bc <= 16384, got {block}")
+    return _format(fmt, x.device)
+
+
+def _block_scale_shape(x, block) -> tuple[int, ...]:
+    br, bc = block
+    R, C = x.shape[-2:]
+    return (*x.shape[:-2], -(-R // br), -(-C // bc))
+
+
+@torch.library.custom_op("moe_fp8::quantize_blockwise", mutates_args=())
+def _blockwise_op(x: torch.Tensor, fmt: str, block: list[int], pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    f = _check_blockwise(x, fmt, block)
+    q = torch.empty(x.shape, dtype=f.torch_dtype, device=x.device)
+    scale = torch.empty(_block_scale_shape(x, block), dtype=_F32, device=x.device)
+    launch_blockwise(x, q, scale, f, pow2, (block[0], block[1]))
+    return q, scale
+
+
+@_blockwise_op.register_fake
+def _(x, fmt, block, pow2):
+    f = _check_blockwise(x, fmt, block)
+    return x.new_empty(x.shape, dtype=f.torch_dtype), x.new_empty(_block_scale_shape(x, block), dtype=_F32)
+
+
+def triton_quantize_blockwise(
+    x: torch.Tensor, fmt=None, block: tuple[int, int] = (1, 128), pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block scales over the last two dims of ``x (..., R, C)`` (2D or 3D).
+
+    ``block=(1, 128)`` (activations) or ``(128, 128)`` (weights); any ``(br, bc)`` of powers of two
+    with ``bc >= 16`` and ``br * bc <= 16384`` works. Returns ``q`` (same shape, contiguous) and
+    ``scale (..., ceil(R/br), ceil(C/bc))``.
+    """
+    _hp("x", x, (2, 3))
+    block = [int(v) for v in block]
+    return _blockwise_op(x, _format(fmt, x.device).name, block, bool(pow2))
+

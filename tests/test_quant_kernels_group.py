@@ -1,0 +1,166 @@
+"""Per-group column-wise Triton quantizers (the wgrad operands) equal the reference byte for byte.
+
+Covers jagged groups of any size, empty groups (first, middle, last), rows past ``offs[-1]``, the
+single-tensor and dual launches, column-major and row-major outputs, and the padded layout.
+"""
+
+import pytest
+import torch
+from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poison_device_cache
+
+from moe_fp8.quant import reference as ref
+from moe_fp8.quant.formats import E4M3FN
+from moe_fp8.quant.kernels.colwise import launch_group_colwise
+from moe_fp8.quant.ops import triton_quantize_group_colwise, triton_quantize_group_colwise_dual
+from moe_fp8.testing import random_offsets
+
+
+def _padded(offs: torch.Tensor, align: int = 16) -> tuple[torch.Tensor, int]:
+    """End offsets of groups whose starts are multiples of ``align`` (each padded group >= its group)."""
+    sizes = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    padded_sizes = (sizes + align - 1) // align * align
+    return torch.cumsum(padded_sizes, 0).to(torch.int32), int(padded_sizes.sum()) + align
+
+
+def _reference_padded(x, offs, padded_offs, rows_out, fmt, pow2):
+    """The reference's bytes moved to the padded group starts; every other row 0."""
+    rq, rs = ref.quantize_group_colwise(x, offs, fmt, pow2=pow2)
+    out = torch.zeros((rows_out, x.shape[1]), dtype=rq.dtype, device=x.device)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).tolist()
+    p_starts = torch.cat([padded_offs.new_zeros(1), padded_offs[:-1]]).tolist()
+    for s, e, p in zip(starts, offs.tolist(), p_starts):
+        out[p : p + e - s] = rq[s:e]
+    return out, rs
+
+
+def _check_dual(a, b, offs, pow2, fmt, padded=False):
+    poison_device_cache(a.device)
+    kwargs = {}
+    if padded:
+        padded_offs, rows_out = _padded(offs)
+        kwargs = dict(padded_offs=padded_offs.to(a.device), padded_rows=rows_out)
+    qa, sa, qb, sb = triton_quantize_group_colwise_dual(a, b, offs, fmt, pow2, **kwargs)
+    for q, s, x, name in ((qa, sa, a, "a"), (qb, sb, b, "b")):
+        assert q.t().is_contiguous(), f"q{name} must be column-major"
+        if padded:
+            rq, rs = _reference_padded(x, offs, kwargs["padded_offs"], kwargs["padded_rows"], fmt, pow2)
+        else:
+            rq, rs = ref.quantize_group_colwise(x, offs, fmt, pow2=pow2)
+        assert_same(q, rq, f"q{name}")
+        assert_same(s, rs, f"s{name}")
+
+
+def _check_single(x, offs, pow2, fmt):
+    poison_device_cache(x.device)
+    rq, rs = ref.quantize_group_colwise(x, offs, fmt, pow2=pow2)
+    for column_major in (False, True):
+        q, s = triton_quantize_group_colwise(x, offs, fmt, pow2, column_major=column_major)
+        assert (q.t() if column_major else q).is_contiguous()
+        assert_same(q, rq, f"q column_major={column_major}")
+        assert_same(s, rs, "scale")
+
+
+def _offsets(rows, groups, kind, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return random_offsets(rows, groups, kind, generator=g).to(device)
+
+
+# ------------------------------------------------------------------------------ CPU (interpreter)
+
+CASES = [  # rows, rows used by the groups, cols a, cols b, groups, kind
+    (1, 1, 16, 16, 1, "one"),
+    (70, 70, 48, 40, 4, "balanced"),
+    (100, 90, 33, 17, 5, "skewed"),
+    (96, 80, 32, 64, 6, "empty"),
+    (50, 0, 16, 16, 3, "balanced"),  # every group empty, every row past offs[-1]
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[2]}+{c[3]}_E{c[4]}_{c[5]}_used{c[1]}")
+def test_group_colwise_dual_cpu(case, pow2, fmt):
+    rows, used, n, k, groups, kind = case
+    a = hard_input((rows, n), seed=rows + n)
+    b = hard_input((rows, k), torch.float32, seed=rows + k)
+    offs = _offsets(used, groups, kind, seed=groups)
+    _check_dual(a, b, offs, pow2, fmt)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["balanced", "empty", "skewed"])
+def test_group_colwise_padded_cpu(kind):
+    a, b = hard_input((90, 32), seed=4), hard_input((90, 48), seed=5)
+    offs = _offsets(83, 5, kind, seed=7)
+    _check_dual(a, b, offs, True, E4M3FN, padded=True)
+
+
+@pytest.mark.interpreter
+def test_group_colwise_empty_first_and_last_cpu():
+    a, b = hard_input((40, 16), seed=1), hard_input((40, 32), seed=2)
+    offs = torch.tensor([0, 0, 13, 31, 31], dtype=torch.int32)
+    _check_dual(a, b, offs, False, E4M3FN)
+    _check_dual(a, b, offs, False, E4M3FN, padded=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_group_colwise_single_cpu(fmt):
+    x = hard_input((75, 40), torch.float16, seed=8)
+    _check_single(x, _offsets(70, 4, "skewed", seed=3), False, fmt)
+    _check_single(x[:, 3:], _offsets(75, 3, "empty", seed=4), True, fmt)  # strided input
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("programs_per_sm", [0, 1])
+@pytest.mark.parametrize("padded", [False, True])
+def test_group_colwise_strip_configs_cpu(programs_per_sm, padded):
+    """Small strips: several row chunks per group (aligned, partial, backwards), items per program."""
+    a, b = hard_input((150, 40), seed=12), hard_input((150, 24), seed=13)
+    offs = torch.tensor([37, 37, 90, 141], dtype=torch.int32)
+    padded_offs, rows_out = _padded(offs) if padded else (None, 150)
+    qa = torch.empty_strided((rows_out, 40), (1, rows_out), dtype=torch.float8_e4m3fn)
+    qb = torch.empty_strided((rows_out, 24), (1, rows_out), dtype=torch.float8_e4m3fn)
+    sa, sb = torch.empty(4, 40), torch.empty(4, 24)
+    for t in (qa, qb, sa, sb):  # poison: every element must be written
+        t.view(torch.uint8).fill_(0x55)
+    launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, False,
+                         config=dict(BLOCK_R=16, BLOCK_C=16, num_warps=4, programs_per_sm=programs_per_sm))
+    for q, s, x in ((qa, sa, a), (qb, sb, b)):
+        if padded:
+            rq, rs = _reference_padded(x, offs, padded_offs, rows_out, E4M3FN, False)
+        else:
+            rq, rs = ref.quantize_group_colwise(x, offs, E4M3FN)
+        assert_same(q, rq, "q")
+        assert_same(s, rs, "scale")
+
+
+@pytest.mark.interpreter
+def test_group_colwise_no_groups_cpu():
+    a, b = hard_input((20, 16), seed=1), hard_input((20, 32), seed=2)
+    qa, sa, qb, sb = triton_quantize_group_colwise_dual(a, b, torch.zeros(0, dtype=torch.int32), E4M3FN)
+    assert sa.shape == (0, 16) and sb.shape == (0, 32)
+    assert_same(qa, (a.float() * 0).to(torch.float8_e4m3fn), "qa")  # every row outside every group
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty", "one"])
+def test_group_colwise_dual_gpu(kind):
+    a = hard_input((16384, 2048), seed=1, device="cuda")
+    b = hard_input((16384, 7168), seed=2, device="cuda")
+    offs = _offsets(16000, 8, kind, seed=3, device="cuda")
+    _check_dual(a, b, offs, True, E4M3FN)
+    _check_dual(a, b, offs, False, E4M3FN, padded=True)
+
+
+@pytest.mark.gpu
+def test_group_colwise_many_groups_gpu():
+    a = hard_input((8192, 768), torch.float32, seed=4, device="cuda")
+    b = hard_input((8192, 2048), seed=5, device="cuda")
+    offs = _offsets(8192, 128, "skewed", seed=6, device="cuda")
+    _check_dual(a, b, offs, False, E4M3FN)
+    _check_single(b, offs, True, E4M3FN)

@@ -1,0 +1,162 @@
+"""Row-wise and per-expert column-wise Triton quantizers equal the reference byte for byte.
+
+CPU tests run the kernels in the Triton interpreter on small, odd shapes; ``-m gpu`` tests run
+the same checks on model-sized shapes.
+"""
+
+import pytest
+import torch
+from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poison_device_cache
+
+from moe_fp8.quant import reference as ref
+from moe_fp8.quant.formats import E4M3FN
+from moe_fp8.quant.kernels.colwise import launch_expert_colwise_t
+from moe_fp8.quant.kernels.rowwise import launch_rowwise
+from moe_fp8.quant.ops import (
+    triton_quantize_expert_colwise,
+    triton_quantize_expert_colwise_dual,
+    triton_quantize_rowwise,
+)
+
+
+def _check_rowwise(x, pow2, fmt):
+    poison_device_cache(x.device)
+    q, s = triton_quantize_rowwise(x, fmt, pow2)
+    rq, rs = ref.quantize_rowwise(x, fmt, pow2=pow2)
+    assert q.is_contiguous()
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+
+
+def _check_expert(w, pow2, fmt):
+    poison_device_cache(w.device)
+    for transposed in (False, True):
+        q, s = triton_quantize_expert_colwise(w, fmt, pow2, transposed)
+        rq, rs = ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=transposed)
+        assert q.is_contiguous()
+        assert_same(q, rq, f"q transposed={transposed}")
+        assert_same(s, rs, f"scale transposed={transposed}")
+    q_fwd, s_fwd, q_bwd, s_bwd = triton_quantize_expert_colwise_dual(w, fmt, pow2)
+    for got, want, what in zip((q_fwd, s_fwd, q_bwd, s_bwd),
+                               (*ref.quantize_expert_colwise(w, fmt, pow2=pow2),
+                                *ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True)),
+                               ("q_fwd", "s_fwd", "q_bwd", "s_bwd")):
+        assert_same(got, want, f"dual {what}")
+
+
+# ------------------------------------------------------------------------------ CPU (interpreter)
+
+ROW_SHAPES = [(1, 1), (7, 200), (33, 130), (3, 16400)]  # K = 16400 > 16384 takes the two-pass path
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
+def test_rowwise_cpu(shape, pow2, fmt):
+    _check_rowwise(hard_input(shape, seed=shape[0] + shape[1]), pow2, fmt)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rowwise_dtypes_and_strides_cpu(dtype):
+    x = hard_input((48, 40), dtype, seed=3)
+    _check_rowwise(x, False, E4M3FN)
+    _check_rowwise(x.t(), True, E4M3FN)  # column-major input
+    _check_rowwise(x[::3, 5:], False, E4M3FN)  # strided rows, offset start
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(0, 16), (5, 0), (0, 0)], ids=str)
+def test_rowwise_empty_cpu(shape):
+    _check_rowwise(torch.randn(shape).bfloat16(), False, E4M3FN)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("config", [
+    dict(BLOCK_M=4, BLOCK_K=256, SINGLE_PASS=True, num_warps=4),
+    dict(BLOCK_M=2, BLOCK_K=32, SINGLE_PASS=False, num_warps=4),
+], ids=["rows4", "two_pass"])
+def test_rowwise_block_configs_cpu(config):
+    x = hard_input((11, 100), seed=5)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    s = torch.empty(11)
+    launch_rowwise(x, q, s, E4M3FN, True, M=11, K=100, rows_per_group=11, stride_g=0, stride_r=100, stride_k=1,
+                   config=config)
+    rq, rs = ref.quantize_rowwise(x, E4M3FN, pow2=True)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+
+
+EXPERT_SHAPES = [(1, 1, 1), (3, 40, 72), (2, 17, 33), (4, 5, 300)]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", EXPERT_SHAPES, ids=str)
+def test_expert_colwise_cpu(shape, pow2, fmt):
+    _check_expert(hard_input(shape, seed=sum(shape)), pow2, fmt)
+
+
+@pytest.mark.interpreter
+def test_expert_colwise_strided_and_empty_cpu():
+    w = hard_input((3, 48, 40), torch.float32, seed=9)
+    _check_expert(w.transpose(1, 2), False, E4M3FN)  # (E, 40, 48) with unit stride on dim 1
+    _check_expert(w[:, 3:, ::2], True, E4M3FN)
+    for shape in [(0, 4, 16), (2, 0, 16), (2, 16, 0)]:
+        _check_expert(torch.randn(shape).bfloat16(), False, E4M3FN)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("programs_per_sm", [0, 1])
+def test_expert_colwise_t_strip_configs_cpu(programs_per_sm):
+    """Several row chunks per strip (full, partial, backwards), several strips per program."""
+    w = hard_input((3, 70, 40), seed=11)
+    q = torch.empty((3, 40, 70), dtype=torch.float8_e4m3fn)
+    s = torch.empty((3, 40))
+    launch_expert_colwise_t(w, q, s, E4M3FN, False,
+                            config=dict(BLOCK_R=16, BLOCK_C=16, num_warps=4, programs_per_sm=programs_per_sm))
+    rq, rs = ref.quantize_expert_colwise(w, E4M3FN, transposed=True)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", [((8192, 7168), torch.bfloat16), ((3000, 5120), torch.float32),
+                                         ((513, 20000), torch.bfloat16)], ids=["dsv3", "fp32", "two_pass"])
+def test_rowwise_gpu(shape, dtype):
+    x = hard_input(shape, dtype, seed=1, device="cuda")
+    for pow2 in (False, True):
+        _check_rowwise(x, pow2, E4M3FN)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8, 512, 7168), (8, 7168, 512), (16, 1536, 2048), (3, 1000, 1000)], ids=str)
+def test_expert_colwise_gpu(shape):
+    w = hard_input(shape, seed=2, device="cuda")
+    _check_expert(w, True, E4M3FN)
+    _check_expert(w[:, :, : shape[2] // 2], False, E4M3FN)  # strided rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hw_cast", [False, True], ids=["preround", "hw_cast"])
+def test_both_cast_paths_gpu(hw_cast):
+    """The fp32 pre-rounding path and the direct hardware cast give the reference's bytes on the GPU."""
+    x = hard_input((4096, 5120), seed=3, device="cuda")
+    q, s = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(4096, device="cuda")
+    launch_rowwise(x, q, s, E4M3FN, False, M=4096, K=5120, rows_per_group=4096, stride_g=0, stride_r=5120,
+                   stride_k=1, hw_cast=hw_cast)
+    rq, rs = ref.quantize_rowwise(x, E4M3FN)
+    assert_same(q, rq, "rowwise q")
+    assert_same(s, rs, "rowwise scale")
+    w = x.view(4, 1024, 5120)
+    q = torch.empty((4, 5120, 1024), dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty((4, 5120), device="cuda")
+    launch_expert_colwise_t(w, q, s, E4M3FN, True, hw_cast=hw_cast)
+    rq, rs = ref.quantize_expert_colwise(w, E4M3FN, pow2=True, transposed=True)
+    assert_same(q, rq, "dgrad q")
+    assert_same(s, rs, "dgrad scale")
