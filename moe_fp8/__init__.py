@@ -1,9 +1,20 @@
 """moe_fp8: Mixture-of-Experts layers whose expert matmuls run in FP8."""
 
 from . import testing
+from .grouped_gemm import Fp8WeightCache, fp8_grouped_mm
 from .layers import FP8Linear, convert_to_fp8
 from .quant.formats import Float8Format, detect_format
 from .quant.recipes import Float8Recipe, get_recipe
 
-__all__ = ["FP8Linear", "Float8Format", "Float8Recipe", "convert_to_fp8", "detect_format", "get_recipe", "testing"]
+__all__ = [
+    "FP8Linear",
+    "Float8Format",
+    "Float8Recipe",
+    "Fp8WeightCache",
+    "convert_to_fp8",
+    "detect_format",
+    "fp8_grouped_mm",
+    "get_recipe",
+    "testing",
+]
 __version__ = "0.1.0"

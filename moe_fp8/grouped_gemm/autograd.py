@@ -1,0 +1,92 @@
+"""``FP8GroupedMM``: the autograd function behind ``fp8_grouped_mm``.
+
+``out[rows of g] = x[rows of g] @ w[g].T``. Per recipe:
+
+| recipe          | forward                    | dgrad ``dx = dout @ w[g]``     | wgrad ``dw[g] = dout_g^T x_g``   |
+|-----------------|----------------------------|--------------------------------|----------------------------------|
+| rowwise         | x rows, w (expert, N) cols | dout rows, w (expert, K) cols  | FP8, per-group column scales     |
+| rowwise_gw_hp   | as rowwise                 | as rowwise                     | BF16 ``torch._grouped_mm``       |
+| tensorwise      | x tensor, w per expert     | dout tensor, w per expert      | FP8, one scale per operand       |
+| blockwise       | x 1x128, w 128x128         | dout 1x128, w^T 128x128        | BF16                             |
+| bf16            | ``torch._grouped_mm``      | ``torch._grouped_mm``          | ``torch._grouped_mm``            |
+
+The weights are quantized once per call in both layouts (or come from an ``Fp8WeightCache``)
+and only their FP8 copies are saved for backward, with ``x`` (the wgrad operand) and ``offs``.
+Nothing here syncs with the host; the backends say which layouts they take.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import library as lib
+from .backends import get_backend
+from .padding import padded_offsets, padded_rows
+
+__all__ = ["FP8GroupedMM"]
+
+_NONES = (None,) * 8  # gradients of the non-tensor arguments of ``apply``
+
+
+class FP8GroupedMM(torch.autograd.Function):
+    """``apply(x, w, offs, w_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype)``.
+
+    ``scaling`` is ``None`` for the BF16 recipe; ``w_quant`` is the 4-tuple of
+    ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, offs, w_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype):
+        ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
+        ctx.w_dtype = w.dtype
+        ctx.empty = x.shape[0] == 0
+        if ctx.empty:  # static shape: no GEMM to run, dw = 0
+            ctx.save_for_backward(x, w)
+            return x.new_zeros(0, w.shape[1], dtype=out_dtype)
+        if scaling is None:
+            ctx.save_for_backward(x, w, offs)
+            return lib.bf16_mm_2d3d(backend, x, w, offs).to(out_dtype)
+        if w_quant is None:
+            w_quant = lib.quantize_weight(w, scaling, fmt, pow2)
+        q_fwd, s_fwd, q_bwd, s_bwd = w_quant
+        xq, xs = lib.quantize_activation(x, scaling, fmt, pow2)
+        out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
+        ctx.save_for_backward(x, offs, q_bwd, s_bwd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.empty:
+            x, w = ctx.saved_tensors
+            dx = torch.zeros_like(x) if need_dx else None
+            dw = torch.zeros_like(w) if need_dw else None
+            return dx, dw, *_NONES
+        grad_out = grad_out.contiguous()
+        if ctx.scaling is None:
+            x, w, offs = ctx.saved_tensors
+            g = grad_out.to(x.dtype)
+            dx = lib.bf16_mm_2d3d(ctx.backend, g, w.transpose(-2, -1), offs) if need_dx else None
+            dw = lib.bf16_mm_2d2d(ctx.backend, g, x, offs) if need_dw else None
+            return dx, dw, *_NONES
+        x, offs, q_bwd, s_bwd = ctx.saved_tensors
+        dx = dw = None
+        if need_dx:
+            gq, gs = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2)
+            dx = lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, x.dtype)
+        if need_dw:
+            dw = _wgrad(ctx, grad_out, x, offs)
+        return dx, dw, *_NONES
+
+
+def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``dw[g] = grad_out_g^T @ x_g``, ``(E, N, K)`` in the weights' dtype."""
+    if not ctx.fp8_wgrad:
+        return lib.bf16_mm_2d2d(ctx.backend, grad_out.to(x.dtype), x, offs).to(ctx.w_dtype)
+    if get_backend(ctx.backend).pads_wgrad_groups:
+        p_offs = padded_offsets(offs)
+        rows = padded_rows(x.shape[0], offs.numel())
+    else:
+        p_offs, rows = None, 0
+    qa, sa, qb, sb = lib.quantize_wgrad_operands(grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, p_offs, rows)
+    return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs if p_offs is None else p_offs, ctx.w_dtype)

@@ -1,0 +1,6 @@
+"""Grouped-GEMM backends: ``cuda``, ``rocm``, ``triton``, ``emulated`` (see ``select.py``)."""
+
+from .base import GroupedGemmBackend
+from .select import BACKEND_ENV_VAR, BACKENDS, available_backends, get_backend, select_backend
+
+__all__ = ["BACKEND_ENV_VAR", "BACKENDS", "GroupedGemmBackend", "available_backends", "get_backend", "select_backend"]

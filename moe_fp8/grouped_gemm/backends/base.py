@@ -1,0 +1,77 @@
+"""What a grouped-GEMM backend provides to the autograd op.
+
+A backend runs the two FP8 GEMM forms on quantized operands and the BF16 forms of the baseline
+recipe; the op does the quantization (``quant_seam``) and the bookkeeping. Operand layouts:
+
+* ``mm_2d3d(a (M, K) row-major, scale_a, b (E, N, K) contiguous, scale_b, offs) -> (M, N)``:
+  forward (``b`` = weights) and dgrad (``b`` = weights quantized in the ``(E, K_in, N_out)``
+  layout). Scales: rowwise ``(M,)`` / ``(E, N)``; tensorwise ``()`` / ``(E,)``; blockwise
+  ``(M, ceil(K/128))`` / ``(E, ceil(N/128), ceil(K/128))``.
+* ``mm_2d2d(a (rows, N), scale_a, b (rows, K), scale_b, offs) -> (E, N, K)``: wgrad
+  ``out[g] = a_g^T b_g``; ``a``/``b`` column-major as ``quant_seam.quantize_wgrad_operands``
+  returns them. Scales: rowwise ``(E, N)`` / ``(E, K)``; tensorwise ``()`` / ``()``. When
+  ``pads_wgrad_groups`` is set, the op hands over groups padded to 16 rows (``padding.py``)
+  and the padded offsets.
+
+Every output row at or past ``offs[-1]`` is zero, and no method syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...quant.formats import Float8Format, detect_format
+from ..padding import padded_offsets, padded_row_index, padded_rows, scatter_rows_padded
+from ..tail import zero_rows_past_end
+
+__all__ = ["GroupedGemmBackend"]
+
+
+class GroupedGemmBackend:
+    """Base class; subclasses set the attributes and implement ``unavailable_reason`` and the GEMMs."""
+
+    name: str = ""
+    #: device type of the tensors this backend takes (``"cuda"`` covers ROCm too).
+    device_type: str = "cuda"
+    #: wgrad operands must come with groups padded to 16 rows (``torch._scaled_grouped_mm``).
+    pads_wgrad_groups: bool = False
+    #: most expert groups one call may have, or ``None``.
+    max_groups: int | None = None
+    #: output dtypes of the FP8 GEMMs.
+    out_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Why this backend cannot run on ``device`` here, or ``None`` if it can."""
+        raise NotImplementedError
+
+    def fp8_format(self, device: torch.device) -> Float8Format:
+        """The E4M3 format this backend's GEMMs take on ``device``."""
+        return detect_format(device)
+
+    def mm_2d3d(self, a, scale_a, b, scale_b, offs, out_dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def mm_2d2d(self, a, scale_a, b, scale_b, offs, out_dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    # BF16 GEMMs (the ``bf16`` recipe, BF16 wgrad): torch._grouped_mm on every backend.
+    def bf16_mm_2d3d(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """``out[rows of g] = a[rows of g] @ b[g].T`` for ``a (M, K)``, ``b (E, N, K)``; ``(M, N)``."""
+        out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        return zero_rows_past_end(out, offs)
+
+    def bf16_mm_2d2d(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """``out[g] = a_g^T @ b_g`` for ``a (M, N)``, ``b (M, K)``; ``(E, N, K)``.
+
+        On the GPU, PyTorch's kernel needs groups of a multiple of 8 rows: the rows are copied
+        into 16-row-aligned groups first (on device, static size).
+        """
+        if a.is_cuda:
+            E, M = offs.numel(), a.shape[0]
+            p_offs = padded_offsets(offs)
+            rows = padded_rows(M, E)
+            dest = padded_row_index(offs, p_offs, M)
+            a = scatter_rows_padded(a, dest, rows)
+            b = scatter_rows_padded(b, dest, rows)
+            offs = p_offs
+        return torch._grouped_mm(a.t(), b, offs=offs)

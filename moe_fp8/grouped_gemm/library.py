@@ -1,0 +1,158 @@
+"""The steps the autograd op runs, each callable two ways.
+
+Eagerly they are plain Python calls (no dispatcher overhead). Under ``torch.compile`` they are
+``torch.library`` custom ops (``moe_fp8::gg_*``) with shape-only fake implementations, so the
+compiler sees each backend GEMM and each quantization as one opaque node: ``fullgraph=True``
+works for every backend, Triton kernels and the CPU reference included.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..quant.formats import resolve_format
+from . import quant_seam
+from .backends import get_backend
+
+__all__ = [
+    "mm_2d3d",
+    "mm_2d2d",
+    "bf16_mm_2d3d",
+    "bf16_mm_2d2d",
+    "quantize_activation",
+    "quantize_weight",
+    "quantize_wgrad_operands",
+]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fp8(fmt: str) -> torch.dtype:
+    return resolve_format(fmt).torch_dtype
+
+
+# ----------------------------------------------------------------------------- implementations
+def _mm_2d3d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+             out_dtype: torch.dtype) -> Tensor:
+    return get_backend(backend).mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
+
+
+def _mm_2d2d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
+             out_dtype: torch.dtype) -> Tensor:
+    return get_backend(backend).mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
+
+
+def _bf16_mm_2d3d(backend: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    return get_backend(backend).bf16_mm_2d3d(a, b, offs)
+
+
+def _bf16_mm_2d2d(backend: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    return get_backend(backend).bf16_mm_2d2d(a, b, offs)
+
+
+def _quantize_activation(x: Tensor, scaling: str, fmt: str, pow2: bool) -> tuple[Tensor, Tensor]:
+    return quant_seam.quantize_activation(x, scaling, resolve_format(fmt), pow2)
+
+
+def _quantize_weight(w: Tensor, scaling: str, fmt: str, pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return quant_seam.quantize_weight(w, scaling, resolve_format(fmt), pow2)
+
+
+def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, scaling: str, fmt: str, pow2: bool,
+                             padded_offs: Tensor | None, padded_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return quant_seam.quantize_wgrad_operands(
+        a, b, offs, scaling, resolve_format(fmt), pow2,
+        padded_offs=padded_offs, padded_rows=padded_rows if padded_offs is not None else None,
+    )
+
+
+# ----------------------------------------------------------------------------- custom ops
+_op_mm_2d3d = torch.library.custom_op("moe_fp8::gg_mm_2d3d", _mm_2d3d, mutates_args=())
+_op_mm_2d2d = torch.library.custom_op("moe_fp8::gg_mm_2d2d", _mm_2d2d, mutates_args=())
+_op_bf16_mm_2d3d = torch.library.custom_op("moe_fp8::gg_bf16_mm_2d3d", _bf16_mm_2d3d, mutates_args=())
+_op_bf16_mm_2d2d = torch.library.custom_op("moe_fp8::gg_bf16_mm_2d2d", _bf16_mm_2d2d, mutates_args=())
+_op_quantize_activation = torch.library.custom_op(
+    "moe_fp8::gg_quantize_activation", _quantize_activation, mutates_args=()
+)
+_op_quantize_weight = torch.library.custom_op("moe_fp8::gg_quantize_weight", _quantize_weight, mutates_args=())
+_op_quantize_wgrad_operands = torch.library.custom_op(
+    "moe_fp8::gg_quantize_wgrad_operands", _quantize_wgrad_operands, mutates_args=()
+)
+
+
+@_op_mm_2d3d.register_fake
+def _(backend, a, scale_a, b, scale_b, offs, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+@_op_mm_2d2d.register_fake
+def _(backend, a, scale_a, b, scale_b, offs, out_dtype):
+    return a.new_empty(offs.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
+
+
+@_op_bf16_mm_2d3d.register_fake
+def _(backend, a, b, offs):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+@_op_bf16_mm_2d2d.register_fake
+def _(backend, a, b, offs):
+    return a.new_empty(offs.shape[0], a.shape[1], b.shape[1])
+
+
+def _scale_shape(shape, scaling: str) -> tuple:
+    if scaling == "rowwise":
+        return tuple(shape[:-1])
+    if scaling == "tensorwise":
+        return ()
+    return (*shape[:-1], _cdiv(shape[-1], quant_seam.BLOCK))
+
+
+@_op_quantize_activation.register_fake
+def _(x, scaling, fmt, pow2):
+    return x.new_empty(x.shape, dtype=_fp8(fmt)), x.new_empty(_scale_shape(x.shape, scaling), dtype=torch.float32)
+
+
+@_op_quantize_weight.register_fake
+def _(w, scaling, fmt, pow2):
+    E, N, K = w.shape
+    f32 = torch.float32
+    q_fwd, q_bwd = w.new_empty(E, N, K, dtype=_fp8(fmt)), w.new_empty(E, K, N, dtype=_fp8(fmt))
+    if scaling == "rowwise":
+        return q_fwd, w.new_empty(E, N, dtype=f32), q_bwd, w.new_empty(E, K, dtype=f32)
+    if scaling == "tensorwise":
+        return q_fwd, w.new_empty(E, dtype=f32), q_bwd, w.new_empty(E, dtype=f32)
+    nb, kb = _cdiv(N, quant_seam.BLOCK), _cdiv(K, quant_seam.BLOCK)
+    return q_fwd, w.new_empty(E, nb, kb, dtype=f32), q_bwd, w.new_empty(E, kb, nb, dtype=f32)
+
+
+@_op_quantize_wgrad_operands.register_fake
+def _(a, b, offs, scaling, fmt, pow2, padded_offs, padded_rows):
+    rows = a.shape[0] if padded_offs is None else padded_rows
+    E, N, K = offs.shape[0], a.shape[1], b.shape[1]
+    qa = a.new_empty(N, rows, dtype=_fp8(fmt)).t()
+    qb = b.new_empty(K, rows, dtype=_fp8(fmt)).t()
+    sa_shape, sb_shape = ((E, N), (E, K)) if scaling == "rowwise" else ((), ())
+    return qa, a.new_empty(sa_shape, dtype=torch.float32), qb, b.new_empty(sb_shape, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- entry points
+def _pick(op, impl):
+    def call(*args):
+        return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+    call.__name__ = impl.__name__.lstrip("_")
+    call.__doc__ = f"``{impl.__name__}`` eagerly, the custom op ``{op._qualname}`` under torch.compile."
+    return call
+
+
+mm_2d3d = _pick(_op_mm_2d3d, _mm_2d3d)
+mm_2d2d = _pick(_op_mm_2d2d, _mm_2d2d)
+bf16_mm_2d3d = _pick(_op_bf16_mm_2d3d, _bf16_mm_2d3d)
+bf16_mm_2d2d = _pick(_op_bf16_mm_2d2d, _bf16_mm_2d2d)
+quantize_activation = _pick(_op_quantize_activation, _quantize_activation)
+quantize_weight = _pick(_op_quantize_weight, _quantize_weight)
+quantize_wgrad_operands = _pick(_op_quantize_wgrad_operands, _quantize_wgrad_operands)

@@ -1,0 +1,103 @@
+"""``fp8_grouped_mm``: the public FP8 grouped GEMM of MoE experts (differentiable)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..checks import check_multiple_of, check_offsets, check_offsets_values, check_same_device, check_tensor
+from ..quant.recipes import Float8Recipe, get_recipe
+from . import library as lib
+from .autograd import FP8GroupedMM
+from .backends import select_backend
+from .weight_cache import Fp8WeightCache
+
+__all__ = ["CHECK_OFFSETS_ENV_VAR", "fp8_grouped_mm"]
+
+#: set to 1 to check GPU offsets' values (non-decreasing, <= M) at the cost of a host sync per call.
+CHECK_OFFSETS_ENV_VAR = "MOE_FP8_CHECK_OFFSETS"
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fp8_grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    recipe: str | Float8Recipe = "rowwise",
+    backend: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    weight_cache: Fp8WeightCache | None = None,
+) -> torch.Tensor:
+    """Grouped ``x @ w[g].T`` over the token groups of ``offs``, with FP8 GEMMs.
+
+    ``out[offs[g-1]:offs[g]] = x[offs[g-1]:offs[g]] @ w[g].T`` (``offs[-1]`` taken as 0), the
+    MoE expert matmul on tokens permuted by expert. Differentiable in ``x`` and ``w``.
+
+    Args:
+        x: ``(M, K)`` activations, bf16 (fp16/fp32 too on the triton and emulated backends).
+        w: ``(E, N, K)`` expert weights in ``nn.Linear`` layout, same dtype as ``x``.
+        offs: ``(E,)`` int32 cumulative END offsets of the experts' rows on ``x``'s device;
+            empty experts are legal, ``offs[-1] <= M``.
+        recipe: ``"rowwise"`` (default), ``"rowwise_gw_hp"``, ``"tensorwise"``, ``"blockwise"``
+            or ``"bf16"`` (``torch._grouped_mm``, the baseline), or a :class:`Float8Recipe`.
+            Forward and dgrad run in FP8 in every FP8 recipe; wgrad in FP8 for rowwise and
+            tensorwise, in BF16 for rowwise_gw_hp and blockwise.
+        backend: ``"cuda"``, ``"rocm"``, ``"triton"``, ``"emulated"``, or ``None`` for the
+            ``MOE_FP8_BACKEND`` environment variable, else the platform's best
+            (see ``moe_fp8.grouped_gemm.backends.select``).
+        out_dtype: dtype of the result (bf16 only on the cuda and rocm backends).
+        weight_cache: serve the quantized weights from this cache while ``w`` is unchanged
+            (same tensor, same version counter): pass it across gradient-accumulation
+            micro-batches. Not for ``torch.compile``.
+    Returns:
+        ``(M, N)`` in ``out_dtype``; rows at or past ``offs[-1]`` are zero.
+
+    K and N must be multiples of 16. Argument errors raise ``TypeError``/``ValueError`` before
+    anything runs on the device. No host sync on the GPU: the VALUES of GPU ``offs`` are not
+    checked (set ``MOE_FP8_CHECK_OFFSETS=1`` to check them with a sync); they are clamped to a
+    non-decreasing sequence in ``[0, M]`` on the device, so bad offsets give wrong rows, never
+    a device-side assert or an out-of-bounds access. CPU offsets are checked (in eager mode).
+    """
+    rec = get_recipe(recipe)
+    if rec.grad_format is not None:
+        raise ValueError(f"recipe: grad_format={rec.grad_format!r} is not supported by fp8_grouped_mm (use None)")
+    check_tensor("x", x, dtypes=_FLOAT_DTYPES, ndim=2)
+    check_tensor("w", w, dtypes=(x.dtype,), ndim=3)
+    M, K = x.shape
+    E, N, _ = w.shape
+    check_tensor("w", w, shape=(None, None, K))
+    if E < 1:
+        raise ValueError("w: expected at least one expert, got shape (0, ...)")
+    check_same_device(x=x, w=w)
+    check_offsets(offs, num_groups=E, device=x.device)
+    check_multiple_of("K (x.shape[1])", K, 16)
+    check_multiple_of("N (w.shape[1])", N, 16)
+    if weight_cache is not None and not isinstance(weight_cache, Fp8WeightCache):
+        raise TypeError(f"weight_cache: expected Fp8WeightCache or None, got {type(weight_cache).__name__}")
+    be = select_backend(backend, x.device)
+    dtypes = be.out_dtypes if rec.is_fp8 else _FLOAT_DTYPES
+    if out_dtype not in dtypes:
+        raise TypeError(f"out_dtype: the {be.name} backend expects one of {dtypes}, got {out_dtype}")
+    if rec.is_fp8 and x.dtype not in be.out_dtypes:
+        raise TypeError(f"x: the {be.name} backend expects dtype in {be.out_dtypes}, got {x.dtype}")
+    if be.max_groups is not None and E > be.max_groups:
+        raise ValueError(f"w: the {be.name} backend takes at most {be.max_groups} experts, got {E}")
+    check_values = offs.device.type == "cpu" or os.environ.get(CHECK_OFFSETS_ENV_VAR, "0") not in ("", "0")
+    if check_values and not torch.compiler.is_compiling():
+        check_offsets_values(offs, M)
+    else:  # trusted without a sync: made safe for every kernel (non-decreasing, within [0, M])
+        offs = torch.cummax(offs.clamp(0, M), 0).values
+
+    fmt = be.fp8_format(x.device).name if rec.is_fp8 else ""
+    w_quant = None
+    if weight_cache is not None and rec.is_fp8:
+        key = (rec.scaling, fmt, rec.pow2_scales)
+        w_quant = weight_cache.get(
+            w, key, lambda t: lib.quantize_weight(t.contiguous(), rec.scaling, fmt, rec.pow2_scales)
+        )
+    x, w = x.contiguous(), w.contiguous()
+    return FP8GroupedMM.apply(
+        x, w, offs, w_quant, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype
+    )

@@ -1,0 +1,104 @@
+"""The one place where ``fp8_grouped_mm`` quantizes: activations, gradients, weights, wgrad operands.
+
+Every function states the layout it returns; the autograd op and the backends rely on nothing
+else. Today these call the pure-torch reference quantizers (``moe_fp8.quant.reference``), the
+numerics spec the fused Triton kernels reproduce bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import reference as ref
+from ..quant.formats import Float8Format
+from .padding import padded_row_index, scatter_rows_padded
+
+__all__ = ["BLOCK", "quantize_activation", "quantize_weight", "quantize_wgrad_operands"]
+
+BLOCK = 128  # blockwise recipe: 1 x 128 activation blocks, 128 x 128 weight blocks
+
+
+def quantize_activation(
+    x: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the left operand of a 2D x 3D GEMM (x in forward, grad_out in dgrad).
+
+    Args:
+        x: ``(M, K)`` row-major, bf16/fp16/fp32.
+        scaling: ``"rowwise"`` | ``"tensorwise"`` | ``"blockwise"``.
+    Returns:
+        ``q (M, K)`` row-major fp8 and fp32 scales ``(M,)`` (rowwise), ``()`` (tensorwise) or
+        ``(M, ceil(K/128))`` (blockwise, 1 x 128 blocks).
+    """
+    if scaling == "rowwise":
+        return ref.quantize_rowwise(x, fmt, pow2=pow2)
+    if scaling == "tensorwise":
+        return ref.quantize_tensorwise(x, fmt, pow2=pow2)
+    return ref.quantize_blockwise(x, fmt, block=(1, BLOCK), pow2=pow2)
+
+
+def quantize_weight(
+    w: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize expert weights once, in the forward and the dgrad layout.
+
+    Args:
+        w: ``(E, N, K)`` contiguous (``nn.Linear`` layout per expert).
+    Returns:
+        ``q_fwd (E, N, K)`` contiguous with ``s_fwd``, and ``q_bwd (E, K, N)`` contiguous with
+        ``s_bwd``. Scales: rowwise ``(E, N)`` (amax over K) and ``(E, K)`` (amax over N);
+        tensorwise ``(E,)`` both; blockwise ``(E, ceil(N/128), ceil(K/128))`` and its transpose
+        ``(E, ceil(K/128), ceil(N/128))`` (128 x 128 blocks: transposing commutes with quantizing).
+    """
+    if scaling == "rowwise":
+        q_fwd, s_fwd = ref.quantize_expert_colwise(w, fmt, pow2=pow2)
+        q_bwd, s_bwd = ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True)
+        return q_fwd, s_fwd, q_bwd, s_bwd
+    if scaling == "tensorwise":
+        q_fwd, s_fwd = ref.quantize_expert_tensorwise(w, fmt, pow2=pow2)
+        return q_fwd, s_fwd, _transposed_copy(q_fwd), s_fwd.clone()
+    q_fwd, s_fwd = ref.quantize_blockwise(w, fmt, block=(BLOCK, BLOCK), pow2=pow2)
+    return q_fwd, s_fwd, _transposed_copy(q_fwd), _transposed_copy(s_fwd)
+
+
+def _transposed_copy(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor holding ``t.transpose(1, 2)`` (never a view of ``t``)."""
+    return t.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+
+
+def quantize_wgrad_operands(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    scaling: str,
+    fmt: Float8Format,
+    pow2: bool,
+    *,
+    padded_offs: torch.Tensor | None = None,
+    padded_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize both wgrad operands (FP8 wgrad: ``rowwise`` and ``tensorwise`` recipes).
+
+    Args:
+        a: ``(M, N)`` grad_output; b: ``(M, K)`` input activations; offs: ``(E,)`` int32.
+        scaling: ``"rowwise"``: per group and column (amax over the group's rows; rows past
+            ``offs[-1]`` become 0); ``"tensorwise"``: one scale per operand.
+        padded_offs, padded_rows: when given, group ``g``'s rows land at the 16-aligned start
+            ``padded_offs[g-1]`` of a ``padded_rows``-row buffer, rows past ``offs[-1]`` past
+            ``padded_offs[-1]``, and all other rows are zero.
+    Returns:
+        ``qa (rows, N)`` and ``qb (rows, K)`` fp8, both column-major (strides ``(1, rows)``),
+        ``rows`` = M or ``padded_rows``; scales ``sa (E, N)``, ``sb (E, K)`` (rowwise) or ``()``.
+    """
+    if scaling == "rowwise":
+        qa, sa = ref.quantize_group_colwise(a, offs, fmt, pow2=pow2)
+        qb, sb = ref.quantize_group_colwise(b, offs, fmt, pow2=pow2)
+    else:
+        qa, sa = ref.quantize_tensorwise(a, fmt, pow2=pow2)
+        qb, sb = ref.quantize_tensorwise(b, fmt, pow2=pow2)
+    if padded_offs is None:
+        return qa.t().contiguous().t(), sa, qb.t().contiguous().t(), sb
+    dest = padded_row_index(offs, padded_offs, a.shape[0])
+    qa = scatter_rows_padded(qa, dest, padded_rows, column_major=True)
+    qb = scatter_rows_padded(qb, dest, padded_rows, column_major=True)
+    return qa, sa, qb, sb

@@ -1,0 +1,78 @@
+"""``Fp8WeightCache``: quantized expert weights reused while the weights have not changed.
+
+Under gradient accumulation the same weights are quantized once per micro-batch; with a cache
+they are quantized once per optimizer step. An entry is served only while it provably belongs
+to the same tensor in the same state:
+
+* the tensor object is the one quantized (a weak reference: a new tensor that happens to reuse
+  the freed memory never hits);
+* its ``data_ptr()`` is unchanged;
+* its version counter ``_version`` is unchanged: every in-place update through the tensor
+  (``optimizer.step()``, ``p.add_()``, ``p.copy_()`` under ``no_grad``) bumps it.
+
+Limitation: writes through ``p.data`` (a separate version counter, by PyTorch's design) are
+invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`.
+The cached FP8 copies take as much memory as one BF16 copy of the weights.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Fp8WeightCache"]
+
+Quantized = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class _Entry:
+    ref: weakref.ref
+    data_ptr: int
+    version: int
+    value: Quantized
+
+
+class Fp8WeightCache:
+    """Cache of quantized weights, keyed by tensor and quantization settings.
+
+    Pass one to ``fp8_grouped_mm(..., weight_cache=cache)`` (or share one per module); ``hits``
+    and ``misses`` count lookups.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, _Entry] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, w: torch.Tensor, key: Hashable, quantize: Callable[[torch.Tensor], Quantized]) -> Quantized:
+        """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``."""
+        slot = (id(w), key)
+        entry = self._entries.get(slot)
+        if (
+            entry is not None
+            and entry.ref() is w
+            and entry.data_ptr == w.data_ptr()
+            and entry.version == w._version
+        ):
+            self.hits += 1
+            return entry.value
+        self.misses += 1
+        self._entries = {k: e for k, e in self._entries.items() if e.ref() is not None}
+        with torch.no_grad():
+            value = tuple(quantize(w.detach()))
+        self._entries[slot] = _Entry(weakref.ref(w), w.data_ptr(), w._version, value)
+        return value
+
+    def invalidate(self) -> None:
+        """Drop every entry (after writing weights through ``.data``)."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Fp8WeightCache(entries={len(self)}, hits={self.hits}, misses={self.misses})"
