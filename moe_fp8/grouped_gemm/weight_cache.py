@@ -36,6 +36,17 @@ class _Entry:
     value: Quantized
 
 
+def _dropper(cache_ref: weakref.ref, slot: tuple) -> Callable:
+    """Weakref callback: drop ``slot``'s entry (and its FP8 copies) when its tensor dies."""
+
+    def drop(dead_ref: weakref.ref) -> None:
+        cache = cache_ref()
+        if cache is not None and slot in cache._entries and cache._entries[slot].ref is dead_ref:
+            del cache._entries[slot]
+
+    return drop
+
+
 class Fp8WeightCache:
     """Cache of quantized weights, keyed by tensor and quantization settings.
 
@@ -61,10 +72,9 @@ class Fp8WeightCache:
             self.hits += 1
             return entry.value
         self.misses += 1
-        self._entries = {k: e for k, e in self._entries.items() if e.ref() is not None}
         with torch.no_grad():
             value = tuple(quantize(w.detach()))
-        self._entries[slot] = _Entry(weakref.ref(w), w.data_ptr(), w._version, value)
+        self._entries[slot] = _Entry(weakref.ref(w, _dropper(weakref.ref(self), slot)), w.data_ptr(), w._version, value)
         return value
 
     def invalidate(self) -> None:

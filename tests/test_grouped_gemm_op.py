@@ -1,0 +1,280 @@
+"""fp8_grouped_mm on the CPU: numerics per recipe, gradients, edge cases, weight cache, bad input.
+
+The emulated backend is the exact reference; the triton backend runs its kernel in the Triton
+interpreter (TRITON_INTERPRET=1), so its shapes stay small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_fp8
+from moe_fp8 import Fp8WeightCache, fp8_grouped_mm
+from moe_fp8.grouped_gemm import emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d
+from moe_fp8.grouped_gemm.backends.triton_backend import interpreter_enabled
+from moe_fp8.quant import E4M3FN, quantize_expert_colwise, quantize_group_colwise, quantize_rowwise
+from moe_fp8.testing import OFFSET_KINDS, random_offsets, sqnr
+
+FP8_RECIPES = ("rowwise", "rowwise_gw_hp", "tensorwise", "blockwise")
+needs_interpreter = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
+
+
+def ref_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``x[rows of g] @ w[g].T`` (zero past ``offs[-1]``) in the inputs' dtype."""
+    parts, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        parts.append(x[start:end] @ w[g].T)
+        start = end
+    parts.append(x[start:] @ w[0].T * 0)
+    return torch.cat(parts)
+
+
+def make_inputs(M, K, N, E, used, kind, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(E, N, K, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(M, N, generator=gen).to(torch.bfloat16)
+    offs = random_offsets(used, E, kind, generator=gen)
+    return x, w, g, offs
+
+
+def run(x, w, g, offs, **kw):
+    y = fp8_grouped_mm(x, w, offs, **kw)
+    dx, dw = torch.autograd.grad(y, (x, w), g)
+    return y, dx, dw
+
+
+def fp64_reference(x, w, g, offs):
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    y = ref_grouped_mm(x64, w64, offs)
+    dx, dw = torch.autograd.grad(y, (x64, w64), g.double())
+    return y, dx, dw
+
+
+# SQNR floors (dB) of (out, dgrad, wgrad) on Gaussian data; e4m3 rowwise gives ~28.5 dB.
+SQNR_FLOORS = {
+    "rowwise": (28, 28, 25),
+    "rowwise_gw_hp": (28, 28, 45),
+    "tensorwise": (25, 25, 25),
+    "blockwise": (27, 27, 45),
+    "bf16": (45, 45, 45),
+}
+
+
+@pytest.mark.parametrize("kind", OFFSET_KINDS)
+@pytest.mark.parametrize("recipe", [*FP8_RECIPES, "bf16"])
+def test_sqnr_against_fp64(recipe, kind):
+    # 250 of 272 rows used (tail rows), group sizes not multiples of 16; K > 128 so blockwise has 2 blocks.
+    x, w, g, offs = make_inputs(272, 192, 64, 5, 250, kind, seed=hash((recipe, kind)) % 1000)
+    y, dx, dw = run(x, w, g, offs, recipe=recipe, backend="emulated")
+    ry, rdx, rdw = fp64_reference(x, w, g, offs)
+    floors = SQNR_FLOORS[recipe]
+    got = (sqnr(ry, y), sqnr(rdx, dx), sqnr(rdw, dw))
+    assert all(s >= f for s, f in zip(got, floors)), f"SQNR (out, dgrad, wgrad) {got} below {floors}"
+    assert y.dtype == torch.bfloat16 and dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert torch.all(y[250:] == 0) and torch.all(dx[250:] == 0)
+
+
+def test_rowwise_gradients_equal_reference_pipeline():
+    """The autograd op runs exactly: quantize (reference) -> emulated GEMM, in all three GEMMs."""
+    x, w, g, offs = make_inputs(80, 64, 32, 4, 75, "skewed", seed=3)
+    y, dx, dw = run(x, w, g, offs, recipe="rowwise", backend="emulated")
+    xq, xs = quantize_rowwise(x.detach(), E4M3FN)
+    wq, ws = quantize_expert_colwise(w.detach(), E4M3FN)
+    wtq, wts = quantize_expert_colwise(w.detach(), E4M3FN, transposed=True)
+    gq, gs = quantize_rowwise(g, E4M3FN)
+    gcq, gcs = quantize_group_colwise(g, offs, E4M3FN)
+    xcq, xcs = quantize_group_colwise(x.detach(), offs, E4M3FN)
+    assert torch.equal(y, emulated_grouped_mm_2d3d(xq, xs, wq, ws, offs))
+    assert torch.equal(dx, emulated_grouped_mm_2d3d(gq, gs, wtq, wts, offs))
+    assert torch.equal(dw, emulated_grouped_mm_2d2d(gcq, gcs, xcq, xcs, offs))
+
+
+def test_bf16_recipe_equals_torch_grouped_mm():
+    x, w, g, offs = make_inputs(100, 32, 16, 3, 90, "balanced", seed=4)
+    g[90:] = 0  # torch leaves the tail rows undefined; ours are constant zeros
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    dx, dw = torch.autograd.grad(y, (x, w), g)
+    y2, dx2, dw2 = run(x, w, g, offs, recipe="bf16", backend="emulated")
+    assert torch.equal(y[:90], y2[:90]) and torch.equal(dx[:90], dx2[:90]) and torch.equal(dw, dw2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_triton_backend_matches_emulated(recipe):
+    # One 128-wide block and a partial one (K = 160) for blockwise; ragged, skewed groups.
+    x, w, g, offs = make_inputs(70, 160, 32, 3, 66, "skewed", seed=5)
+    want = run(x, w, g, offs, recipe=recipe, backend="emulated")
+    got = run(x, w, g, offs, recipe=recipe, backend="triton")
+    for name, a, b in zip(("out", "dgrad", "wgrad"), got, want):
+        # Same FP8 operands and scales; only the fp32 summation order may differ (1 bf16 ulp).
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("recipe", [*FP8_RECIPES, "bf16"])
+def test_no_rows(recipe):
+    x = torch.zeros(0, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(3, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.zeros(3, dtype=torch.int32)
+    y = fp8_grouped_mm(x, w, offs, recipe=recipe, backend="emulated")
+    assert y.shape == (0, 16)
+    dx, dw = torch.autograd.grad(y, (x, w), torch.zeros(0, 16, dtype=torch.bfloat16))
+    assert dx.shape == (0, 32) and torch.all(dw == 0)
+
+
+@pytest.mark.parametrize("recipe", [*FP8_RECIPES, "bf16"])
+def test_all_experts_empty(recipe):
+    x, w, g, _ = make_inputs(32, 32, 16, 4, 32, "balanced", seed=6)
+    offs = torch.zeros(4, dtype=torch.int32)
+    y, dx, dw = run(x, w, g, offs, recipe=recipe, backend="emulated")
+    assert torch.all(y == 0) and torch.all(dx == 0) and torch.all(dw == 0)
+
+
+def test_single_expert_matches_dense():
+    x, w, g, _ = make_inputs(48, 32, 16, 1, 48, "balanced", seed=7)
+    offs = torch.tensor([48], dtype=torch.int32)
+    y, _, _ = run(x, w, g, offs, recipe="bf16", backend="emulated")
+    assert torch.equal(y, x @ w[0].T)
+
+
+def test_empty_expert_gets_zero_weight_grad():
+    x, w, g, _ = make_inputs(64, 32, 16, 4, 64, "balanced", seed=8)
+    offs = torch.tensor([20, 20, 64, 64], dtype=torch.int32)
+    _, _, dw = run(x, w, g, offs, recipe="rowwise", backend="emulated")
+    assert torch.all(dw[1] == 0) and torch.all(dw[3] == 0) and dw[0].abs().sum() > 0
+
+
+def test_non_contiguous_inputs():
+    x, w, g, offs = make_inputs(64, 32, 16, 2, 60, "balanced", seed=9)
+    xt = x.detach().t().contiguous().t().requires_grad_()  # column-major copy
+    y1 = fp8_grouped_mm(x, w, offs, backend="emulated")
+    y2 = fp8_grouped_mm(xt, w, offs, backend="emulated")
+    assert torch.equal(y1, y2)
+
+
+def test_x_only_or_w_only_gradients():
+    x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "balanced", seed=10)
+    (dx,) = torch.autograd.grad(fp8_grouped_mm(x, w.detach(), offs, backend="emulated"), (x,), g)
+    (dw,) = torch.autograd.grad(fp8_grouped_mm(x.detach(), w, offs, backend="emulated"), (w,), g)
+    _, dx2, dw2 = run(x, w, g, offs, backend="emulated")
+    assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
+
+
+# ----------------------------------------------------------------------------- weight cache
+def test_weight_cache_hits_and_matches_uncached():
+    x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "skewed", seed=11)
+    cache = Fp8WeightCache()
+    want = run(x, w, g, offs, backend="emulated")
+    for _ in range(3):  # three micro-batches
+        got = run(x, w, g, offs, backend="emulated", weight_cache=cache)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert (cache.misses, cache.hits) == (1, 2)
+    run(x, w, g, offs, recipe="tensorwise", backend="emulated", weight_cache=cache)
+    assert cache.misses == 2 and len(cache) == 2  # separate entry per quantization settings
+
+
+def test_weight_cache_invalidated_by_in_place_update():
+    x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "balanced", seed=12)
+    cache = Fp8WeightCache()
+    before = fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)
+    with torch.no_grad():
+        w.mul_(-2)  # what an optimizer step does: bumps w._version
+    after = fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)
+    assert cache.misses == 2 and cache.hits == 0
+    assert torch.equal(after, fp8_grouped_mm(x, w, offs, backend="emulated"))
+    assert not torch.equal(after, before)
+
+
+def test_weight_cache_data_writes_need_invalidate():
+    x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "balanced", seed=13)
+    cache = Fp8WeightCache()
+    fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)
+    w.data.mul_(-2)  # bypasses the version counter (documented): the caller must invalidate
+    cache.invalidate()
+    after = fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)
+    assert cache.misses == 2 and torch.equal(after, fp8_grouped_mm(x, w, offs, backend="emulated"))
+
+
+def test_weight_cache_never_serves_another_tensor():
+    x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "balanced", seed=14)
+    cache = Fp8WeightCache()
+    fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)
+    w2 = (w.detach() * 3).requires_grad_()
+    y2 = fp8_grouped_mm(x, w2, offs, backend="emulated", weight_cache=cache)
+    assert cache.hits == 0 and torch.equal(y2, fp8_grouped_mm(x, w2, offs, backend="emulated"))
+    del w2, y2  # (the graph of y2 holds w2 too)
+    fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)
+    assert len(cache) == 1  # the dead tensor's entry was dropped
+
+
+# ----------------------------------------------------------------------------- torch.compile
+@needs_interpreter
+@pytest.mark.parametrize("recipe", [*FP8_RECIPES, "bf16"])
+def test_compile_fullgraph_matches_eager(recipe):
+    x, w, g, offs = make_inputs(40, 32, 16, 3, 36, "skewed", seed=15)
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_grouped_mm, fullgraph=True, backend="aot_eager")
+    y = compiled(x, w, offs, recipe=recipe, backend="triton")
+    got = (y, *torch.autograd.grad(y, (x, w), g))
+    want = run(x, w, g, offs, recipe=recipe, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ----------------------------------------------------------------------------- bad input
+def _good():
+    return (
+        torch.randn(32, 32, dtype=torch.bfloat16),
+        torch.randn(2, 16, 32, dtype=torch.bfloat16),
+        torch.tensor([10, 32], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda x, w, o: (x[:, :24], w[:, :, :24], o), ValueError, "K"),
+        (lambda x, w, o: (x, w[:, :8], o), ValueError, "N"),
+        (lambda x, w, o: (x.to(torch.float8_e4m3fn), w, o), TypeError, "x"),
+        (lambda x, w, o: (x.long(), w, o), TypeError, "x"),
+        (lambda x, w, o: (x, w.half(), o), TypeError, "w"),
+        (lambda x, w, o: (x[0], w, o), ValueError, "x"),
+        (lambda x, w, o: (x, w[0], o), ValueError, "w"),
+        (lambda x, w, o: (x, w[:, :, :16], o), ValueError, "w"),
+        (lambda x, w, o: (x, w, o.long()), TypeError, "offs"),
+        (lambda x, w, o: (x, w, o.float()), TypeError, "offs"),
+        (lambda x, w, o: (x, w, o[None]), ValueError, "offs"),
+        (lambda x, w, o: (x, w, o[:1]), ValueError, "offs"),
+        (lambda x, w, o: (x, w, [10, 32]), TypeError, "offs"),
+        (lambda x, w, o: (x, w, torch.tensor([20, 10], dtype=torch.int32)), ValueError, "offs"),
+        (lambda x, w, o: (x, w, torch.tensor([10, 33], dtype=torch.int32)), ValueError, "offs"),
+        (lambda x, w, o: (x, w, torch.tensor([-1, 10], dtype=torch.int32)), ValueError, "offs"),
+        (lambda x, w, o: (x, w[:0], o[:0]), ValueError, "w"),
+        (lambda x, w, o: ("x", w, o), TypeError, "x"),
+    ],
+)
+def test_bad_input(change, error, match):
+    x, w, offs = change(*_good())
+    with pytest.raises(error, match=match):
+        fp8_grouped_mm(x, w, offs, backend="emulated")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"recipe": "fp4"}, ValueError, "recipe"),
+        ({"recipe": 3}, TypeError, "recipe"),
+        ({"recipe": moe_fp8.get_recipe("rowwise").replace(grad_format="e5m2")}, ValueError, "grad_format"),
+        ({"out_dtype": torch.int32}, TypeError, "out_dtype"),
+        ({"weight_cache": {}}, TypeError, "weight_cache"),
+        ({"backend": "cutlass"}, ValueError, "cutlass"),
+        ({"backend": "cuda"}, ValueError, "cuda"),
+        ({"backend": "rocm"}, ValueError, "rocm"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    x, w, offs = _good()
+    kwargs.setdefault("backend", "emulated")
+    with pytest.raises(error, match=match):
+        fp8_grouped_mm(x, w, offs, **kwargs)
