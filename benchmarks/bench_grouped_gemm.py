@@ -1,0 +1,272 @@
+"""Forward and forward+backward time of ``fp8_grouped_mm`` per recipe and backend, against BF16
+``torch._grouped_mm`` and TorchAO 0.18's FP8-rowwise grouped GEMM, on MoE expert shapes.
+
+For each shape: x ``(M, K)`` ~ N(0, 1), w ``(E, N, K)`` ~ N(0, 1) * 0.02, grad_out ~ N(0, 1), all
+bf16; balanced random routing with every group a multiple of 16 rows (TorchAO's unpadded path
+needs that; ours takes any sizes). Times are ``triton.testing.do_bench`` medians (ms) in one run,
+side by side. TFLOP/s counts ``2 M K N`` per GEMM (three GEMMs for forward+backward). SQNR (dB)
+of output, dgrad and wgrad is against the BF16 result. A second table times the FP8 GEMMs alone
+(operands quantized beforehand): cuda vs triton backend, forward (2D x 3D) and wgrad (2D x 2D).
+
+Usage (H200): ``python benchmarks/bench_grouped_gemm.py --out benchmarks/results``.
+``--smoke`` runs tiny shapes (CPU too) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from moe_fp8 import fp8_grouped_mm
+from moe_fp8.grouped_gemm import available_backends, library
+from moe_fp8.grouped_gemm.backends import get_backend
+from moe_fp8.grouped_gemm.padding import padded_offsets, padded_rows
+from moe_fp8.testing import random_offsets, sqnr
+
+SHAPES = [  # name, M, K, N, E
+    ("DeepSeek-V3 gate_up E=8", 32768, 7168, 4096, 8),
+    ("DeepSeek-V3 gate_up E=32", 32768, 7168, 4096, 32),
+    ("DeepSeek-V3 down E=8", 32768, 2048, 7168, 8),
+    ("DeepSeek-V3 down E=32", 32768, 2048, 7168, 32),
+    ("Llama 4 gate_up E=16", 16384, 5120, 16384, 16),
+    ("Llama 4 down E=16", 16384, 8192, 5120, 16),
+    ("Qwen3-30B-A3B E=128", 65536, 2048, 1536, 128),
+]
+SMOKE_SHAPES = [("smoke E=4", 256, 128, 64, 4), ("smoke E=8", 128, 64, 32, 8)]
+RECIPE_BACKENDS = [  # blockwise runs its GEMMs on the Triton kernel on every backend
+    ("rowwise", "cuda"),
+    ("rowwise", "triton"),
+    ("rowwise_gw_hp", "cuda"),
+    ("rowwise_gw_hp", "triton"),
+    ("tensorwise", "cuda"),
+    ("tensorwise", "triton"),
+    ("blockwise", "triton"),
+    ("bf16", "cuda"),
+]
+
+
+def timer(fn, rep_ms: int) -> float:
+    """Median ms: do_bench on the GPU, a wall-clock median on the CPU (smoke runs)."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def torchao_fn():
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+    except Exception as e:  # not installed, or not importable with this torch
+        print(f"TorchAO not available: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+    def run(x, w, offs):
+        return _to_fp8_rowwise_then_scaled_grouped_mm(
+            x, w.transpose(-2, -1), offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
+        )
+
+    return run
+
+
+def bench_shape(name, M, K, N, E, methods, device, rep_ms):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(E, N, K, generator=gen) * 0.02).to(device, torch.bfloat16).requires_grad_()
+    g = torch.randn(M, N, generator=gen).to(device, torch.bfloat16)
+    offs = random_offsets(M, E, "balanced", multiple_of=16, generator=gen, device=device)
+    flop = 2 * M * K * N
+
+    def fwd_bwd(fn):
+        y = fn(x, w, offs)
+        return (y, *torch.autograd.grad(y, (x, w), g))
+
+    ref = fwd_bwd(methods["bf16 torch._grouped_mm"])
+    rows = []
+    for label, fn in methods.items():
+        try:
+            got = fwd_bwd(fn)
+            t_fwd = timer(lambda: fn(x, w, offs), rep_ms)
+            t_all = timer(lambda: fwd_bwd(fn), rep_ms)
+        except Exception as e:  # report, keep going with the other methods
+            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            rows.append({"method": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        rows.append(
+            {
+                "method": label,
+                "fwd_ms": t_fwd,
+                "fwd_bwd_ms": t_all,
+                "fwd_tflops": flop / t_fwd / 1e9,
+                "fwd_bwd_tflops": 3 * flop / t_all / 1e9,
+                "sqnr_out": sqnr(ref[0], got[0]),
+                "sqnr_dgrad": sqnr(ref[1], got[1]),
+                "sqnr_wgrad": sqnr(ref[2], got[2]),
+            }
+        )
+        del got
+    by = {r["method"]: r for r in rows if "error" not in r}
+    base, ao = by.get("bf16 torch._grouped_mm"), by.get("TorchAO fp8 rowwise")
+    for r in rows:
+        if "error" in r:
+            continue
+        for key in ("fwd", "fwd_bwd"):
+            r[f"{key}_speedup_vs_bf16"] = base[f"{key}_ms"] / r[f"{key}_ms"] if base else None
+            r[f"{key}_speedup_vs_torchao"] = ao[f"{key}_ms"] / r[f"{key}_ms"] if ao else None
+    gemm = bench_gemms_alone(x.detach(), w.detach(), g, offs, flop, device, rep_ms)
+    return {"shape": name, "M": M, "K": K, "N": N, "E": E, "results": rows, "gemm_only": gemm}
+
+
+def bench_gemms_alone(x, w, g, offs, flop, device, rep_ms):
+    """FP8 GEMM time alone (rowwise operands quantized beforehand), per GPU backend."""
+    out = []
+    xq, xs = library.quantize_activation(x, "rowwise", "e4m3fn", False)
+    wq, ws, _, _ = library.quantize_weight(w, "rowwise", "e4m3fn", False)
+    bf16_fwd = timer(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), rep_ms)
+    out.append({"backend": "bf16 torch._grouped_mm", "fwd_ms": bf16_fwd, "fwd_tflops": flop / bf16_fwd / 1e9})
+    for name in ("cuda", "triton"):
+        if name not in available_backends(device):
+            continue
+        be = get_backend(name)
+        if be.pads_wgrad_groups:
+            p_offs, rows = padded_offsets(offs), padded_rows(x.shape[0], offs.numel())
+        else:
+            p_offs, rows = None, 0
+        qa, sa, qb, sb = library.quantize_wgrad_operands(g, x, offs, "rowwise", "e4m3fn", False, p_offs, rows)
+        w_offs = offs if p_offs is None else p_offs
+        t_fwd = timer(lambda: be.mm_2d3d(xq, xs, wq, ws, offs, torch.bfloat16), rep_ms)
+        t_wgrad = timer(lambda: be.mm_2d2d(qa, sa, qb, sb, w_offs, torch.bfloat16), rep_ms)
+        out.append(
+            {
+                "backend": name,
+                "fwd_ms": t_fwd,
+                "fwd_tflops": flop / t_fwd / 1e9,
+                "wgrad_ms": t_wgrad,
+                "wgrad_tflops": flop / t_wgrad / 1e9,
+            }
+        )
+    return out
+
+
+def methods_for(device):
+    here = set(available_backends(device))
+    methods = {"bf16 torch._grouped_mm": lambda x, w, offs: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)}
+    ao = torchao_fn() if device.type == "cuda" else None
+    if ao is not None:
+        methods["TorchAO fp8 rowwise"] = ao
+    for recipe, backend in RECIPE_BACKENDS:
+        if device.type == "cpu":
+            backend = "emulated"
+        if backend not in here or f"{recipe} / {backend}" in methods:
+            continue
+        methods[f"{recipe} / {backend}"] = (
+            lambda x, w, offs, r=recipe, b=backend: fp8_grouped_mm(x, w, offs, recipe=r, backend=b)
+        )
+    return methods
+
+
+def fmt(v, spec, unit=""):
+    return "-" if v is None else format(v, spec) + unit
+
+
+def markdown(report) -> str:
+    env = report["env"]
+    lines = [
+        "# fp8_grouped_mm benchmark",
+        "",
+        f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · torchao {env['torchao']}",
+        "",
+        "Times: `triton.testing.do_bench` medians (ms). TFLOP/s: 2·M·K·N per GEMM (x3 for fwd+bwd). "
+        "Speedups: time of BF16 `torch._grouped_mm` (or TorchAO) / time of the method. "
+        "SQNR (dB) of out / dgrad / wgrad against the BF16 result.",
+    ]
+    for s in report["shapes"]:
+        lines += [
+            "",
+            f"## {s['shape']} (M={s['M']}, K={s['K']}, N={s['N']}, E={s['E']})",
+            "",
+            "| method | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd vs BF16 | fwd+bwd vs TorchAO "
+            "| fwd vs BF16 | SQNR out / dgrad / wgrad |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in s["results"]:
+            if "error" in r:
+                lines.append(f"| {r['method']} | failed: {r['error'][:120]} | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['method']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} "
+                f"| {fmt(r['fwd_bwd_speedup_vs_bf16'], '.2f', 'x')} | {fmt(r['fwd_bwd_speedup_vs_torchao'], '.2f', 'x')} "
+                f"| {fmt(r['fwd_speedup_vs_bf16'], '.2f', 'x')} "
+                f"| {r['sqnr_out']:.1f} / {r['sqnr_dgrad']:.1f} / {r['sqnr_wgrad']:.1f} |"
+            )
+        lines += ["", "FP8 GEMM alone (rowwise operands quantized beforehand):", "",
+                  "| backend | fwd 2Dx3D ms | TFLOP/s | wgrad 2Dx2D ms | TFLOP/s |", "|---|---|---|---|---|"]
+        for r in s["gemm_only"]:
+            lines.append(
+                f"| {r['backend']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} "
+                f"| {fmt(r.get('wgrad_ms'), '.3f')} | {fmt(r.get('wgrad_tflops'), '.0f')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results", help="folder for grouped_gemm.json / .md")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms) per measurement")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
+    parser.add_argument("--shapes", default="", help="comma-separated indices into the shape list")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes:
+        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+    try:
+        import torchao
+
+        torchao_version = torchao.__version__
+    except Exception:
+        torchao_version = "not installed"
+    import triton
+
+    report = {
+        "env": {
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "torchao": torchao_version,
+            "rep_ms": args.rep_ms,
+        },
+        "shapes": [],
+    }
+    methods = methods_for(device)
+    for name, M, K, N, E in shapes:
+        t0 = time.time()
+        report["shapes"].append(bench_shape(name, M, K, N, E, methods, device, args.rep_ms))
+        print(f"{name}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "grouped_gemm.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    text = markdown(report)
+    with open(os.path.join(args.out, "grouped_gemm.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
