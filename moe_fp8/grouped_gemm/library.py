@@ -6,7 +6,9 @@ compiler sees each backend GEMM and each quantization as one opaque node: ``full
 works for every backend, Triton kernels and the CPU reference included.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: torch.library infers each op's schema from the
+# annotations, which must be real types on every supported torch version.
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -62,7 +64,7 @@ def _quantize_weight(w: Tensor, scaling: str, fmt: str, pow2: bool) -> tuple[Ten
 
 
 def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, scaling: str, fmt: str, pow2: bool,
-                             padded_offs: Tensor | None, padded_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             padded_offs: Optional[Tensor], padded_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return quant_seam.quantize_wgrad_operands(
         a, b, offs, scaling, resolve_format(fmt), pow2,
         padded_offs=padded_offs, padded_rows=padded_rows if padded_offs is not None else None,
