@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .. import emulated as _kernel_placeholder
+from ..triton_kernel import triton_grouped_mm_2d2d, triton_grouped_mm_2d3d
 from .base import GroupedGemmBackend
 
 __all__ = ["TritonBackend", "interpreter_enabled"]
@@ -33,7 +33,7 @@ class TritonBackend(GroupedGemmBackend):
         return None
 
     def mm_2d3d(self, a, scale_a, b, scale_b, offs, out_dtype):
-        return _kernel_placeholder.emulated_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
+        return triton_grouped_mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
 
     def mm_2d2d(self, a, scale_a, b, scale_b, offs, out_dtype):
-        return _kernel_placeholder.emulated_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
+        return triton_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
