@@ -28,7 +28,7 @@ from moe_fp8 import fp8_grouped_mm
 from moe_fp8.grouped_gemm import available_backends, library
 from moe_fp8.grouped_gemm.backends import get_backend
 from moe_fp8.grouped_gemm.padding import padded_offsets, padded_rows
-from moe_fp8.testing import random_offsets, sqnr
+from moe_fp8.testing import random_offsets
 
 SHAPES = [  # name, M, K, N, E
     ("DeepSeek-V3 gate_up E=8", 32768, 7168, 4096, 8),
@@ -64,6 +64,13 @@ def timer(fn, rep_ms: int) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """``20 log10(||ref|| / ||ref - x||)`` in dB, in fp32 on the tensors' device (GB-sized grads)."""
+    ref, x = ref.detach().float(), x.detach().float()
+    noise = torch.linalg.vector_norm(ref - x)
+    return float("inf") if noise == 0 else float(20 * torch.log10(torch.linalg.vector_norm(ref) / noise))
 
 
 def torchao_fn():

@@ -142,8 +142,8 @@ def test_cuda_graph_capture_and_replay(backend, recipe):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
+# Inductor compiles take ~10 s each: the recipes' paths are traced on the CPU (aot_eager) for all.
+@pytest.mark.parametrize("backend, recipe", [("cuda", "rowwise"), ("triton", "rowwise"), ("cuda", "bf16")])
 def test_compile_fullgraph(backend, recipe):
     need(backend)
     x, w, g, offs = inputs(512, 256, 128, 4, 500, seed=5)
