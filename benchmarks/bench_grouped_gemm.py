@@ -139,8 +139,8 @@ def bench_shape(name, M, K, N, E, methods, device, rep_ms):
 def bench_gemms_alone(x, w, g, offs, flop, device, rep_ms):
     """FP8 GEMM time alone (rowwise operands quantized beforehand), per GPU backend."""
     out = []
-    xq, xs = library.quantize_activation(x, "rowwise", "e4m3fn", False)
-    wq, ws, _, _ = library.quantize_weight(w, "rowwise", "e4m3fn", False)
+    xq, xs = library.quantize_activation(x, "rowwise", "e4m3fn", False, True)
+    wq, ws, _, _ = library.quantize_weight(w, "rowwise", "e4m3fn", False, True)
     bf16_fwd = timer(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), rep_ms)
     out.append({"backend": "bf16 torch._grouped_mm", "fwd_ms": bf16_fwd, "fwd_tflops": flop / bf16_fwd / 1e9})
     for name in ("cuda", "triton"):
@@ -151,7 +151,7 @@ def bench_gemms_alone(x, w, g, offs, flop, device, rep_ms):
             p_offs, rows = padded_offsets(offs), padded_rows(x.shape[0], offs.numel())
         else:
             p_offs, rows = None, 0
-        qa, sa, qb, sb = library.quantize_wgrad_operands(g, x, offs, "rowwise", "e4m3fn", False, p_offs, rows)
+        qa, sa, qb, sb = library.quantize_wgrad_operands(g, x, offs, "rowwise", "e4m3fn", False, True, p_offs, rows)
         w_offs = offs if p_offs is None else p_offs
         t_fwd = timer(lambda: be.mm_2d3d(xq, xs, wq, ws, offs, torch.bfloat16), rep_ms)
         t_wgrad = timer(lambda: be.mm_2d2d(qa, sa, qb, sb, w_offs, torch.bfloat16), rep_ms)

@@ -274,21 +274,25 @@ def test_padded_layout(kind, M, used, E):
     assert torch.all(dest[used:] >= int(p_offs[-1]))  # tail rows land past every group
 
 
-def test_padded_wgrad_operands_match_unpadded():
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=needs_interpreter)])
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+def test_padded_wgrad_operands_match_unpadded(scaling, fused):
     gen = torch.Generator().manual_seed(5)
     a, b = torch.randn(50, 32, generator=gen), torch.randn(50, 48, generator=gen)
     offs = torch.tensor([7, 7, 30, 45], dtype=torch.int32)
     p_offs, rows = padded_offsets(offs), padded_rows(50, 4)
-    qa, sa, qb, sb = quantize_wgrad_operands(a, b, offs, "rowwise", E4M3FN, False)
-    pa, psa, pb, psb = quantize_wgrad_operands(a, b, offs, "rowwise", E4M3FN, False, padded_offs=p_offs, padded_rows=rows)
+    qa, sa, qb, sb = quantize_wgrad_operands(a, b, offs, scaling, E4M3FN, False, False)  # the reference
+    pa, psa, pb, psb = quantize_wgrad_operands(
+        a, b, offs, scaling, E4M3FN, False, fused, padded_offs=p_offs, padded_rows=rows
+    )
     assert qa.stride() == (1, 50) and pa.stride() == (1, rows) and pb.stride() == (1, rows)
     assert torch.equal(sa, psa) and torch.equal(sb, psb)
     dest = padded_row_index(offs, p_offs, 50)
     assert torch.equal(pa.view(torch.uint8)[dest[:45]], qa.view(torch.uint8)[:45])
     assert torch.equal(pb.view(torch.uint8)[dest[:45]], qb.view(torch.uint8)[:45])
-    others = torch.ones(rows, dtype=torch.bool)
-    others[dest[:45]] = False
-    assert torch.all(pa.float()[others] == 0) and torch.all(pb.float()[others] == 0)
+    padding = torch.ones(rows, dtype=torch.bool)
+    padding[dest] = False  # rows of no source row: zero (tail rows land past every group: unspecified)
+    assert torch.all(pa.float()[padding] == 0) and torch.all(pb.float()[padding] == 0)
 
 
 def test_zero_rows_past_end_cpu():

@@ -46,10 +46,11 @@ class FP8GroupedMM(torch.autograd.Function):
         if scaling is None:
             ctx.save_for_backward(x, w, offs)
             return lib.bf16_mm_2d3d(backend, x, w, offs).to(out_dtype)
+        fused = get_backend(backend).fused_quant
         if w_quant is None:
-            w_quant = lib.quantize_weight(w, scaling, fmt, pow2)
+            w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
         q_fwd, s_fwd, q_bwd, s_bwd = w_quant
-        xq, xs = lib.quantize_activation(x, scaling, fmt, pow2)
+        xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused)
         out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
         ctx.save_for_backward(x, offs, q_bwd, s_bwd)
         return out
@@ -72,7 +73,8 @@ class FP8GroupedMM(torch.autograd.Function):
         x, offs, q_bwd, s_bwd = ctx.saved_tensors
         dx = dw = None
         if need_dx:
-            gq, gs = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2)
+            fused = get_backend(ctx.backend).fused_quant
+            gq, gs = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused)
             dx = lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, x.dtype)
         if need_dw:
             dw = _wgrad(ctx, grad_out, x, offs)
@@ -83,10 +85,13 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> 
     """``dw[g] = grad_out_g^T @ x_g``, ``(E, N, K)`` in the weights' dtype."""
     if not ctx.fp8_wgrad:
         return lib.bf16_mm_2d2d(ctx.backend, grad_out.to(x.dtype), x, offs).to(ctx.w_dtype)
-    if get_backend(ctx.backend).pads_wgrad_groups:
+    backend = get_backend(ctx.backend)
+    if backend.pads_wgrad_groups:
         p_offs = padded_offsets(offs)
         rows = padded_rows(x.shape[0], offs.numel())
     else:
         p_offs, rows = None, 0
-    qa, sa, qb, sb = lib.quantize_wgrad_operands(grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, p_offs, rows)
+    qa, sa, qb, sb = lib.quantize_wgrad_operands(
+        grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows
+    )
     return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs if p_offs is None else p_offs, ctx.w_dtype)

@@ -55,18 +55,19 @@ def _bf16_mm_2d2d(backend: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return get_backend(backend).bf16_mm_2d2d(a, b, offs)
 
 
-def _quantize_activation(x: Tensor, scaling: str, fmt: str, pow2: bool) -> tuple[Tensor, Tensor]:
-    return quant_seam.quantize_activation(x, scaling, resolve_format(fmt), pow2)
+def _quantize_activation(x: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool) -> tuple[Tensor, Tensor]:
+    return quant_seam.quantize_activation(x, scaling, resolve_format(fmt), pow2, fused)
 
 
-def _quantize_weight(w: Tensor, scaling: str, fmt: str, pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return quant_seam.quantize_weight(w, scaling, resolve_format(fmt), pow2)
+def _quantize_weight(w: Tensor, scaling: str, fmt: str, pow2: bool,
+                     fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return quant_seam.quantize_weight(w, scaling, resolve_format(fmt), pow2, fused)
 
 
-def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, scaling: str, fmt: str, pow2: bool,
+def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
                              padded_offs: Optional[Tensor], padded_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return quant_seam.quantize_wgrad_operands(
-        a, b, offs, scaling, resolve_format(fmt), pow2,
+        a, b, offs, scaling, resolve_format(fmt), pow2, fused,
         padded_offs=padded_offs, padded_rows=padded_rows if padded_offs is not None else None,
     )
 
@@ -114,12 +115,12 @@ def _scale_shape(shape, scaling: str) -> tuple:
 
 
 @_op_quantize_activation.register_fake
-def _(x, scaling, fmt, pow2):
+def _(x, scaling, fmt, pow2, fused):
     return x.new_empty(x.shape, dtype=_fp8(fmt)), x.new_empty(_scale_shape(x.shape, scaling), dtype=torch.float32)
 
 
 @_op_quantize_weight.register_fake
-def _(w, scaling, fmt, pow2):
+def _(w, scaling, fmt, pow2, fused):
     E, N, K = w.shape
     f32 = torch.float32
     q_fwd, q_bwd = w.new_empty(E, N, K, dtype=_fp8(fmt)), w.new_empty(E, K, N, dtype=_fp8(fmt))
@@ -132,7 +133,7 @@ def _(w, scaling, fmt, pow2):
 
 
 @_op_quantize_wgrad_operands.register_fake
-def _(a, b, offs, scaling, fmt, pow2, padded_offs, padded_rows):
+def _(a, b, offs, scaling, fmt, pow2, fused, padded_offs, padded_rows):
     rows = a.shape[0] if padded_offs is None else padded_rows
     E, N, K = offs.shape[0], a.shape[1], b.shape[1]
     qa = a.new_empty(N, rows, dtype=_fp8(fmt)).t()

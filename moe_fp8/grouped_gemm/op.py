@@ -93,9 +93,9 @@ def fp8_grouped_mm(
     fmt = be.fp8_format(x.device).name if rec.is_fp8 else ""
     w_quant = None
     if weight_cache is not None and rec.is_fp8:
-        key = (rec.scaling, fmt, rec.pow2_scales)
+        key = (rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
         w_quant = weight_cache.get(
-            w, key, lambda t: lib.quantize_weight(t.contiguous(), rec.scaling, fmt, rec.pow2_scales)
+            w, key, lambda t: lib.quantize_weight(t.contiguous(), rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
         )
     x, w = x.contiguous(), w.contiguous()
     return FP8GroupedMM.apply(

@@ -1,14 +1,21 @@
 """The one place where ``fp8_grouped_mm`` quantizes: activations, gradients, weights, wgrad operands.
 
 Every function states the layout it returns; the autograd op and the backends rely on nothing
-else. Today these call the pure-torch reference quantizers (``moe_fp8.quant.reference``), the
-numerics spec the fused Triton kernels reproduce bit for bit.
+else. With ``fused=True`` (the cuda, rocm and triton backends) the fused Triton kernels of
+``moe_fp8.quant.ops`` run wherever Triton runs (GPU tensors, or CPU tensors under
+``TRITON_INTERPRET=1``); otherwise (the emulated backend, or Triton unavailable) the pure-torch
+reference quantizers of ``moe_fp8.quant.reference`` run. The kernels reproduce the reference
+byte for byte, so the choice never changes a result. Per-expert tensorwise weight scales have
+no kernel: the reference (a handful of torch ops, no host sync) runs for them on every device.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from ..quant import ops as kernels
 from ..quant import reference as ref
 from ..quant.formats import Float8Format
 from .padding import padded_row_index, scatter_rows_padded
@@ -18,8 +25,12 @@ __all__ = ["BLOCK", "quantize_activation", "quantize_weight", "quantize_wgrad_op
 BLOCK = 128  # blockwise recipe: 1 x 128 activation blocks, 128 x 128 weight blocks
 
 
+def _kernels(t: torch.Tensor, fused: bool) -> bool:
+    return fused and (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
 def quantize_activation(
-    x: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool
+    x: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the left operand of a 2D x 3D GEMM (x in forward, grad_out in dgrad).
 
@@ -30,15 +41,18 @@ def quantize_activation(
         ``q (M, K)`` row-major fp8 and fp32 scales ``(M,)`` (rowwise), ``()`` (tensorwise) or
         ``(M, ceil(K/128))`` (blockwise, 1 x 128 blocks).
     """
+    k = _kernels(x, fused)
     if scaling == "rowwise":
-        return ref.quantize_rowwise(x, fmt, pow2=pow2)
+        return kernels.triton_quantize_rowwise(x, fmt, pow2) if k else ref.quantize_rowwise(x, fmt, pow2=pow2)
     if scaling == "tensorwise":
-        return ref.quantize_tensorwise(x, fmt, pow2=pow2)
+        return kernels.triton_quantize_tensorwise(x, fmt, pow2) if k else ref.quantize_tensorwise(x, fmt, pow2=pow2)
+    if k:
+        return kernels.triton_quantize_blockwise(x, fmt, (1, BLOCK), pow2)
     return ref.quantize_blockwise(x, fmt, block=(1, BLOCK), pow2=pow2)
 
 
 def quantize_weight(
-    w: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool
+    w: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize expert weights once, in the forward and the dgrad layout.
 
@@ -46,18 +60,25 @@ def quantize_weight(
         w: ``(E, N, K)`` contiguous (``nn.Linear`` layout per expert).
     Returns:
         ``q_fwd (E, N, K)`` contiguous with ``s_fwd``, and ``q_bwd (E, K, N)`` contiguous with
-        ``s_bwd``. Scales: rowwise ``(E, N)`` (amax over K) and ``(E, K)`` (amax over N);
-        tensorwise ``(E,)`` both; blockwise ``(E, ceil(N/128), ceil(K/128))`` and its transpose
-        ``(E, ceil(K/128), ceil(N/128))`` (128 x 128 blocks: transposing commutes with quantizing).
+        ``s_bwd``. Scales: rowwise ``(E, N)`` (amax over K) and ``(E, K)`` (amax over N), one
+        dual kernel reading ``w`` once; tensorwise ``(E,)`` both; blockwise
+        ``(E, ceil(N/128), ceil(K/128))`` and its transpose (128 x 128 blocks: transposing
+        commutes with quantizing).
     """
+    k = _kernels(w, fused)
     if scaling == "rowwise":
+        if k:
+            return kernels.triton_quantize_expert_colwise_dual(w, fmt, pow2)
         q_fwd, s_fwd = ref.quantize_expert_colwise(w, fmt, pow2=pow2)
         q_bwd, s_bwd = ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True)
         return q_fwd, s_fwd, q_bwd, s_bwd
     if scaling == "tensorwise":
         q_fwd, s_fwd = ref.quantize_expert_tensorwise(w, fmt, pow2=pow2)
         return q_fwd, s_fwd, _transposed_copy(q_fwd), s_fwd.clone()
-    q_fwd, s_fwd = ref.quantize_blockwise(w, fmt, block=(BLOCK, BLOCK), pow2=pow2)
+    if k:
+        q_fwd, s_fwd = kernels.triton_quantize_blockwise(w, fmt, (BLOCK, BLOCK), pow2)
+    else:
+        q_fwd, s_fwd = ref.quantize_blockwise(w, fmt, block=(BLOCK, BLOCK), pow2=pow2)
     return q_fwd, s_fwd, _transposed_copy(q_fwd), _transposed_copy(s_fwd)
 
 
@@ -73,6 +94,7 @@ def quantize_wgrad_operands(
     scaling: str,
     fmt: Float8Format,
     pow2: bool,
+    fused: bool,
     *,
     padded_offs: torch.Tensor | None = None,
     padded_rows: int | None = None,
@@ -84,18 +106,22 @@ def quantize_wgrad_operands(
         scaling: ``"rowwise"``: per group and column (amax over the group's rows; rows past
             ``offs[-1]`` become 0); ``"tensorwise"``: one scale per operand.
         padded_offs, padded_rows: when given, group ``g``'s rows land at the 16-aligned start
-            ``padded_offs[g-1]`` of a ``padded_rows``-row buffer, rows past ``offs[-1]`` past
-            ``padded_offs[-1]``, and all other rows are zero.
+            ``padded_offs[g-1]`` of a ``padded_rows``-row buffer; rows outside the groups are
+            never read by the GEMM (zero, or tail rows past ``padded_offs[-1]``).
     Returns:
         ``qa (rows, N)`` and ``qb (rows, K)`` fp8, both column-major (strides ``(1, rows)``),
         ``rows`` = M or ``padded_rows``; scales ``sa (E, N)``, ``sb (E, K)`` (rowwise) or ``()``.
     """
+    if scaling == "rowwise" and _kernels(a, fused):
+        return kernels.triton_quantize_group_colwise_dual(
+            a, b, offs, fmt, pow2, padded_offs=padded_offs, padded_rows=padded_rows
+        )
     if scaling == "rowwise":
         qa, sa = ref.quantize_group_colwise(a, offs, fmt, pow2=pow2)
         qb, sb = ref.quantize_group_colwise(b, offs, fmt, pow2=pow2)
     else:
-        qa, sa = ref.quantize_tensorwise(a, fmt, pow2=pow2)
-        qb, sb = ref.quantize_tensorwise(b, fmt, pow2=pow2)
+        qa, sa = quantize_activation(a, "tensorwise", fmt, pow2, fused)
+        qb, sb = quantize_activation(b, "tensorwise", fmt, pow2, fused)
     if padded_offs is None:
         return qa.t().contiguous().t(), sa, qb.t().contiguous().t(), sb
     dest = padded_row_index(offs, padded_offs, a.shape[0])

@@ -33,6 +33,8 @@ class GroupedGemmBackend:
     name: str = ""
     #: device type of the tensors this backend takes (``"cuda"`` covers ROCm too).
     device_type: str = "cuda"
+    #: quantize with the fused Triton kernels (else the pure-torch reference quantizers).
+    fused_quant: bool = True
     #: wgrad operands must come with groups padded to 16 rows (``torch._scaled_grouped_mm``).
     pads_wgrad_groups: bool = False
     #: most expert groups one call may have, or ``None``.

@@ -17,6 +17,7 @@ __all__ = ["EmulatedBackend"]
 class EmulatedBackend(GroupedGemmBackend):
     name = "emulated"
     device_type = "any"
+    fused_quant = False
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None
