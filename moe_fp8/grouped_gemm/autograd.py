@@ -45,7 +45,7 @@ class FP8GroupedMM(torch.autograd.Function):
             return x.new_zeros(0, w.shape[1], dtype=out_dtype)
         if scaling is None:
             ctx.save_for_backward(x, w, offs)
-            return lib.bf16_mm_2d3d(backend, x, w, offs).to(out_dtype)
+            return lib.bf16_mm_2d3d(backend, x, w, offs, True).to(out_dtype)
         fused = get_backend(backend).fused_quant
         if w_quant is None:
             w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
@@ -67,7 +67,7 @@ class FP8GroupedMM(torch.autograd.Function):
         if ctx.scaling is None:
             x, w, offs = ctx.saved_tensors
             g = grad_out.to(x.dtype)
-            dx = lib.bf16_mm_2d3d(ctx.backend, g, w.transpose(-2, -1), offs) if need_dx else None
+            dx = lib.bf16_mm_2d3d(ctx.backend, g, w, offs, False) if need_dx else None
             dw = lib.bf16_mm_2d2d(ctx.backend, g, x, offs) if need_dw else None
             return dx, dw, *_NONES
         x, offs, q_bwd, s_bwd = ctx.saved_tensors

@@ -47,8 +47,8 @@ def _mm_2d2d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tenso
     return get_backend(backend).mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
 
 
-def _bf16_mm_2d3d(backend: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    return get_backend(backend).bf16_mm_2d3d(a, b, offs)
+def _bf16_mm_2d3d(backend: str, a: Tensor, w: Tensor, offs: Tensor, transpose_w: bool) -> Tensor:
+    return get_backend(backend).bf16_mm_2d3d(a, w, offs, transpose_w)
 
 
 def _bf16_mm_2d2d(backend: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
@@ -97,8 +97,8 @@ def _(backend, a, scale_a, b, scale_b, offs, out_dtype):
 
 
 @_op_bf16_mm_2d3d.register_fake
-def _(backend, a, b, offs):
-    return a.new_empty(a.shape[0], b.shape[1])
+def _(backend, a, w, offs, transpose_w):
+    return a.new_empty(a.shape[0], w.shape[1] if transpose_w else w.shape[2])
 
 
 @_op_bf16_mm_2d2d.register_fake
