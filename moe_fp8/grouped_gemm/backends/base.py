@@ -60,10 +60,6 @@ class GroupedGemmBackend:
     def bf16_mm_2d3d(self, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, transpose_w: bool) -> torch.Tensor:
         """For ``w (E, N, K)``: ``a[rows of g] @ w[g].T`` (``transpose_w``: forward, ``a (M, K)``
         -> ``(M, N)``) or ``a[rows of g] @ w[g]`` (dgrad, ``a (M, N)`` -> ``(M, K)``).
-
-        ``w`` itself, never a transposed view, is what crosses the custom-op boundary: with
-        ``w.transpose(-2, -1)`` as the op's input, the Inductor-compiled dgrad did not match eager
-        on the H200 (torch 2.11; eager was exact against torch's autograd).
         """
         out = torch._grouped_mm(a, w.transpose(-2, -1) if transpose_w else w, offs=offs)
         return zero_rows_past_end(out, offs)
