@@ -17,7 +17,6 @@ import torch
 from moe_fp8 import fp8_grouped_mm
 from moe_fp8.grouped_gemm import available_backends, select_backend
 from moe_fp8.grouped_gemm.backends.cuda import CudaBackend
-from moe_fp8.grouped_gemm.backends.triton_backend import interpreter_enabled
 from moe_fp8.grouped_gemm.emulated import emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d
 from moe_fp8.grouped_gemm.padding import padded_offsets, padded_row_index, padded_rows
 from moe_fp8.grouped_gemm.quant_seam import quantize_wgrad_operands
@@ -25,7 +24,7 @@ from moe_fp8.grouped_gemm.tail import launch_zero_rows_kernel, zero_rows_past_en
 from moe_fp8.quant import E4M3FN
 from moe_fp8.testing import OFFSET_KINDS, group_sizes, random_offsets
 
-needs_interpreter = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
+needs_interpreter = pytest.mark.interpreter  # skipped by tests/conftest.py unless TRITON_INTERPRET=1
 
 
 def inputs(M=96, K=64, N=32, E=4, used=90, kind="skewed", seed=0):
@@ -115,6 +114,7 @@ def test_cuda_tensorwise_plan(fake_cuda):
     assert len(fake_cuda) == 3
 
 
+@needs_interpreter  # blockwise GEMMs run on the Triton kernel
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise_gw_hp", "bf16"])
 def test_cuda_other_recipes(fake_cuda, recipe):
     x, w, g, offs = inputs(K=160, seed=3)
@@ -163,9 +163,10 @@ def fake_rocm(monkeypatch, arch: str, fp8_dtype: torch.dtype, build="USE_ROCM=ON
     return calls
 
 
+@needs_interpreter  # the wgrad runs on the Triton kernel
 @pytest.mark.parametrize("arch, fmt", [("gfx942", "e4m3fnuz"), ("gfx950", "e4m3fn")])
 def test_rocm_plan(monkeypatch, arch, fmt):
-    if fmt == "e4m3fnuz" and interpreter_enabled():
+    if fmt == "e4m3fnuz":
         import triton
 
         if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8):

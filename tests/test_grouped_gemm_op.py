@@ -12,12 +12,11 @@ import torch
 import moe_fp8
 from moe_fp8 import Fp8WeightCache, fp8_grouped_mm
 from moe_fp8.grouped_gemm import emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d
-from moe_fp8.grouped_gemm.backends.triton_backend import interpreter_enabled
 from moe_fp8.quant import E4M3FN, quantize_expert_colwise, quantize_group_colwise, quantize_rowwise
 from moe_fp8.testing import OFFSET_KINDS, random_offsets, sqnr
 
 FP8_RECIPES = ("rowwise", "rowwise_gw_hp", "tensorwise", "blockwise")
-needs_interpreter = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
+needs_interpreter = pytest.mark.interpreter  # skipped by tests/conftest.py unless TRITON_INTERPRET=1
 
 
 def ref_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
