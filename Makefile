@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q -c constraints/cpu.txt torch
-	$(VPY) -m pip install -q -c constraints/cpu.txt -e '.[test]'
+	$(VPY) -m pip install -q -c constraints/cpu.txt -e '.[test,hf]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -2,12 +2,14 @@
 
 from . import testing
 from .grouped_gemm import Fp8WeightCache, fp8_grouped_mm
-from .layers import FP8Linear, convert_to_fp8
+from .layers import FP8GroupedExperts, FP8Linear, FP8MoE, convert_to_fp8
 from .quant.formats import Float8Format, detect_format
 from .quant.recipes import Float8Recipe, get_recipe
 
 __all__ = [
+    "FP8GroupedExperts",
     "FP8Linear",
+    "FP8MoE",
     "Float8Format",
     "Float8Recipe",
     "Fp8WeightCache",

@@ -25,18 +25,19 @@ from .padding import padded_offsets, padded_rows
 
 __all__ = ["FP8GroupedMM"]
 
-_NONES = (None,) * 8  # gradients of the non-tensor arguments of ``apply``
+_NONES = (None,) * 9  # gradients of the non-tensor arguments of ``apply``
 
 
 class FP8GroupedMM(torch.autograd.Function):
-    """``apply(x, w, offs, w_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype)``.
+    """``apply(x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype)``.
 
     ``scaling`` is ``None`` for the BF16 recipe; ``w_quant`` is the 4-tuple of
-    ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here.
+    ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here; ``x_quant`` is
+    ``x``'s rowwise ``(q, scale)`` made upstream, or ``None`` to quantize here.
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, w_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype):
+    def forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype):
         ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
         ctx.w_dtype = w.dtype
         ctx.empty = x.shape[0] == 0
@@ -50,7 +51,10 @@ class FP8GroupedMM(torch.autograd.Function):
         if w_quant is None:
             w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
         q_fwd, s_fwd, q_bwd, s_bwd = w_quant
-        xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused)
+        if x_quant is not None:
+            xq, xs = x_quant
+        else:
+            xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused)
         out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
         ctx.save_for_backward(x, offs, q_bwd, s_bwd)
         return out

@@ -7,6 +7,7 @@ import os
 import torch
 
 from ..checks import check_multiple_of, check_offsets, check_offsets_values, check_same_device, check_tensor
+from ..quant.formats import resolve_format
 from ..quant.recipes import Float8Recipe, get_recipe
 from . import library as lib
 from .autograd import FP8GroupedMM
@@ -29,6 +30,7 @@ def fp8_grouped_mm(
     backend: str | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     weight_cache: Fp8WeightCache | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Grouped ``x @ w[g].T`` over the token groups of ``offs``, with FP8 GEMMs.
 
@@ -51,6 +53,11 @@ def fp8_grouped_mm(
         weight_cache: serve the quantized weights from this cache while ``w`` is unchanged
             (same tensor, same version counter): pass it across gradient-accumulation
             micro-batches. Not for ``torch.compile``.
+        x_fp8: ``(q (M, K) fp8, scale (M,) fp32)``, the rowwise quantization of ``x`` in this
+            call's format and ``pow2`` setting, made by a kernel that already touched ``x`` (the
+            fused permute + quantize, the fused SwiGLU + quantize): the forward GEMM uses it
+            instead of quantizing ``x`` again. Only with row scales (``rowwise``,
+            ``rowwise_gw_hp``). It must equal ``quantize_rowwise(x)``; that is not checked.
     Returns:
         ``(M, N)`` in ``out_dtype``; rows at or past ``offs[-1]`` are zero.
 
@@ -97,7 +104,20 @@ def fp8_grouped_mm(
         w_quant = weight_cache.get(
             w, key, lambda t: lib.quantize_weight(t.contiguous(), rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
         )
+    if x_fp8 is not None:
+        _check_x_fp8(x_fp8, rec, fmt, x)
     x, w = x.contiguous(), w.contiguous()
     return FP8GroupedMM.apply(
-        x, w, offs, w_quant, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype
+        x, w, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype
     )
+
+
+def _check_x_fp8(x_fp8, rec: Float8Recipe, fmt: str, x: torch.Tensor) -> None:
+    if rec.scaling != "rowwise":
+        raise ValueError(f"x_fp8: only for recipes with row scales, got recipe {rec.name!r}")
+    if not isinstance(x_fp8, tuple) or len(x_fp8) != 2:
+        raise TypeError(f"x_fp8: expected a (q, scale) tuple, got {type(x_fp8).__name__}")
+    q, scale = x_fp8
+    check_tensor("x_fp8[0]", q, dtypes=(resolve_format(fmt).torch_dtype,), shape=tuple(x.shape))
+    check_tensor("x_fp8[1]", scale, dtypes=(torch.float32,), shape=(x.shape[0],))
+    check_same_device(x=x, q=q, scale=scale)

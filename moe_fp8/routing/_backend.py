@@ -21,7 +21,8 @@ def use_triton(kernel, t: torch.Tensor) -> bool:
     gives the same results (bit for bit for the permutes and quantization).
     """
     if t.device.type == "cuda":
-        return not _interpreted(kernel)
+        # Under torch.compile the answer is the compiled kernel (dynamo cannot inspect the kernel's type).
+        return torch.compiler.is_compiling() or not _interpreted(kernel)
     return t.device.type == "cpu" and _interpreted(kernel)
 
 

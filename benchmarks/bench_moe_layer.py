@@ -1,0 +1,169 @@
+"""Whole-layer forward+backward of FP8MoE (FP8 recipes vs the BF16 recipe of the same module) and
+of a dense Llama3-8B MLP (FP8Linear vs BF16 vs TorchAO Float8Linear), with peak memory.
+
+Shapes (per GPU): DeepSeek-V3 (H=7168, I=2048, 8 and 32 local experts, top-8), Llama 4 Scout
+(H=5120, I=8192, 16 experts, top-1, shared expert), Qwen3-30B-A3B (H=2048, I=768, 128 experts,
+top-8); dense Llama3-8B MLP (T=8192, 4096 -> 14336 -> 4096, SwiGLU).
+
+Times are ``triton.testing.do_bench`` medians of one forward + backward (eager), random bf16
+inputs, router included. Peak memory is ``max_memory_allocated`` over one forward+backward above
+what was allocated before it (parameters and inputs excluded).
+
+Usage: ``python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 8192] [--quick]``
+(writes ``moe_layer.json`` and ``moe_layer.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import triton
+from torch import nn
+from triton.testing import do_bench
+
+from moe_fp8 import FP8MoE, convert_to_fp8
+from moe_fp8.routing import RouterConfig
+from moe_fp8.testing import sqnr
+
+LAYERS = {  # name: (H, I, E, k, shared I, router config)
+    "deepseek_v3_e8": (7168, 2048, 8, 8, 0, RouterConfig(8, 8, "softmax", renormalize=True)),
+    "deepseek_v3_e32": (7168, 2048, 32, 8, 0, RouterConfig(32, 8, "softmax", renormalize=True)),
+    "llama4_scout": (5120, 8192, 16, 1, 8192, RouterConfig.llama4(16, 1)),
+    "qwen3_30b_a3b": (2048, 768, 128, 8, 0, RouterConfig.qwen3_moe()),
+}
+RECIPES = ("bf16", "rowwise", "rowwise_gw_hp")
+
+
+def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    def step():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        out = module(x)
+        out.backward(dy)
+        return out
+
+    return step
+
+
+def measure(step) -> tuple[float, float]:
+    """(median ms, peak extra GiB) of one call of ``step``."""
+    step()
+    torch.cuda.synchronize()
+    ms = do_bench(step, warmup=5, rep=40, return_mode="median")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return ms, peak
+
+
+def moe_rows(tokens: int, names) -> list[dict]:
+    rows = []
+    for name in names:
+        H, I, E, k, shared, cfg = LAYERS[name]
+        torch.manual_seed(0)
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        ref_out = None
+        base_ms = None
+        for recipe in RECIPES:
+            torch.manual_seed(0)
+            moe = FP8MoE(H, I, E, k, router_config=cfg, shared_expert_hidden_size=shared, recipe=recipe,
+                         device="cuda", dtype=torch.bfloat16)
+            step = fwd_bwd(moe, x, dy)
+            out = step().detach()
+            ms, peak = measure(step)
+            if recipe == "bf16":
+                ref_out, base_ms = out, ms
+            flops = 6 * tokens * k * H * 3 * I + (6 * tokens * H * 3 * shared if shared else 0)
+            rows.append(dict(layer=name, tokens=tokens, recipe=recipe, ms=ms, tflops=flops / ms / 1e9,
+                             speedup=base_ms / ms, peak_gib=peak, sqnr_vs_bf16=sqnr(ref_out, out)))
+            print(f"{name:16s} {recipe:14s} {ms:8.2f} ms {rows[-1]['speedup']:5.2f}x  peak {peak:6.2f} GiB  "
+                  f"SQNR {rows[-1]['sqnr_vs_bf16']:5.1f} dB", flush=True)
+            del moe, step
+            torch.cuda.empty_cache()
+    return rows
+
+
+class _MLP(nn.Module):
+    def __init__(self, dim=4096, hidden=14336):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+def dense_rows(tokens: int = 8192) -> list[dict]:
+    rows = []
+    x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    flops = 6 * tokens * 3 * 4096 * 14336
+    variants = [("bf16", None), ("ours rowwise", "rowwise"), ("ours rowwise_gw_hp", "rowwise_gw_hp"),
+                ("ours tensorwise", "tensorwise")]
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        for r in ("rowwise", "rowwise_with_gw_hp", "tensorwise"):
+            variants.append((f"torchao {r} (compiled)", ("torchao", r)))
+    except ImportError:
+        print("torchao not installed: no TorchAO columns")
+    base = None
+    ref_out = None
+    for label, how in variants:
+        torch.manual_seed(0)
+        mlp = _MLP().to("cuda", torch.bfloat16)
+        if isinstance(how, str):
+            convert_to_fp8(mlp, recipe=how)
+        elif isinstance(how, tuple):
+            convert_to_float8_training(mlp, config=Float8LinearConfig.from_recipe_name(how[1]))
+            mlp = torch.compile(mlp)
+        step = fwd_bwd(mlp, x, dy)
+        out = step().detach()
+        ms, peak = measure(step)
+        if how is None:
+            base, ref_out = ms, out
+        rows.append(dict(layer="llama3_8b_mlp", tokens=tokens, recipe=label, ms=ms, tflops=flops / ms / 1e9,
+                         speedup=base / ms, peak_gib=peak, sqnr_vs_bf16=sqnr(ref_out, out)))
+        print(f"{'llama3_8b_mlp':16s} {label:28s} {ms:8.2f} ms {base / ms:5.2f}x  peak {peak:6.2f} GiB", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--quick", action="store_true", help="DeepSeek-V3 E=8 and Qwen3 only, no dense")
+    args = ap.parse_args()
+    names = ["deepseek_v3_e8", "qwen3_30b_a3b"] if args.quick else list(LAYERS)
+    rows = moe_rows(args.tokens, names)
+    if not args.quick:
+        rows += dense_rows()
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_layer.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# MoE layer forward+backward (`benchmarks/bench_moe_layer.py`)", "",
+             f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · eager, "
+             "do_bench medians, router included", "",
+             "| layer | tokens | recipe | ms | TFLOP/s | speedup vs bf16 | peak GiB | SQNR vs bf16 (dB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['tokens']} | {r['recipe']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
+                     f"{r['speedup']:.2f}x | {r['peak_gib']:.2f} | {r['sqnr_vs_bf16']:.1f} |")
+    (out / "moe_layer.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""``FP8GroupedExperts``: the routed SwiGLU experts of an MoE block, on FP8 grouped GEMMs.
+
+Forward for tokens ``x (T, H)`` routed to ``topk_ids (T, k)``:
+
+1. dispatch plan on the device (no host sync);
+2. permute the token rows into expert order (bf16, kept for the weight gradient) and, in FP8
+   recipes with row scales, the fused permute + rowwise quantization of the same rows;
+3. ``h = x_perm @ W_gate_up[e].T``: FP8 grouped GEMM ``(M, 2I)``;
+4. fused ``a = silu(gate) * up`` + rowwise quantization of ``a``;
+5. ``y = a @ W_down[e].T``: FP8 grouped GEMM ``(M, H)``;
+6. combine: un-permute and sum each token's k rows weighted by the router (deterministic).
+
+Parameters use the Hugging Face transformers 5.x names and layouts, so a converted model shares
+them: ``gate_up_proj (E, 2I, H)`` (gate rows first, then up) and ``down_proj (E, H, I)``
+(``nn.Linear`` layout), or with ``in_out_layout=True`` Llama 4's ``(E, H, 2I)`` / ``(E, I, H)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..checks import check_multiple_of, check_tensor
+from ..grouped_gemm import Fp8WeightCache, fp8_grouped_mm
+from ..quant import formats, quantize_rowwise
+from ..quant.recipes import get_recipe
+from ..quant.swiglu import SwiGLUQuantize
+from ..routing import combine, make_dispatch_plan, permute, permute_quantize
+
+__all__ = ["FP8GroupedExperts"]
+
+
+class FP8GroupedExperts(nn.Module):
+    """Routed SwiGLU experts whose matmuls run as FP8 grouped GEMMs.
+
+    Args:
+        num_experts: ``E``.
+        hidden_size: ``H`` (multiple of 16).
+        expert_hidden_size: ``I`` (multiple of 16).
+        recipe: ``"rowwise"`` (default), ``"rowwise_gw_hp"``, ``"tensorwise"``, ``"blockwise"`` or
+            ``"bf16"`` (the BF16 baseline of the same module, for A/B runs).
+        backend: grouped-GEMM backend (``None``: the platform's best; see ``fp8_grouped_mm``).
+        fmt: FP8 format (``None``: detected per device).
+        in_out_layout: store the weights as Llama 4 does, ``(E, H, 2I)`` and ``(E, I, H)``.
+        cache_weights: reuse the FP8 copies of the weights while they are unchanged (across
+            gradient-accumulation micro-batches; invalidated by the parameters' version
+            counters, never stale). Costs one BF16-sized copy of the weights; off under
+            ``torch.compile``.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        expert_hidden_size: int,
+        *,
+        recipe="rowwise",
+        backend: str | None = None,
+        fmt=None,
+        in_out_layout: bool = False,
+        cache_weights: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        check_multiple_of("hidden_size", hidden_size, 16)
+        check_multiple_of("expert_hidden_size", expert_hidden_size, 16)
+        if num_experts < 1:
+            raise ValueError(f"num_experts: expected >= 1, got {num_experts}")
+        E, H, I = num_experts, hidden_size, expert_hidden_size
+        self.num_experts, self.hidden_size, self.expert_hidden_size = E, H, I
+        self.recipe = get_recipe(recipe)
+        self.backend = backend
+        self.fmt = None if fmt is None else formats.resolve_format(fmt)
+        self.in_out_layout = in_out_layout
+        kw = dict(device=device, dtype=dtype)
+        up_shape, down_shape = ((E, H, 2 * I), (E, I, H)) if in_out_layout else ((E, 2 * I, H), (E, H, I))
+        self.gate_up_proj = nn.Parameter(torch.empty(up_shape, **kw))
+        self.down_proj = nn.Parameter(torch.empty(down_shape, **kw))
+        self.reset_parameters()
+        self._caches = (Fp8WeightCache(), Fp8WeightCache()) if cache_weights else None
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init, per expert (uniform in +-1/sqrt(fan_in))."""
+        for p, fan_in in ((self.gate_up_proj, self.hidden_size), (self.down_proj, self.expert_hidden_size)):
+            nn.init.uniform_(p, -(fan_in**-0.5), fan_in**-0.5)
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E, 2I, H)`` and ``(E, H, I)`` views in ``nn.Linear`` layout."""
+        w1, w2 = self.gate_up_proj, self.down_proj
+        return (w1.transpose(1, 2), w2.transpose(1, 2)) if self.in_out_layout else (w1, w2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor | None,
+        *,
+        input_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Routed experts output.
+
+        Args:
+            hidden_states: ``(T, H)``.
+            top_k_index: ``(T, k)`` integer expert ids (ids outside ``[0, E)`` are dropped).
+            top_k_weights: ``(T, k)`` combine weights, or ``None`` for unit weights.
+            input_scales: ``(T, k)`` factors applied to each expert's INPUT row (Llama 4), or ``None``.
+        Returns:
+            ``(T, H)`` in ``hidden_states``' dtype.
+        """
+        check_tensor("hidden_states", hidden_states, ndim=2, shape=(None, self.hidden_size))
+        check_tensor("top_k_index", top_k_index, ndim=2, shape=(hidden_states.shape[0], None))
+        if input_scales is not None:
+            check_tensor("input_scales", input_scales, shape=tuple(top_k_index.shape))
+        x = hidden_states
+        w1, w2 = self._weights()
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+        elif w1.dtype != x.dtype:
+            w1, w2 = w1.to(x.dtype), w2.to(x.dtype)
+        plan = make_dispatch_plan(top_k_index, self.num_experts)
+        recipe, fp8_rows = self.recipe, self.recipe.scaling == "rowwise"
+        fmt = formats.resolve_format(self.fmt, x.device)
+        pow2 = recipe.pow2_scales
+        x_perm = permute(x, plan)
+        x_fp8 = None
+        if input_scales is not None:
+            row_scale = _row_scales(input_scales, plan).to(x_perm.dtype)
+            x_perm = x_perm * row_scale[:, None]
+            if fp8_rows:
+                x_fp8 = quantize_rowwise(x_perm.detach(), fmt, pow2=pow2)
+        elif fp8_rows:
+            x_fp8 = permute_quantize(x, plan, fmt, pow2=pow2)
+        gemm = dict(recipe=recipe, backend=self.backend)
+        cache = self._caches if self._caches is not None and not torch.compiler.is_compiling() else (None, None)
+        h = fp8_grouped_mm(x_perm, w1, plan.offsets, weight_cache=cache[0], x_fp8=x_fp8, **gemm)
+        if fp8_rows:
+            a, a_q, a_scale = SwiGLUQuantize.apply(h, fmt, pow2)
+            a_fp8 = (a_q, a_scale)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            a, a_fp8 = nn.functional.silu(gate) * up, None
+        y = fp8_grouped_mm(a, w2, plan.offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
+        return combine(y, plan, top_k_weights)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "
+                f"recipe={self.recipe.name}, in_out_layout={self.in_out_layout}")
+
+
+def _row_scales(input_scales: torch.Tensor, plan) -> torch.Tensor:
+    """Per permuted row, the input scale of the (token, slot) pair it holds; 0 on padding rows."""
+    pair = plan.row_to_pair.long()
+    flat = input_scales.reshape(-1)
+    return torch.where(pair >= 0, flat[pair.clamp(min=0)], flat.new_zeros(()))

@@ -1,0 +1,126 @@
+"""``convert``: swap the MoE blocks of Hugging Face transformers models for FP8 ones, in place.
+
+Supported blocks and what replaces what:
+
+| block | transformers 5.x (3D expert weights) | transformers 4.x (``ModuleList`` experts) |
+|---|---|---|
+| ``MixtralSparseMoeBlock`` | ``block.experts`` -> ``FP8GroupedExperts`` sharing the weights | whole block -> ``FP8HFMoEBlock`` (stacked weights, returns ``(out, logits)``) |
+| ``Qwen3MoeSparseMoeBlock`` | same | same, ``norm_topk_prob`` honoured |
+| ``DeepseekV3MoE`` | same (router, shared experts untouched) | whole block -> ``FP8HFMoEBlock`` (returns ``out``) |
+| ``Llama4TextMoe`` | whole block -> ``FP8Llama4TextMoe`` sharing router, shared expert and weights | same |
+
+In 5.x the original router module stays and is called, so ``output_router_logits`` recording
+and aux losses keep working. Needs the optional dependency ``transformers`` only to read its
+version (for Llama 4's return convention).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..routing import RouterConfig
+from .experts import FP8GroupedExperts
+from .hf_blocks import FP8HFMoEBlock, FP8Llama4TextMoe
+
+__all__ = ["SUPPORTED_BLOCKS", "convert"]
+
+SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE", "Llama4TextMoe")
+
+
+def convert(model: nn.Module, *, recipe="rowwise", backend: str | None = None, fmt=None,
+            cache_weights: bool = True) -> nn.Module:
+    """Replace every supported MoE block of ``model`` in place; return ``model``.
+
+    The converted blocks compute the same function with FP8 expert matmuls (``recipe="bf16"``:
+    the BF16 grouped path, for A/B runs). Raises ``ValueError`` naming the class of a block that
+    looks like an MoE block (has ``experts``) but is not supported, and when nothing was found.
+    """
+    opts = dict(recipe=recipe, backend=backend, fmt=fmt, cache_weights=cache_weights)
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            new = _convert_block(child, opts)
+            if new is not None:
+                setattr(parent, name, new)
+                replaced += 1
+    if replaced == 0:
+        found = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "experts")})
+        if found:
+            raise ValueError(f"model: unsupported MoE block class(es) {found}; supported: {SUPPORTED_BLOCKS}")
+        raise ValueError(f"model: no MoE block found; supported: {SUPPORTED_BLOCKS}")
+    return model
+
+
+def _convert_block(block: nn.Module, opts: dict) -> nn.Module | None:
+    kind = type(block).__name__
+    if kind not in SUPPORTED_BLOCKS:
+        return None
+    if kind == "Llama4TextMoe":
+        return _llama4(block, opts)
+    if isinstance(block.experts, nn.ModuleList):
+        return _v4_block(block, kind, opts)
+    block.experts = _share_3d_experts(block.experts, opts)
+    return block
+
+
+def _check_act(module: nn.Module, where: str) -> None:
+    act = getattr(module, "act_fn", None)
+    if act is not None and not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
+        raise ValueError(f"{where}: only SiLU (SwiGLU) experts are supported, got {type(act).__name__}")
+
+
+def _share_3d_experts(experts: nn.Module, opts: dict, *, in_out: bool = False) -> FP8GroupedExperts:
+    """An ``FP8GroupedExperts`` that holds the SAME parameters as a transformers 5.x experts module."""
+    _check_act(experts, type(experts).__name__)
+    w1, w2 = experts.gate_up_proj, experts.down_proj
+    E = w1.shape[0]
+    H, I = (w1.shape[1], w2.shape[1]) if in_out else (w1.shape[2], w2.shape[2])
+    new = FP8GroupedExperts(E, H, I, in_out_layout=in_out, device="meta", **opts)
+    new.gate_up_proj, new.down_proj = w1, w2
+    return new
+
+
+def _stack_experts(mlps: nn.ModuleList, gate: str, up: str, down: str, opts: dict) -> FP8GroupedExperts:
+    """Copy a ``ModuleList`` of SwiGLU MLPs into 3D weights ``(E, 2I, H)`` / ``(E, H, I)``."""
+    _check_act(mlps[0], type(mlps[0]).__name__)
+    w1 = torch.stack([torch.cat([getattr(m, gate).weight, getattr(m, up).weight]) for m in mlps]).detach()
+    w2 = torch.stack([getattr(m, down).weight for m in mlps]).detach()
+    E, two_i, H = w1.shape
+    new = FP8GroupedExperts(E, H, two_i // 2, device="meta", **opts)
+    new.gate_up_proj, new.down_proj = nn.Parameter(w1), nn.Parameter(w2)
+    return new
+
+
+def _v4_block(block: nn.Module, kind: str, opts: dict) -> FP8HFMoEBlock:
+    E, k = len(block.experts), int(getattr(block, "top_k", 0) or block.gate.top_k)
+    if kind == "MixtralSparseMoeBlock":
+        experts = _stack_experts(block.experts, "w1", "w3", "w2", opts)
+        cfg = RouterConfig(E, k, "softmax", renormalize=True)
+        return FP8HFMoEBlock(block.gate, experts, cfg)
+    if kind == "Qwen3MoeSparseMoeBlock":
+        experts = _stack_experts(block.experts, "gate_proj", "up_proj", "down_proj", opts)
+        cfg = RouterConfig(E, k, "softmax", renormalize=bool(block.norm_topk_prob))
+        return FP8HFMoEBlock(block.gate, experts, cfg)
+    gate = block.gate  # DeepseekV3TopkRouter
+    experts = _stack_experts(block.experts, "gate_proj", "up_proj", "down_proj", opts)
+    cfg = RouterConfig(
+        E, k, "sigmoid", renormalize=bool(gate.norm_topk_prob), n_group=gate.n_group, topk_group=gate.topk_group,
+        use_correction_bias=True, routed_scaling_factor=float(gate.routed_scaling_factor),
+    )
+    return FP8HFMoEBlock(gate, experts, cfg, shared_experts=block.shared_experts, returns_logits=False,
+                         logits_fp32=True)
+
+
+def _llama4(block: nn.Module, opts: dict) -> FP8Llama4TextMoe:
+    experts = _share_3d_experts(block.experts, opts, in_out=True)
+    return FP8Llama4TextMoe(block.router, experts, block.shared_expert, top_k=block.top_k,
+                            returns_scores=_llama4_returns_scores())
+
+
+def _llama4_returns_scores() -> bool:
+    """transformers < 4.54 returned the router scores as the second output, later the logits."""
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return (major, minor) < (4, 54)

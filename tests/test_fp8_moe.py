@@ -1,0 +1,240 @@
+"""FP8MoE / FP8GroupedExperts against an fp64 reference MoE and a plain PyTorch BF16 MoE."""
+
+import pytest
+import torch
+from torch import nn
+
+from moe_fp8 import FP8GroupedExperts, FP8MoE
+from moe_fp8.routing import RouterConfig
+from moe_fp8.testing import reference_moe_forward, sqnr
+
+T, H, I, E, K = 40, 64, 32, 4, 2
+
+# Output SQNR floor of the FP8 MoE against fp64. One e4m3 rowwise GEMM is ~28.5 dB off exact math
+# (both operands quantized); the SwiGLU multiplies two such outputs (~25.5 dB) and the down GEMM
+# quantizes again, so two chained layers land near 24 dB whatever the sizes (measured 24.1-24.4 dB
+# at H in {64, 256}, T in {40, 256}; TorchAO's MoE test floor is 23 dB). The bf16 recipe gives ~47 dB.
+OUT_SQNR = 23.0
+
+def _moe(recipe="rowwise", seed=0, **kw):
+    torch.manual_seed(seed)
+    return FP8MoE(H, I, E, K, recipe=recipe, **kw).to(torch.bfloat16)
+
+
+def _plain_bf16_moe(moe: FP8MoE, x: torch.Tensor) -> torch.Tensor:
+    """The same block written with plain PyTorch ops (index_select / matmul / index_add)."""
+    r = moe.router(x)
+    w1, w2 = moe.experts.gate_up_proj, moe.experts.down_proj
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for e in range(E):
+        tok, slot = torch.nonzero(r.topk_ids == e, as_tuple=True)
+        gate, up = (x[tok] @ w1[e].T).chunk(2, dim=-1)
+        y = (nn.functional.silu(gate) * up) @ w2[e].T
+        out.index_add_(0, tok, y.float() * r.topk_weights[tok, slot, None])
+    return out.to(x.dtype)
+
+
+def _grads(moe: FP8MoE, x: torch.Tensor, dy: torch.Tensor):
+    moe.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    out = moe(x)
+    out.backward(dy)
+    return out, x.grad, {n: p.grad for n, p in moe.named_parameters()}
+
+
+def _reference(moe: FP8MoE, x: torch.Tensor, dy: torch.Tensor):
+    """fp64 forward and gradients with the module's own routing (fixed ids, differentiable weights)."""
+    r = moe.router(x)
+    x64 = x.detach().double().requires_grad_()
+    w1 = moe.experts.gate_up_proj.detach().double().requires_grad_()
+    w2 = moe.experts.down_proj.detach().double().requires_grad_()
+    out = torch.zeros_like(x64)
+    for e in range(E):
+        tok, slot = torch.nonzero(r.topk_ids == e, as_tuple=True)
+        gate, up = (x64[tok] @ w1[e].T).chunk(2, dim=-1)
+        y = (nn.functional.silu(gate) * up) @ w2[e].T
+        out = out.index_add(0, tok, y * r.topk_weights[tok, slot, None].detach().double())
+    out.backward(dy.double())
+    return out, x64.grad, w1.grad, w2.grad
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise"])
+def test_fp8_moe_vs_fp64(recipe):
+    moe = _moe(recipe)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    dy = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    out, gx, grads = _grads(moe, x, dy)
+    ref, ref_gx, ref_w1, ref_w2 = _reference(moe, x, dy)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    # One scale per tensor loses ~2 dB more than row scales on Gaussian activations.
+    assert sqnr(ref, out) >= (OUT_SQNR - 3 if recipe == "tensorwise" else OUT_SQNR)
+    assert sqnr(ref_w1, grads["experts.gate_up_proj"]) >= 20
+    assert sqnr(ref_w2, grads["experts.down_proj"]) >= 20
+    # x's gradient also flows through the router; test_input_gradient_through_experts checks the
+    # expert path with a frozen router.
+    assert grads["router.weight"] is not None and torch.isfinite(grads["router.weight"]).all()
+    assert torch.isfinite(gx).all()
+
+
+@pytest.mark.interpreter
+def test_input_gradient_through_experts():
+    moe = _moe("rowwise")
+    moe.router.weight.requires_grad_(False)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    dy = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    x_req = x.clone().requires_grad_()
+    r = moe.router(x_req)
+    out = moe.experts(x_req, r.topk_ids, r.topk_weights.detach())
+    out.backward(dy)
+    _, ref_gx, _, _ = _reference(moe, x, dy)
+    assert sqnr(ref_gx, x_req.grad) >= 20
+
+
+def test_bf16_recipe_equals_plain_pytorch_moe():
+    moe = _moe("bf16")
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    out = moe(x)
+    plain = _plain_bf16_moe(moe, x)
+    # Same bf16 matmuls; the combine sums the k slots in fp32 in slot order, index_add in fp32 too.
+    assert (out.float() - plain.float()).abs().max() <= plain.float().abs().max() * 2**-7
+    assert sqnr(reference_moe_forward(x, *moe.router(x)[:2], moe.experts.gate_up_proj, moe.experts.down_proj), out) > 40
+
+
+@pytest.mark.interpreter
+def test_shared_expert_llama4_and_deepseek_routing():
+    for cfg, shared in ((RouterConfig.llama4(num_experts=E, top_k=1), I), (RouterConfig.deepseek_v3(E, K, n_group=2, topk_group=1), I)):
+        torch.manual_seed(4)
+        moe = FP8MoE(H, I, E, cfg.top_k, router_config=cfg, shared_expert_hidden_size=shared,
+                     return_router_output=True).to(torch.bfloat16)
+        x = torch.randn(3, 5, H).to(torch.bfloat16)
+        out, r = moe(x)
+        assert out.shape == (3, 5, H) and r.topk_ids.shape == (15, cfg.top_k)
+        tokens = x.reshape(-1, H)
+        if cfg.weights_on_input:
+            ids = r.topk_ids
+            routed = torch.zeros(15, H, dtype=torch.float64)
+            for t in range(15):
+                e = int(ids[t, 0])
+                xin = (tokens[t] * r.input_scales[t, 0].to(torch.bfloat16)).double()
+                gate, up = (moe.experts.gate_up_proj[e].double() @ xin).chunk(2)
+                routed[t] = moe.experts.down_proj[e].double() @ (nn.functional.silu(gate) * up)
+        else:
+            routed = reference_moe_forward(tokens, r.topk_ids, r.topk_weights, moe.experts.gate_up_proj,
+                                           moe.experts.down_proj)
+        ref = routed + moe.shared_experts(tokens).double()
+        assert sqnr(ref, out.reshape(-1, H)) >= OUT_SQNR
+
+
+@pytest.mark.interpreter
+def test_weight_cache_hits_and_invalidates():
+    moe = _moe("rowwise")
+    x = torch.randn(T, H).to(torch.bfloat16)
+    cache_up, _ = moe.experts._caches
+    moe(x)
+    moe(x)
+    assert cache_up.hits >= 1
+    first = moe(x)
+    with torch.no_grad():
+        moe.experts.gate_up_proj.mul_(2.0)  # an optimizer-style in-place update
+    second = moe(x)
+    assert not torch.equal(first, second)
+    fresh = FP8MoE(H, I, E, K, cache_weights=False).to(torch.bfloat16)
+    fresh.load_state_dict(moe.state_dict())
+    assert torch.equal(fresh(x), second)
+
+
+def test_state_dict_names_and_bad_input():
+    moe = _moe()
+    keys = set(moe.state_dict())
+    assert {"router.weight", "experts.gate_up_proj", "experts.down_proj"} <= keys
+    with pytest.raises(ValueError, match="hidden_size: expected a multiple of 16"):
+        FP8MoE(60, I, E, K)
+    with pytest.raises(ValueError, match="expert_hidden_size: expected a multiple of 16"):
+        FP8MoE(H, 20, E, K)
+    with pytest.raises(ValueError, match="router_config: expected num_experts=4"):
+        FP8MoE(H, I, E, K, router_config=RouterConfig(8, 2))
+    with pytest.raises(ValueError, match="x: expected last dim 64"):
+        moe(torch.randn(3, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.interpreter
+def test_empty_and_one_expert_routing():
+    experts = FP8GroupedExperts(E, H, I).to(torch.bfloat16)
+    x = torch.randn(9, H).to(torch.bfloat16)
+    ids = torch.full((9, 2), 3)
+    ids[:, 1] = 1
+    w = torch.rand(9, 2)
+    out = experts(x, ids, w)
+    ref = reference_moe_forward(x, ids, w, experts.gate_up_proj, experts.down_proj)
+    assert sqnr(ref, out) >= OUT_SQNR
+    assert experts(x[:0], ids[:0], w[:0]).shape == (0, H)
+
+
+def _gpu_pair(H=2048, I=768, E=32, k=8, T=4096, **kw):
+    mods = {}
+    for recipe in ("bf16", "rowwise"):
+        torch.manual_seed(0)
+        mods[recipe] = FP8MoE(H, I, E, k, recipe=recipe, device="cuda", dtype=torch.bfloat16, **kw)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    return mods, x, dy
+
+
+@pytest.mark.gpu
+def test_fp8_moe_gpu_vs_bf16_recipe_no_sync():
+    mods, x, dy = _gpu_pair()
+    results = {}
+    for recipe, moe in mods.items():
+        xr = x.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = moe(xr)
+            out.backward(dy)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results[recipe] = (out, xr.grad, moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad)
+    ref, fp8 = results["bf16"], results["rowwise"]
+    assert sqnr(ref[0], fp8[0]) >= OUT_SQNR
+    for r, f in zip(ref[1:], fp8[1:]):
+        assert sqnr(r, f) >= 20
+
+
+@pytest.mark.gpu
+def test_fp8_moe_gpu_peak_memory_not_above_bf16():
+    mods, x, dy = _gpu_pair(H=4096, I=1024, E=16, k=4, T=8192, cache_weights=False)
+    peaks = {}
+    for recipe, moe in mods.items():
+        xr = x.clone().requires_grad_()
+        moe(xr).backward(dy)  # warm-up: kernels compiled, allocator settled
+        moe.zero_grad(set_to_none=True)
+        xr.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        moe(xr).backward(dy)
+        torch.cuda.synchronize()
+        peaks[recipe] = torch.cuda.max_memory_allocated() - base
+        moe.zero_grad(set_to_none=True)
+    assert peaks["rowwise"] <= peaks["bf16"], peaks
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(
+    reason="open: on the H200 (2026-11-29) dynamo stopped in the dispatch plan's kernel check "
+    "(TritonKernelVariable has no type); that check is now skipped while compiling, not re-run",
+    strict=False,
+)
+def test_fp8_moe_gpu_compile_fullgraph():
+    mods, x, dy = _gpu_pair(T=1024)
+    moe = mods["rowwise"]
+    eager = moe(x)
+    compiled = torch.compile(moe, fullgraph=True)
+    xr = x.clone().requires_grad_()
+    out = compiled(xr)
+    out.backward(dy)
+    assert sqnr(eager, out) >= 40 and torch.isfinite(xr.grad).all()
