@@ -83,3 +83,22 @@ def test_autograd_function_matches_torch():
     gate, up = h64.chunk(2, dim=-1)
     (torch.nn.functional.silu(gate) * up).backward(grad.double())
     assert ((h.grad.double() - h64.grad).abs() <= h64.grad.abs() * 2**-6 + 1e-2).all()
+
+
+def test_torch_fallback_matches_kernel_semantics(monkeypatch):
+    """Without a GPU or the interpreter the same math runs in torch (a CPU user's path)."""
+    import moe_fp8.quant.swiglu as sw
+
+    monkeypatch.setattr(sw, "use_triton", lambda kernel, t: False)
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    a, q, scale = sw.swiglu_quantize(h, E4M3FN)
+    assert torch.equal(a, swiglu_reference(h))
+    ref_q, ref_s = quantize_rowwise(a, E4M3FN)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
+    grad_a = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+    h64 = h.double().requires_grad_()
+    gate, up = h64.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).backward(grad_a.double())
+    grad_h = sw.swiglu_backward(h, grad_a)
+    assert ((grad_h.double() - h64.grad).abs() <= h64.grad.abs() * 2**-7 + 1e-3).all()

@@ -9,7 +9,8 @@ once and writes ``grad_h``.
 Numerics: ``a`` is computed in fp32 and rounded once to ``h``'s dtype; its FP8 rows follow
 ``moe_fp8.quant.reference.quantize_rowwise`` exactly (same bytes and scales as quantizing the
 returned ``a``). ``silu`` uses the hardware ``exp``, so ``a`` may differ from torch's in the last
-bit. Rows are independent: ``M`` may be anything, including 0.
+bit. Rows are independent: ``M`` may be anything, including 0. On a CPU without the Triton
+interpreter both functions run the same math in plain torch.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import triton
 import triton.language as tl
 
 from ..checks import check_tensor
+from ..kernel_backend import device_guard, use_triton
 from .formats import resolve_format
-from .reference import HIGH_PRECISION_DTYPES
+from .reference import HIGH_PRECISION_DTYPES, quantize_rowwise
 from .triton_helpers import fp8_constexprs, fp8_quantize, fp8_scales
 
 __all__ = ["SwiGLUQuantize", "swiglu_quantize", "swiglu_backward", "swiglu_reference"]
@@ -117,15 +119,19 @@ def swiglu_quantize(h: torch.Tensor, fmt=None, *, pow2: bool = False) -> tuple[t
     I = _check_h(h)
     fmt = resolve_format(fmt, h.device)
     M = h.shape[0]
+    if not use_triton(_swiglu_quant_kernel, h):
+        a = swiglu_reference(h)
+        return (a, *quantize_rowwise(a, fmt, pow2=pow2))
     a = torch.empty(M, I, device=h.device, dtype=h.dtype)
     q = torch.empty(M, I, device=h.device, dtype=fmt.torch_dtype)
     scale = torch.empty(M, device=h.device, dtype=torch.float32)
     if M:
         block_m, block_i = _blocks(I)
-        _swiglu_quant_kernel[(triton.cdiv(M, block_m),)](
-            h, a, q, scale, M, I, h.stride(0), a.stride(0), q.stride(0),
-            POW2=pow2, BLOCK_M=block_m, BLOCK_I=block_i, **fp8_constexprs(fmt),
-        )
+        with device_guard(h):
+            _swiglu_quant_kernel[(triton.cdiv(M, block_m),)](
+                h, a, q, scale, M, I, h.stride(0), a.stride(0), q.stride(0),
+                POW2=pow2, BLOCK_M=block_m, BLOCK_I=block_i, **fp8_constexprs(fmt),
+            )
     return a, q, scale
 
 
@@ -136,12 +142,18 @@ def swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
     if grad_a.stride(1) != 1:
         grad_a = grad_a.contiguous()
     M = h.shape[0]
+    if not use_triton(_swiglu_bwd_kernel, h):
+        gate, up = h.float().chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        g = grad_a.float()
+        return torch.cat([g * up * sig * (1 + gate * (1 - sig)), g * gate * sig], dim=-1).to(h.dtype)
     grad_h = torch.empty_like(h)
     if M:
         block_m, block_i = _blocks(min(I, 128))
         grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_i))
-        _swiglu_bwd_kernel[grid](h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
-                                 BLOCK_M=block_m, BLOCK_I=block_i)
+        with device_guard(h):
+            _swiglu_bwd_kernel[grid](h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
+                                     BLOCK_M=block_m, BLOCK_I=block_i)
     return grad_h
 
 

@@ -23,7 +23,7 @@ import triton
 
 from ..checks import check_same_device, check_tensor
 from ..quant.reference import HIGH_PRECISION_DTYPES
-from ._backend import device_guard, use_triton
+from ..kernel_backend import device_guard, use_triton
 from .combine_kernels import combine_backward_kernel, combine_kernel
 from .permute_ops import _permute_op
 from .plan import DispatchPlan

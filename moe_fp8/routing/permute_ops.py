@@ -15,7 +15,7 @@ from ..checks import check_tensor
 from ..quant.formats import Float8Format, resolve_format
 from ..quant.reference import HIGH_PRECISION_DTYPES
 from ..quant.triton_helpers import fp8_constexprs
-from ._backend import device_guard, use_triton
+from ..kernel_backend import device_guard, use_triton
 from .permute_kernels import permute_rows_kernel
 from .plan import DispatchPlan
 from .reference import padding_scale, permute_quantize_reference, permute_reference

@@ -27,7 +27,7 @@ import torch
 import triton
 
 from ..checks import check_tensor
-from ._backend import device_guard, use_triton
+from ..kernel_backend import device_guard, use_triton
 from .plan_kernels import plan_histogram_kernel, plan_rows_kernel, plan_scan_kernel
 from .reference import dispatch_plan_reference
 

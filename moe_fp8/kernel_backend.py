@@ -1,4 +1,4 @@
-"""Where the routing kernels run: Triton on GPUs and in the CPU interpreter, plain torch otherwise."""
+"""Where Triton kernels run: on GPUs and in the CPU interpreter; elsewhere callers use plain torch."""
 
 from __future__ import annotations
 
