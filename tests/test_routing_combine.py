@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_fp8.routing import combine, make_dispatch_plan, permute
-from moe_fp8.routing._backend import use_triton
+from moe_fp8.kernel_backend import use_triton
 from moe_fp8.routing.combine_kernels import combine_kernel
 from moe_fp8.routing.reference import combine_reference
 

@@ -10,7 +10,7 @@ import moe_fp8.routing.permute_ops as permute_mod
 from moe_fp8.quant.formats import E4M3FN, E4M3FNUZ, E5M2
 from moe_fp8.quant.reference import quantize_rowwise
 from moe_fp8.routing import make_dispatch_plan, padding_scale, permute, permute_quantize
-from moe_fp8.routing._backend import use_triton
+from moe_fp8.kernel_backend import use_triton
 from moe_fp8.routing.permute_kernels import permute_rows_kernel
 from moe_fp8.routing.reference import permute_reference
 
