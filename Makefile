@@ -16,6 +16,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VPY) examples/quickstart.py
+	$(VPY) examples/train_demo.py
 
 # CPU tests; Triton kernels run in the interpreter. GPU tests (-m gpu) skip without CUDA.
 test: $(STAMP)
