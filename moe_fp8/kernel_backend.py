@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
-__all__ = ["use_triton", "device_guard"]
+__all__ = ["interpreter_enabled", "triton_runs_on", "use_triton", "device_guard"]
+
+
+def interpreter_enabled() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for the Triton interpreter (kernels then take CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_runs_on(t) -> bool:
+    """Can Triton kernels take ``t``: a GPU tensor, or any tensor while the interpreter is on."""
+    return isinstance(t, torch.Tensor) and (t.is_cuda or interpreter_enabled())
 
 
 def _interpreted(kernel) -> bool:

@@ -16,7 +16,8 @@ import torch
 import triton
 
 from moe_fp8.grouped_gemm.emulated import emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d
-from moe_fp8.grouped_gemm.triton_configs import GemmConfig, interpreter_active
+from moe_fp8.grouped_gemm.triton_configs import GemmConfig
+from moe_fp8.kernel_backend import interpreter_enabled
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d2d, triton_grouped_mm_2d3d
 from moe_fp8.quant.reference import (
     dequantize,
@@ -30,7 +31,7 @@ from moe_fp8.quant.reference import (
 from moe_fp8.testing import random_offsets, reference_grouped_mm, sqnr
 
 CUDA = torch.cuda.is_available()
-needs_cpu_kernel = pytest.mark.skipif(not interpreter_active(), reason="needs TRITON_INTERPRET=1")
+needs_cpu_kernel = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 FNUZ_IN_INTERPRETER = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
 

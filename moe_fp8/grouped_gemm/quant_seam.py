@@ -11,10 +11,9 @@ no kernel: the reference (a handful of torch ops, no host sync) runs for them on
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..kernel_backend import triton_runs_on
 from ..quant import ops as kernels
 from ..quant import reference as ref
 from ..quant.formats import Float8Format
@@ -26,7 +25,7 @@ BLOCK = 128  # blockwise recipe: 1 x 128 activation blocks, 128 x 128 weight blo
 
 
 def _kernels(t: torch.Tensor, fused: bool) -> bool:
-    return fused and (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    return fused and triton_runs_on(t)
 
 
 def quantize_activation(

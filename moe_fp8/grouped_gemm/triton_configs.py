@@ -8,12 +8,11 @@ keep CI fast while still exercising multi-tile, masking and group-boundary paths
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GemmConfig", "interpreter_active", "config_2d3d", "config_2d2d"]
+__all__ = ["GemmConfig", "config_2d3d", "config_2d2d"]
 
 SCALE_TENSORWISE, SCALE_ROWWISE, SCALE_BLOCKWISE = 0, 1, 2
 BLOCKWISE_BLOCK = 128  # 1x128 activation blocks, 128x128 weight blocks
@@ -43,9 +42,6 @@ class GemmConfig:
     fast_accum: bool = True
 
 
-def interpreter_active() -> bool:
-    """Whether Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _is_sm90(device: torch.device) -> bool:

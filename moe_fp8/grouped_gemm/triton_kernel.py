@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_multiple_of, check_offsets, check_same_device, check_tensor
+from ..kernel_backend import interpreter_enabled
 from .emulated import FP8_DTYPES
 from .triton_configs import (
     BLOCKWISE_BLOCK,
@@ -41,7 +42,6 @@ from .triton_configs import (
     GemmConfig,
     config_2d2d,
     config_2d3d,
-    interpreter_active,
 )
 
 __all__ = ["triton_grouped_mm_2d3d", "triton_grouped_mm_2d2d"]
@@ -242,7 +242,7 @@ def _check_dtypes(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> N
 
 def _check_can_launch(a: torch.Tensor) -> None:
     """The device of ``a`` can run the kernel (checked after the arguments themselves)."""
-    if a.device.type == "cpu" and not interpreter_active():
+    if a.device.type == "cpu" and not interpreter_enabled():
         raise ValueError("a: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
     if a.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(a.device) < (8, 9):
         raise ValueError(f"a: FP8 tl.dot needs compute capability >= 8.9, {a.device} has "

@@ -9,10 +9,9 @@ shapes the kernel does not take always use the reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..kernel_backend import triton_runs_on as _use_triton
 from . import reference
 from .kernels.blockwise import supported_block
 
@@ -24,10 +23,6 @@ __all__ = [
     "quantize_group_colwise",
     "quantize_blockwise",
 ]
-
-
-def _use_triton(t) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def quantize_tensorwise(x: torch.Tensor, fmt=None, *, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,18 +7,14 @@ tensorwise and blockwise scales, with the semantics of ``emulated.py``.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from ...kernel_backend import interpreter_enabled
 from ..triton_kernel import triton_grouped_mm_2d2d, triton_grouped_mm_2d3d
 from .base import GroupedGemmBackend
 
-__all__ = ["TritonBackend", "interpreter_enabled"]
-
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+__all__ = ["TritonBackend"]
 
 
 class TritonBackend(GroupedGemmBackend):
