@@ -238,3 +238,27 @@ def test_fp8_moe_gpu_compile_fullgraph():
     out = compiled(xr)
     out.backward(dy)
     assert sqnr(eager, out) >= 40 and torch.isfinite(xr.grad).all()
+
+
+@pytest.mark.interpreter
+def test_autocast_frozen_weights_and_meta_init():
+    torch.manual_seed(5)
+    moe = FP8MoE(H, I, E, K)  # fp32 parameters
+    moe.experts.gate_up_proj.requires_grad_(False)
+    x = torch.randn(T, H, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert x.grad is not None and moe.experts.gate_up_proj.grad is None
+    assert moe.experts.down_proj.grad is not None and moe.experts.down_proj.grad.dtype == torch.float32
+    ref = reference_moe_forward(x, *moe.router(x)[:2], moe.experts.gate_up_proj, moe.experts.down_proj)
+    assert sqnr(ref, out) >= OUT_SQNR - 1  # inputs rounded to bf16 by autocast first
+
+    meta = FP8MoE(H, I, E, K, shared_expert_hidden_size=I, device="meta")
+    assert meta.experts.gate_up_proj.is_meta
+    meta.to_empty(device="cpu")
+    meta.reset_parameters()
+    for name, p in meta.named_parameters():
+        assert torch.isfinite(p).all() and p.abs().max() > 0, name
+    assert meta(torch.randn(4, H)).shape == (4, H)

@@ -106,7 +106,8 @@ class FP8GroupedExperts(nn.Module):
             top_k_weights: ``(T, k)`` combine weights, or ``None`` for unit weights.
             input_scales: ``(T, k)`` factors applied to each expert's INPUT row (Llama 4), or ``None``.
         Returns:
-            ``(T, H)`` in ``hidden_states``' dtype.
+            ``(T, H)`` in ``hidden_states``' dtype (the autocast dtype under autocast); the
+            GEMMs themselves write bf16.
         """
         check_tensor("hidden_states", hidden_states, ndim=2, shape=(None, self.hidden_size))
         check_tensor("top_k_index", top_k_index, ndim=2, shape=(hidden_states.shape[0], None))
@@ -141,8 +142,9 @@ class FP8GroupedExperts(nn.Module):
         else:
             gate, up = h.chunk(2, dim=-1)
             a, a_fp8 = nn.functional.silu(gate) * up, None
-        y = fp8_grouped_mm(a, w2, plan.offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
-        return combine(y, plan, top_k_weights)
+        # The grouped GEMMs write bf16; fp32 modules (no autocast) get their dtype back at the end.
+        y = fp8_grouped_mm(a, w2.to(a.dtype), plan.offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
+        return combine(y, plan, top_k_weights).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "

@@ -80,6 +80,15 @@ class FP8MoE(nn.Module):
     def recipe(self):
         return self.experts.recipe
 
+    def reset_parameters(self) -> None:
+        """Initialise every parameter (after ``to_empty`` from the meta device, say)."""
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            for m in self.shared_experts.modules():
+                if isinstance(m, nn.Linear):
+                    m.reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, RouterOutput]:
         shape = x.shape
         if not shape or shape[-1] != self.hidden_size:

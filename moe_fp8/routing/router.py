@@ -37,10 +37,14 @@ class Router(nn.Module):
         self.hidden_size = hidden_size
         E = config.num_experts
         self.weight = nn.Parameter(torch.empty(E, hidden_size, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
+        self.reset_parameters()
         if config.use_correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(E, device=device, dtype=torch.float32))
             self.register_buffer("load_since_update", torch.zeros(E, device=device, dtype=torch.int64))
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init of the gate weight (buffers are left as they are)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """Route ``x`` ``(..., H)``; the outputs are per token, flattened to ``T = x.numel() // H``."""
