@@ -89,7 +89,7 @@ def test_torch_fallback_matches_kernel_semantics(monkeypatch):
     """Without a GPU or the interpreter the same math runs in torch (a CPU user's path)."""
     import moe_fp8.quant.swiglu as sw
 
-    monkeypatch.setattr(sw, "use_triton", lambda kernel, t: False)
+    monkeypatch.setattr(sw, "use_triton", lambda kernel, t: False)  # read when the op runs
     g = torch.Generator().manual_seed(4)
     h = torch.randn(5, 64, generator=g).to(torch.bfloat16)
     a, q, scale = sw.swiglu_quantize(h, E4M3FN)

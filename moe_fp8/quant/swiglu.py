@@ -10,7 +10,9 @@ Numerics: ``a`` is computed in fp32 and rounded once to ``h``'s dtype; its FP8 r
 ``moe_fp8.quant.reference.quantize_rowwise`` exactly (same bytes and scales as quantizing the
 returned ``a``). ``silu`` uses the hardware ``exp``, so ``a`` may differ from torch's in the last
 bit. Rows are independent: ``M`` may be anything, including 0. On a CPU without the Triton
-interpreter both functions run the same math in plain torch.
+interpreter both functions run the same math in plain torch. Both are torch custom ops
+(``moe_fp8::swiglu_quantize``, ``moe_fp8::swiglu_backward``) with fake kernels, so
+``torch.compile`` traces them as opaque nodes.
 """
 
 from __future__ import annotations
@@ -107,41 +109,36 @@ def _blocks(I: int) -> tuple[int, int]:
     return max(1, 2048 // block_i), block_i
 
 
-def swiglu_quantize(h: torch.Tensor, fmt=None, *, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused ``a = silu(gate) * up`` and rowwise FP8 quantization of ``a``.
-
-    Args:
-        h: ``(M, 2I)`` bf16/fp16/fp32, ``[gate | up]`` along the last dim, unit last stride.
-        fmt: FP8 format (default: detected for ``h``'s device).
-    Returns:
-        ``a`` ``(M, I)`` in ``h``'s dtype, ``q`` ``(M, I)`` row-major fp8, ``scale`` ``(M,)`` fp32.
-    """
-    I = _check_h(h)
-    fmt = resolve_format(fmt, h.device)
+@torch.library.custom_op("moe_fp8::swiglu_quantize", mutates_args=())
+def _swiglu_quantize_op(h: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    f = resolve_format(fmt)
+    I = h.shape[1] // 2
     M = h.shape[0]
     if not use_triton(_swiglu_quant_kernel, h):
         a = swiglu_reference(h)
-        return (a, *quantize_rowwise(a, fmt, pow2=pow2))
+        return (a, *quantize_rowwise(a, f, pow2=pow2))
     a = torch.empty(M, I, device=h.device, dtype=h.dtype)
-    q = torch.empty(M, I, device=h.device, dtype=fmt.torch_dtype)
+    q = torch.empty(M, I, device=h.device, dtype=f.torch_dtype)
     scale = torch.empty(M, device=h.device, dtype=torch.float32)
     if M:
         block_m, block_i = _blocks(I)
         with device_guard(h):
             _swiglu_quant_kernel[(triton.cdiv(M, block_m),)](
                 h, a, q, scale, M, I, h.stride(0), a.stride(0), q.stride(0),
-                POW2=pow2, BLOCK_M=block_m, BLOCK_I=block_i, **fp8_constexprs(fmt),
+                POW2=pow2, BLOCK_M=block_m, BLOCK_I=block_i, **fp8_constexprs(f),
             )
     return a, q, scale
 
 
-def swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
-    """Gradient of ``silu(gate) * up`` w.r.t. ``h = [gate | up]``: ``(M, 2I)`` in ``h``'s dtype."""
-    I = _check_h(h)
-    check_tensor("grad_a", grad_a, dtypes=HIGH_PRECISION_DTYPES, shape=(h.shape[0], I))
-    if grad_a.stride(1) != 1:
-        grad_a = grad_a.contiguous()
-    M = h.shape[0]
+@_swiglu_quantize_op.register_fake
+def _(h, fmt, pow2):
+    M, I = h.shape[0], h.shape[1] // 2
+    return h.new_empty(M, I), h.new_empty(M, I, dtype=resolve_format(fmt).torch_dtype), h.new_empty(M, dtype=torch.float32)
+
+
+@torch.library.custom_op("moe_fp8::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
+    M, I = h.shape[0], h.shape[1] // 2
     if not use_triton(_swiglu_bwd_kernel, h):
         gate, up = h.float().chunk(2, dim=-1)
         sig = torch.sigmoid(gate)
@@ -155,6 +152,33 @@ def swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
             _swiglu_bwd_kernel[grid](h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
                                      BLOCK_M=block_m, BLOCK_I=block_i)
     return grad_h
+
+
+@_swiglu_backward_op.register_fake
+def _(h, grad_a):
+    return torch.empty_like(h)
+
+
+def swiglu_quantize(h: torch.Tensor, fmt=None, *, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``a = silu(gate) * up`` and rowwise FP8 quantization of ``a``.
+
+    Args:
+        h: ``(M, 2I)`` bf16/fp16/fp32, ``[gate | up]`` along the last dim, unit last stride.
+        fmt: FP8 format (default: detected for ``h``'s device).
+    Returns:
+        ``a`` ``(M, I)`` in ``h``'s dtype, ``q`` ``(M, I)`` row-major fp8, ``scale`` ``(M,)`` fp32.
+    """
+    _check_h(h)
+    return _swiglu_quantize_op(h, resolve_format(fmt, h.device).name, pow2)
+
+
+def swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``silu(gate) * up`` w.r.t. ``h = [gate | up]``: ``(M, 2I)`` in ``h``'s dtype."""
+    I = _check_h(h)
+    check_tensor("grad_a", grad_a, dtypes=HIGH_PRECISION_DTYPES, shape=(h.shape[0], I))
+    if grad_a.stride(1) != 1:
+        grad_a = grad_a.contiguous()
+    return _swiglu_backward_op(h, grad_a)
 
 
 class SwiGLUQuantize(torch.autograd.Function):

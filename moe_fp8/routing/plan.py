@@ -104,8 +104,19 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
     if k < 1 or k > num_experts:
         raise ValueError(f"topk_ids: expected 1 <= k <= num_experts={num_experts} columns, got shape {(T, k)}")
     ids = topk_ids.contiguous()
+    return DispatchPlan(*_plan_op(ids, num_experts, pad_multiple), k, pad_multiple)
+
+
+# A torch custom op (with a fake kernel) so that torch.compile traces the plan as one opaque node
+# with static output shapes instead of stepping into the Triton launches.
+@torch.library.custom_op("moe_fp8::routing_dispatch_plan", mutates_args=())
+def _plan_op(
+    ids: torch.Tensor, num_experts: int, pad_multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts, offsets, pair_to_row, row_to_pair, pad_rows)`` for contiguous ``ids (T, k)``."""
+    T, k = ids.shape
     if not use_triton(plan_rows_kernel, ids):
-        return DispatchPlan(*dispatch_plan_reference(ids, num_experts, pad_multiple), k, pad_multiple)
+        return tuple(dispatch_plan_reference(ids, num_experts, pad_multiple))
 
     E, P = num_experts, pad_multiple
     N = T * k
@@ -131,4 +142,17 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
             ids, rank, block_counts, totals, counts, offsets, pair_to_row, row_to_pair, pad_rows, N, num_blocks,
             E=E, E_POW2=e_pow2, BLOCK=block, PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
         )
-    return DispatchPlan(counts, offsets, pair_to_row, row_to_pair, pad_rows, k, P)
+    return counts, offsets, pair_to_row, row_to_pair, pad_rows
+
+
+@_plan_op.register_fake
+def _(ids, num_experts, pad_multiple):
+    N = ids.shape[0] * ids.shape[1]
+    i32 = dict(dtype=torch.int32)
+    return (
+        ids.new_empty(num_experts, **i32),
+        ids.new_empty(num_experts, **i32),
+        ids.new_empty(N, **i32),
+        ids.new_empty(padded_num_rows(N, num_experts, pad_multiple), **i32),
+        ids.new_empty((pad_multiple - 1) * num_experts, **i32),
+    )
