@@ -206,6 +206,14 @@ def test_whole_model_and_backward():
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.interpreter
+def test_bare_block():
+    block = _random(V5_BLOCKS["mixtral"]())
+    assert hf.convert(block) is block and isinstance(block.experts, FP8GroupedExperts)
+    assert isinstance(hf.convert(_random(V5_BLOCKS["llama4"]())), FP8Llama4TextMoe)
+    assert isinstance(hf.convert(_random(V4_BLOCKS["mixtral"]())), FP8HFMoEBlock)
+
+
 def test_unsupported_blocks_are_named():
     class FancyMoeBlock(nn.Module):
         def __init__(self):

@@ -32,11 +32,17 @@ def convert(model: nn.Module, *, recipe="rowwise", backend: str | None = None, f
             cache_weights: bool = True) -> nn.Module:
     """Replace every supported MoE block of ``model`` in place; return ``model``.
 
+    ``model`` may also be a single block: the result is then the converted block (the same
+    object for transformers 5.x Mixtral / Qwen3-MoE / DeepSeek-V3 blocks, a new one otherwise).
+
     The converted blocks compute the same function with FP8 expert matmuls (``recipe="bf16"``:
     the BF16 grouped path, for A/B runs). Raises ``ValueError`` naming the class of a block that
     looks like an MoE block (has ``experts``) but is not supported, and when nothing was found.
     """
     opts = dict(recipe=recipe, backend=backend, fmt=fmt, cache_weights=cache_weights)
+    root = _convert_block(model, opts)
+    if root is not None:  # a bare block: converted in place, or its replacement returned
+        return root
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
