@@ -9,6 +9,9 @@ Times are ``triton.testing.do_bench`` medians of one forward + backward (eager),
 inputs, router included. Peak memory is ``max_memory_allocated`` over one forward+backward above
 what was allocated before it (parameters and inputs excluded).
 
+For each MoE layer the ``rowwise`` forward alone is timed too, beside the dispatch plan
+(``make_dispatch_plan`` on the same top-k ids, eager): the plan's share of the layer forward.
+
 Usage: ``python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 8192] [--quick]``
 (writes ``moe_layer.json`` and ``moe_layer.md``).
 """
@@ -26,7 +29,7 @@ from torch import nn
 from triton.testing import do_bench
 
 from moe_fp8 import FP8MoE, convert_to_fp8
-from moe_fp8.routing import RouterConfig
+from moe_fp8.routing import RouterConfig, make_dispatch_plan
 from moe_fp8.testing import sqnr
 
 LAYERS = {  # name: (H, I, E, k, shared I, router config)
@@ -64,6 +67,16 @@ def measure(step) -> tuple[float, float]:
     return ms, peak
 
 
+def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
+    """Forward-only time of ``moe`` and of its dispatch plan on the same routing (eager, ms)."""
+    with torch.no_grad():
+        fwd_ms = do_bench(lambda: moe(x), warmup=5, rep=40, return_mode="median")
+        ids = moe.router(x).topk_ids
+        E = moe.experts.num_experts
+        plan_ms = do_bench(lambda: make_dispatch_plan(ids, E), warmup=5, rep=40, return_mode="median")
+    return dict(fwd_ms=fwd_ms, plan_ms=plan_ms, plan_share=plan_ms / fwd_ms)
+
+
 def moe_rows(tokens: int, names) -> list[dict]:
     rows = []
     for name in names:
@@ -85,6 +98,10 @@ def moe_rows(tokens: int, names) -> list[dict]:
             flops = 6 * tokens * k * H * 3 * I + (6 * tokens * H * 3 * shared if shared else 0)
             rows.append(dict(layer=name, tokens=tokens, recipe=recipe, ms=ms, tflops=flops / ms / 1e9,
                              speedup=base_ms / ms, peak_gib=peak, sqnr_vs_bf16=sqnr(ref_out, out)))
+            if recipe == "rowwise":
+                rows[-1].update(plan_share(moe, x))
+                print(f"{name:16s} rowwise forward {rows[-1]['fwd_ms']:.3f} ms, plan {rows[-1]['plan_ms']:.3f} ms "
+                      f"= {100 * rows[-1]['plan_share']:.1f}%", flush=True)
             print(f"{name:16s} {recipe:14s} {ms:8.2f} ms {rows[-1]['speedup']:5.2f}x  peak {peak:6.2f} GiB  "
                   f"SQNR {rows[-1]['sqnr_vs_bf16']:5.1f} dB", flush=True)
             del moe, step
@@ -161,6 +178,12 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['layer']} | {r['tokens']} | {r['recipe']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
                      f"{r['speedup']:.2f}x | {r['peak_gib']:.2f} | {r['sqnr_vs_bf16']:.1f} |")
+    lines += ["", "Dispatch plan vs the `rowwise` layer forward (eager, no grad):", "",
+              "| layer | tokens | forward ms | plan ms | plan share |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "plan_ms" in r:
+            lines.append(f"| {r['layer']} | {r['tokens']} | {r['fwd_ms']:.3f} | {r['plan_ms']:.3f} | "
+                         f"{100 * r['plan_share']:.1f}% |")
     (out / "moe_layer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -42,9 +42,10 @@ MODELS = {
 }
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda"
-# Kernel configurations timed with --sweep: strip (BLOCK_R, BLOCK_C, num_warps, programs_per_sm)
-# (the first is run with and without the hardware cast) and rowwise (tile, num_warps).
-STRIP_SWEEP = [(256, 32, 8, 2), (256, 16, 4, 4), (256, 16, 4, 0), (512, 16, 8, 2), (1024, 16, 16, 1)]
+# Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, num_warps) (the
+# first, the default, is run with and without the hardware cast) and rowwise (tile, num_warps).
+STRIP_SWEEP = [(256, 64, 64, 4), (128, 64, 64, 4), (512, 64, 64, 4), (256, 32, 128, 4), (256, 64, 32, 4),
+               (256, 128, 64, 8)]
 ROW_SWEEP = [(4096, 4), (8192, 8)]
 
 
@@ -100,8 +101,8 @@ def _rowwise_variant(x, tile, warps, hw_cast):
                                   stride_r=x.stride(0), stride_k=1, config=cfg, hw_cast=hw_cast)
 
 
-def _strip_config(rows, br, bc, warps, pps):
-    return colwise_config(rows, block_r=br, block_c=bc, num_warps=warps, programs_per_sm=pps)
+def _strip_config(chunk, br, bc, warps):
+    return colwise_config(chunk=chunk, block_r=br, block_c=bc, num_warps=warps)
 
 
 def _expert_t_variant(w, cfg, hw_cast):
@@ -170,11 +171,11 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
             table.add(model, "blockwise 128x128 (W)", shape, base + E * triton.cdiv(N, 128) * triton.cdiv(K, 128) * 4,
                       _time_us(lambda: ops.triton_quantize_blockwise(w, E4M3FN, (128, 128), True)))
             if sweep and time.time() < deadline:
-                for br, bc, warps, pps in STRIP_SWEEP:
-                    for hw in ((True, False) if (br, bc, warps, pps) == STRIP_SWEEP[0] else (True,)):
-                        cfg = _strip_config(N, br, bc, warps, pps)
+                for v in STRIP_SWEEP:
+                    for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):
                         sweep_row(model, "expert colwise dgrad", shape, base + E * K * 4,
-                                  f"{br}x{bc} w{warps} pps{pps} hw_cast={hw}", _expert_t_variant(w, cfg, hw))
+                                  "chunk={} {}x{} w{}".format(*v) + f" hw_cast={hw}",
+                                  _expert_t_variant(w, _strip_config(*v), hw))
             del w, w_t
 
             a = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
@@ -191,11 +192,11 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
                       _time_us(lambda: ops.triton_quantize_group_colwise_dual(a, b, skew, E4M3FN, True)),
                       group_sizes=torch.diff(skew, prepend=skew.new_zeros(1)).tolist())
             if sweep and time.time() < deadline:
-                for br, bc, warps, pps in STRIP_SWEEP:
-                    for hw in ((True, False) if (br, bc, warps, pps) == STRIP_SWEEP[0] else (True,)):
-                        cfg = _strip_config(M // E, br, bc, warps, pps)
-                        sweep_row(model, "group colwise dual", shape, nbytes, f"{br}x{bc} w{warps} pps{pps} hw_cast={hw}",
-                                  _group_variant(a, b, offs, cfg, hw))
+                for v in STRIP_SWEEP:
+                    for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):
+                        sweep_row(model, "group colwise dual", shape, nbytes,
+                                  "chunk={} {}x{} w{}".format(*v) + f" hw_cast={hw}",
+                                  _group_variant(a, b, offs, _strip_config(*v), hw))
             del a, b
         torch.cuda.empty_cache()
     return table, sweeps

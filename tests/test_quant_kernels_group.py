@@ -113,20 +113,23 @@ def test_group_colwise_single_cpu(fmt):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("programs_per_sm", [0, 1])
+@pytest.mark.parametrize("chunk", [16, 32, 256])
 @pytest.mark.parametrize("padded", [False, True])
-def test_group_colwise_strip_configs_cpu(programs_per_sm, padded):
-    """Small strips: several row chunks per group (aligned, partial, backwards), items per program."""
+@pytest.mark.parametrize("ends", [[37, 37, 90, 141], [0, 32, 32, 64, 150, 150], [5, 6, 7, 140]], ids=str)
+def test_group_colwise_strip_configs_cpu(chunk, padded, ends):
+    """Small tiles: groups of several chunks and chunks of several groups (pieces, partial tiles, the
+    last arriver finishing), empty groups inside and at the chunk edges."""
     a, b = hard_input((150, 40), seed=12), hard_input((150, 24), seed=13)
-    offs = torch.tensor([37, 37, 90, 141], dtype=torch.int32)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    G = len(ends)
     padded_offs, rows_out = _padded(offs) if padded else (None, 150)
     qa = torch.empty_strided((rows_out, 40), (1, rows_out), dtype=torch.float8_e4m3fn)
     qb = torch.empty_strided((rows_out, 24), (1, rows_out), dtype=torch.float8_e4m3fn)
-    sa, sb = torch.empty(4, 40), torch.empty(4, 24)
+    sa, sb = torch.empty(G, 40), torch.empty(G, 24)
     for t in (qa, qb, sa, sb):  # poison: every element must be written
         t.view(torch.uint8).fill_(0x55)
     launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, False,
-                         config=dict(BLOCK_R=16, BLOCK_C=16, num_warps=4, programs_per_sm=programs_per_sm))
+                         config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4))
     for q, s, x in ((qa, sa, a), (qb, sb, b)):
         if padded:
             rq, rs = _reference_padded(x, offs, padded_offs, rows_out, E4M3FN, False)
@@ -144,7 +147,30 @@ def test_group_colwise_no_groups_cpu():
     assert_same(qa, (a.float() * 0).to(torch.float8_e4m3fn), "qa")  # every row outside every group
 
 
+def _bad_offsets_run(device: str) -> None:
+    """Non-monotone, negative and too-large offsets: the kernel returns (no worker waits forever) and
+    quantizes as if the offsets were their clamped running maximum."""
+    a, b = hard_input((150, 40), seed=3, device=device), hard_input((150, 24), seed=4, device=device)
+    offs = torch.tensor([100, 50, -3, 140, 400, 120], dtype=torch.int32, device=device)
+    qa, sa, qb, sb = triton_quantize_group_colwise_dual(a, b, offs, E4M3FN)
+    fixed = torch.cummax(offs.clamp(0, 150), 0).values.to(torch.int32)
+    for q, s, x in ((qa, sa, a), (qb, sb, b)):
+        rq, rs = ref.quantize_group_colwise(x, fixed, E4M3FN)
+        assert_same(q, rq.to(q.device), "q")
+        assert_same(s, rs.to(s.device), "scale")
+
+
+@pytest.mark.interpreter
+def test_group_colwise_bad_offsets_cpu():
+    _bad_offsets_run("cpu")
+
+
 # ------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_group_colwise_bad_offsets_gpu():
+    _bad_offsets_run("cuda")
 
 
 @pytest.mark.gpu

@@ -1,24 +1,28 @@
 """Column-wise FP8 quantization over row groups, written transposed: dgrad weights and wgrad operands.
 
-One scale per (group, column): amax over the group's rows. A program owns a *strip*: one group's
-rows times ``BLOCK_C`` columns. It reads the strip twice, once to reduce the amax and once to
-scale, round and store; the second pass walks the strip backwards so that the rows read last in
-pass 1 (the ones most likely still in L2) are read first. Narrow strips keep the L2 working set
-(``programs in flight x group rows x BLOCK_C x 2 bytes``) small; a persistent launch (a fixed
-number of programs looping over strips) bounds the programs in flight. When the strips of the
-programs in flight do not fit in L2, the second pass reads HBM again (5 bytes moved per element
-instead of 3 for bf16 in, fp8 out).
+One scale per (group, column): the amax over the group's rows. The rows are cut into fixed
+*chunks* of ``CHUNK`` rows; per column block of ``BLOCK_C`` columns, each chunk gets two programs:
 
-Measured on one H200 (2026-11, ``benchmarks/results/quant.md``): 42-52% of copy bandwidth for
-groups of >= 1536 rows (experts, DeepSeek-V3 token groups) and 20-26% for groups of 512-1024 rows,
-where each strip is one or two chunks and the program's chain of dependent loads (offsets, pass 1,
-pass 2) leaves the memory system idle. The strips are latency-bound, not bandwidth-bound: a strip
-of 16 columns reads 32 bytes per row, so few bytes are in flight per program.
+* a *member* reduces the column amax of each group piece in its chunk, merges it into the group's
+  amax (a relaxed ``atomic_max`` on the fp32 bits, ``BLOCK_C`` per piece) and counts the piece in
+  at the (group, column block) counter (one ``release`` atomic add);
+* a *worker* waits (an ``acquire`` atomic read, spinning) until every piece of each of its groups
+  is counted, then scales, rounds and stores its chunk's rows, which it reads from L2, where its
+  member has just brought them.
+
+Every program moves the same bytes whatever the group sizes are (no autotuning per token count,
+no host sync) and HBM sees each input byte once (3 bytes per element, bf16 in, fp8 out). The grid
+puts all members of a column block before its workers, so a worker only waits for programs
+launched before it, which the GPU has already placed on its multiprocessors (the forward-progress
+assumption of decoupled look-back scans); the L2 working set is one column block of all rows
+(``rows x BLOCK_C x 2`` bytes). The sequential CPU interpreter runs members first, so its workers
+never spin. Counts a worker waits for are derived from the same clamped running-max offsets the
+members use, so no offsets, however bad, leave a worker waiting forever.
 
 Users:
 
-* ``quantize_expert_colwise(transposed=True)``: groups are experts (``N`` rows each) of
-  ``w (E, N, K)``; ``q (E, K, N)`` contiguous, ``scale (E, K)``;
+* ``quantize_expert_colwise(transposed=True)`` (``UNIFORM``): groups are experts, ``N`` rows each,
+  of ``w (E, N, K)`` (any strides); ``q (E, K, N)`` contiguous, ``scale (E, K)``;
 * ``quantize_group_colwise[_dual]``: groups are jagged token ranges given by int32 end offsets
   (read on the device, never synced); ``q`` is column-major ``(rows, C)`` (or row-major), rows
   outside every group are 0. With padded offsets, group ``g``'s rows land at the padded group start
@@ -26,7 +30,7 @@ Users:
   quantized in one launch.
 
 Output row ``o`` of a group, column ``c``, lives at ``out_base + o * stride_qr + c * stride_qc``;
-rows are stored in chunks aligned to ``BLOCK_R`` output rows so that interior chunks take
+rows are stored in tiles aligned to ``BLOCK_R`` output rows so that interior tiles take
 unmasked, vectorized stores along the output's contiguous dim.
 """
 
@@ -38,9 +42,9 @@ import triton.language as tl
 
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .common import format_constexprs, multiprocessor_count, to_fp8
+from .common import format_constexprs, to_fp8
 
-__all__ = ["colwise_strip", "colwise_config", "expert_t_config", "launch_expert_colwise_t", "launch_group_colwise"]
+__all__ = ["colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
 
 
 @triton.jit
@@ -80,26 +84,18 @@ def _store_rows(
 
 
 @triton.jit
-def colwise_strip(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    cb,
-    C,
-    in_base,
+def _store_strip(
+    x_cols,
+    q_cols,
     in_start,
     in_end,
     stride_r,
-    stride_c,
-    out_base,
     o_start,
     o_zero_end,
     o_limit,
     stride_qr,
-    stride_qc,
-    scale_base,
-    is_group,
-    POW2: tl.constexpr,
+    inv_scale,
+    col_ok,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -110,33 +106,13 @@ def colwise_strip(
     FP8_SUB_SCALE: tl.constexpr,
     FP8_NEG_ZERO: tl.constexpr,
 ):
-    """Quantize input rows ``[in_start, in_end)`` x columns ``cb * BLOCK_C + [0, BLOCK_C)``.
+    """Rows ``[in_start, in_end)`` times ``inv_scale`` to output rows ``[o_start, ...)``, then zeros
+    up to ``o_zero_end``; nothing at or past ``o_limit``.
 
-    They are stored at output rows ``[o_start, o_start + in_end - in_start)``; output rows from
-    there up to ``o_zero_end`` get zeros; nothing is stored at or past ``o_limit``. When
-    ``is_group``, the column scales go to ``s_ptr + scale_base + column``; otherwise the rows
-    belong to no group and are multiplied by 0 (``x * 0``: ``-0`` for negative ``x``, as the
-    reference writes them).
+    Walks backwards (the rows read last, the freshest in L2, first): the partial tile at the end,
+    the full tiles, the partial tile at the start. Full tiles get no row mask, so their stores along
+    the output's contiguous dim stay vectorized (a shared masked store would not be).
     """
-    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    x_cols = x_ptr + in_base + cols.to(tl.int64)[None, :] * stride_c
-    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    reduce_end = tl.where(is_group, in_end, in_start)
-    for r0 in range(in_start, reduce_end, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        x = tl.load(x_cols + rows.to(tl.int64)[:, None] * stride_r,
-                    mask=(rows < in_end)[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-    inv_scale, scale = fp8_scales(tl.max(acc, axis=0), FP8_MAX, POW2)
-    inv_scale = tl.where(is_group, inv_scale, 0.0)
-    if is_group:
-        tl.store(s_ptr + scale_base + cols, scale, mask=col_ok)
-
-    # Pass 2, backwards (the freshest rows in L2 first): the partial chunk at the end, the full
-    # chunks, the partial chunk at the start. Full chunks get no row mask, so their stores along
-    # the output's contiguous dim stay vectorized (a shared masked store would not be).
-    q_cols = q_ptr + out_base + cols.to(tl.int64)[None, :] * stride_qc
     o_end = tl.minimum(o_start + (in_end - in_start), o_limit)
     full_lo = tl.cdiv(o_start, BLOCK_R) * BLOCK_R
     full_hi = tl.maximum((o_end // BLOCK_R) * BLOCK_R, full_lo)
@@ -153,7 +129,6 @@ def colwise_strip(
         _store_rows(x_cols, q_cols, full_lo - BLOCK_R, o_start, o_end, in_start, stride_r, stride_qr, inv_scale,
                     col_ok, True, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                     FP8_NEG_ZERO)
-
     zero = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32).to(OUT_DTYPE)
     z_end = tl.minimum(o_zero_end, o_limit)
     for o0 in range((o_end // BLOCK_R) * BLOCK_R, z_end, BLOCK_R):
@@ -163,18 +138,56 @@ def colwise_strip(
 
 
 @triton.jit
-def expert_colwise_t_item(
-    w_ptr,
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _group_rows(ends, gi, g, G, N_UNI, UNIFORM: tl.constexpr):
+    """``(start, end)`` virtual rows of group ``g`` (``ends``: the running-max end offsets, jagged)."""
+    if UNIFORM:
+        start = g * N_UNI
+        end = start + N_UNI
+    else:
+        start = tl.sum(tl.where(gi == g - 1, ends, 0), axis=0)
+        end = tl.sum(tl.where(gi == g, ends, 0), axis=0)
+    return start, end
+
+
+@triton.jit
+def _column_block(
+    x_ptr,
     q_ptr,
     s_ptr,
-    item,
-    N,
-    K,
-    NB,
-    stride_we,
-    stride_wn,
-    stride_wk,
+    cb,
+    C,
+    stride_g,
+    stride_r,
+    stride_c,
+    stride_qg,
+    stride_qr,
+    stride_qc,
+    amax_ptr,
+    amax_col,
+    amax_stride,
+    cnt_ptr,
+    cnt_col,
+    cnt_stride,
+    offs_ptr,
+    poffs_ptr,
+    c,
+    is_worker,
+    n_chunks,
+    G,
+    N_UNI,
+    rows_in,
+    rows_out,
+    tail_per_chunk,
     POW2: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    PADDED: tl.constexpr,
+    G_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -185,50 +198,123 @@ def expert_colwise_t_item(
     FP8_SUB_SCALE: tl.constexpr,
     FP8_NEG_ZERO: tl.constexpr,
 ):
-    """Strip ``item`` = (expert, column block) of ``w (E, N, K)`` into ``q (E, K, N)``, ``scale (E, K)``."""
-    e = (item // NB).to(tl.int64)
-    colwise_strip(w_ptr, q_ptr, s_ptr, item % NB, K, e * stride_we, 0, N, stride_wn, stride_wk,
-                  e * K * N, 0, N, N, 1, N, e * K, True,
-                  POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+    """Chunk ``c`` (rows ``[c * CHUNK, ...)``) of column block ``cb`` of one tensor: its amax
+    (member) or its quantized rows (worker).
+
+    Rows are *virtual*: ``UNIFORM`` groups hold rows ``[g * N_UNI, (g + 1) * N_UNI)``, stored at
+    ``g * stride_g + (row - g * N_UNI) * stride_r``; jagged group ``g`` holds rows ``[end[g-1],
+    end[g])`` stored at ``row * stride_r``, where ``end`` is the running maximum of the offsets
+    clamped to ``[0, rows_in]``: bad offsets can neither address memory outside the tensors nor
+    leave a worker waiting for a piece no member reduces.
+    """
+    n_rows = G * N_UNI if UNIFORM else rows_in
+    r0 = c * CHUNK
+    r1 = tl.minimum(r0 + CHUNK, n_rows)
+    last_chunk = c == n_chunks - 1
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    cols64 = cols.to(tl.int64)
+    gi = tl.arange(0, G_POW2)
+    if UNIFORM:
+        ends = gi
+        g = r0 // tl.maximum(N_UNI, 1)
+    else:
+        raw = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=gi < G, other=0), 0), rows_in)
+        ends = tl.associative_scan(raw, 0, _max_combine)
+        g = tl.sum(((ends < r0) & (gi < G)).to(tl.int32), axis=0)  # the first group ending at or after r0
+    go = g < G
+    while go:
+        start, end = _group_rows(ends, gi, g, G, N_UNI, UNIFORM)
+        if UNIFORM:
+            shift = start
+            in_base = g.to(tl.int64) * stride_g
+            out_base = g.to(tl.int64) * stride_qg
+            o_start = 0
+            o_zero_end = N_UNI
+            o_limit = N_UNI
+        else:
+            shift = 0
+            in_base = 0
+            out_base = 0
+            o_limit = rows_out
+            if PADDED:
+                p_prev = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
+                o_start = tl.minimum(tl.maximum(p_prev, 0), rows_out)
+                o_zero_end = tl.minimum(tl.maximum(tl.load(poffs_ptr + g), o_start), rows_out)
+            else:
+                o_start = start
+                o_zero_end = end
+        x_cols = x_ptr + in_base + cols64[None, :] * stride_c
+        q_cols = q_ptr + out_base + cols64[None, :] * stride_qc
+        amax_cols = amax_ptr + g.to(tl.int64) * amax_stride + amax_col + cols
+        cnt = cnt_ptr + g.to(tl.int64) * cnt_stride + cnt_col + cb
+        p0 = tl.maximum(start, r0)
+        p1 = tl.minimum(end, r1)
+        if end > start:
+            if p1 > p0:
+                if is_worker:
+                    n_pieces = (end - 1) // CHUNK - start // CHUNK + 1
+                    seen = tl.atomic_add(cnt, 0, sem="acquire")
+                    while seen < n_pieces:  # members run ahead of workers: see the module docstring
+                        seen = tl.atomic_add(cnt, 0, sem="acquire")
+                    amax = tl.load(amax_cols, mask=col_ok, other=0, volatile=True).to(tl.float32, bitcast=True)
+                    inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
+                    if p0 == start:
+                        tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok)
+                    z_end = tl.where(p1 == end, o_zero_end, o_start + (p1 - start))
+                    _store_strip(x_cols, q_cols, p0 - shift, p1 - shift, stride_r, o_start + (p0 - start), z_end,
+                                 o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST,
+                                 FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+                else:
+                    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+                    for r in range(p0 - shift, p1 - shift, BLOCK_R):
+                        rows = r + tl.arange(0, BLOCK_R)
+                        x = tl.load(x_cols + rows.to(tl.int64)[:, None] * stride_r,
+                                    mask=(rows < p1 - shift)[:, None] & col_ok[None, :], other=0.0)
+                        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+                    bits = tl.max(acc, axis=0).to(tl.int32, bitcast=True)  # >= 0: ordered like the floats
+                    tl.atomic_max(amax_cols, bits, mask=col_ok, sem="relaxed")
+                    tl.atomic_add(cnt, 1, sem="release")
+        elif is_worker:  # an empty group belongs to the chunk holding its start (the last chunk: start == n_rows)
+            if tl.minimum(start // CHUNK, n_chunks - 1) == c:
+                inv_scale, scale = fp8_scales(tl.zeros((BLOCK_C,), dtype=tl.float32), FP8_MAX, POW2)
+                tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok)
+                _store_strip(x_cols, q_cols, start - shift, start - shift, stride_r, o_start, o_zero_end,
+                             o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST,
+                             FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        g += 1
+        nxt, _ = _group_rows(ends, gi, g, G, N_UNI, UNIFORM)
+        go = (g < G) & ((nxt < r1) | last_chunk)
+
+    if (not UNIFORM) and is_worker:  # rows in no group: this chunk's share of the tail
+        t = tl.max(tl.where(gi < G, ends, 0), axis=0)
+        x_cols = x_ptr + cols64[None, :] * stride_c
+        q_cols = q_ptr + cols64[None, :] * stride_qc
+        zero_scale = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        if PADDED:  # output rows [poffs[-1], rows_out) are 0, shared out in tail_per_chunk pieces
+            pt = tl.minimum(tl.maximum(tl.load(poffs_ptr + G - 1, mask=G > 0, other=0), 0), rows_out)
+            z0 = pt + c * tail_per_chunk
+            _store_strip(x_cols, q_cols, 0, 0, stride_r, z0, z0 + tail_per_chunk, rows_out, stride_qr,
+                         zero_scale, col_ok, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
+                         FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        else:  # rows [end[-1], rows_in) are written as x * 0 (-0 for negative x, like the reference)
+            z0 = tl.maximum(t, r0)
+            z1 = tl.maximum(r1, z0)
+            _store_strip(x_cols, q_cols, z0, z1, stride_r, z0, z1, rows_out, stride_qr, zero_scale, col_ok,
+                         BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                         FP8_NEG_ZERO)
 
 
 @triton.jit
-def _expert_colwise_t_kernel(
-    w_ptr,
-    q_ptr,
-    s_ptr,
-    N,
-    K,
-    NB,
-    n_items,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    POW2: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
-    HW_CAST: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_MIN_NORMAL: tl.constexpr,
-    FP8_SUB_SCALE: tl.constexpr,
-    FP8_NEG_ZERO: tl.constexpr,
-):
-    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        expert_colwise_t_item(w_ptr, q_ptr, s_ptr, item, N, K, NB, stride_we, stride_wn, stride_wk,
-                              POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
-                              FP8_SUB_SCALE, FP8_NEG_ZERO)
-
-
-@triton.jit
-def _group_colwise_kernel(
+def _colwise_kernel(
     a_ptr,
     qa_ptr,
     sa_ptr,
     C_A,
+    stride_ag,
     stride_ar,
     stride_ac,
+    stride_qag,
     stride_qar,
     stride_qac,
     b_ptr,
@@ -241,15 +327,22 @@ def _group_colwise_kernel(
     stride_qbc,
     offs_ptr,
     poffs_ptr,
+    amax_ptr,
+    cnt_ptr,
     G,
+    N_UNI,
     rows_in,
     rows_out,
+    n_chunks,
+    tail_per_chunk,
     NB_A,
     NB_B,
-    n_items,
     POW2: tl.constexpr,
     HAS_B: tl.constexpr,
+    UNIFORM: tl.constexpr,
     PADDED: tl.constexpr,
+    G_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -260,87 +353,72 @@ def _group_colwise_kernel(
     FP8_SUB_SCALE: tl.constexpr,
     FP8_NEG_ZERO: tl.constexpr,
 ):
-    """Items ``(g, column block)`` for ``g`` in ``[0, G]``; ``g == G`` zero-fills the rows after the last group."""
-    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        g = item // (NB_A + NB_B)
-        cb = item % (NB_A + NB_B)
-        real = g < G
-        last = tl.maximum(tl.minimum(g, G - 1), 0)
-        # Offsets are clamped so that bad offsets can never address memory outside the tensors.
-        prev = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-        cur = tl.load(offs_ptr + last, mask=G > 0, other=0)
-        start = tl.minimum(tl.maximum(prev, 0), rows_in)
-        if PADDED:  # the tail item only zero-fills the padded rows after the last group
-            end = tl.where(real, tl.minimum(tl.maximum(cur, start), rows_in), start)
-            p_prev = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
-            p_cur = tl.load(poffs_ptr + last, mask=G > 0, other=0)
-            o_start = tl.minimum(tl.maximum(p_prev, 0), rows_out)
-            o_zero_end = tl.where(real, tl.minimum(tl.maximum(p_cur, o_start), rows_out), rows_out)
-        else:  # the tail item writes rows [offs[-1], M) times 0, like the reference
-            end = tl.where(real, tl.minimum(tl.maximum(cur, start), rows_in), rows_in)
-            o_start = start
-            o_zero_end = end
-        if HAS_B:
-            if cb < NB_A:
-                colwise_strip(a_ptr, qa_ptr, sa_ptr, cb, C_A, 0, start, end, stride_ar, stride_ac,
-                              0, o_start, o_zero_end, rows_out, stride_qar, stride_qac, g.to(tl.int64) * C_A, real,
-                              POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
-                              FP8_SUB_SCALE, FP8_NEG_ZERO)
-            else:
-                colwise_strip(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, start, end, stride_br, stride_bc,
-                              0, o_start, o_zero_end, rows_out, stride_qbr, stride_qbc, g.to(tl.int64) * C_B, real,
-                              POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
-                              FP8_SUB_SCALE, FP8_NEG_ZERO)
-        else:
-            colwise_strip(a_ptr, qa_ptr, sa_ptr, cb, C_A, 0, start, end, stride_ar, stride_ac,
-                          0, o_start, o_zero_end, rows_out, stride_qar, stride_qac, g.to(tl.int64) * C_A, real,
-                          POW2, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
-                          FP8_SUB_SCALE, FP8_NEG_ZERO)
+    """Program ``(column block, role, chunk)``: per column block, the members of every chunk, then
+    the workers of every chunk, so a worker only ever waits for programs launched before it.
 
-
-def colwise_config(group_rows: int, *, block_r: int | None = None, block_c: int | None = None,
-                   num_warps: int | None = None, programs_per_sm: int | None = None) -> dict:
-    """Strip shape and launch width from static sizes (``group_rows`` = rows / groups, never data).
-
-    ``programs_per_sm = 0`` launches one program per strip instead of a persistent grid. Defaults
-    (one H200, 2026-11, DeepSeek-V3 shapes): 256 x 32 strips, 8 warps, 2 programs per SM for groups
-    of >= 2048 rows (best of six configurations on the wgrad operands); 256 x 16, 4 warps, one
-    program per strip for smaller groups, where a strip is a single chunk and only many programs in
-    flight hide the latency.
+    The workspace (int32 zeros): ``amax (G, C_A + C_B)`` (fp32 bits) and ``cnt (G, NB_A + NB_B)``.
     """
-    big = group_rows >= 2048
-    block_r = block_r or 256
-    block_r = min(block_r, max(16, triton.next_power_of_2(max(group_rows, 1))))
-    return dict(BLOCK_R=block_r, BLOCK_C=block_c or (32 if big else 16), num_warps=num_warps or (8 if big else 4),
-                programs_per_sm=(2 if big else 0) if programs_per_sm is None else programs_per_sm)
+    pid = tl.program_id(0)
+    cb = pid // (2 * n_chunks)
+    rem = pid % (2 * n_chunks)
+    is_worker = rem >= n_chunks
+    c = rem % n_chunks
+    amax_stride = C_A + C_B
+    cnt_stride = NB_A + NB_B
+    if cb < NB_A:
+        _column_block(a_ptr, qa_ptr, sa_ptr, cb, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar,
+                      stride_qac, amax_ptr, 0, amax_stride, cnt_ptr, 0, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
+                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, G_POW2, CHUNK,
+                      BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                      FP8_NEG_ZERO)
+    elif HAS_B:
+        _column_block(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, stride_br, stride_bc, 0, stride_qbr, stride_qbc,
+                      amax_ptr, C_A, amax_stride, cnt_ptr, NB_A, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
+                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, G_POW2, CHUNK,
+                      BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                      FP8_NEG_ZERO)
 
 
-def expert_t_config(rows: int) -> dict:
-    """Strips of the dgrad weight layout (``rows = N``): 256 x 16, 4 warps, 4 programs per SM.
+def colwise_config(*, chunk: int = 256, block_r: int = 64, block_c: int = 64, num_warps: int = 4) -> dict:
+    """Chunk rows, tile shape and warps (defaults: best of a sweep on one H200, see BENCHMARKS.md)."""
+    for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
+    return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
 
-    Best of six configurations on DeepSeek-V3 and Llama 4 weights (one H200, 2026-11).
-    """
-    return colwise_config(rows, block_r=256, block_c=16, num_warps=4, programs_per_sm=4)
 
-
-def _grid(n_items: int, device: torch.device, programs_per_sm: int) -> tuple[int]:
-    if programs_per_sm <= 0:
-        return (n_items,)
-    return (min(n_items, multiprocessor_count(device) * programs_per_sm),)
+def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
+            hw_cast) -> None:
+    """One launch over ``(column blocks of a and b) x 2 x chunks``; ``offs=None``: ``G`` uniform groups of ``n_uni`` rows."""
+    cfg = dict(colwise_config(), **(config or {}))
+    c_a = sa.shape[1]
+    c_b = sb.shape[1] if b is not None else 0
+    nb_a, nb_b = triton.cdiv(c_a, cfg["BLOCK_C"]), triton.cdiv(c_b, cfg["BLOCK_C"])
+    uniform = offs is None
+    if (uniform and G == 0) or nb_a + nb_b == 0:
+        return
+    n_chunks = max(triton.cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
+    dev = a.device
+    g1 = max(G, 1)
+    work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b), dtype=torch.int32, device=dev)
+    amax, cnt = work[: g1 * (c_a + c_b)], work[g1 * (c_a + c_b):]
+    b_args = (b, qb, sb, c_b, b.stride(0), b.stride(1), qb.stride(0), qb.stride(1)) if b is not None else (
+        a, qa, sa, 0, 0, 0, 0, 0)
+    offs = cnt if uniform else offs  # any int32 pointer: UNIFORM never reads it
+    _colwise_kernel[((nb_a + nb_b) * 2 * n_chunks,)](
+        a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded_offs is not None else offs, amax, cnt,
+        G, n_uni, rows_in, rows_out, n_chunks, triton.cdiv(rows_out, n_chunks), nb_a, nb_b,
+        POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded_offs is not None,
+        G_POW2=triton.next_power_of_2(max(G, 1)), **cfg, **format_constexprs(fmt, dev, hw_cast),
+    )
 
 
 def launch_expert_colwise_t(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
                             config: dict | None = None, hw_cast: bool | None = None) -> None:
-    """``w (E, N, K)`` -> ``q (E, K, N)`` contiguous, ``scale (E, K)`` (amax over N)."""
+    """``w (E, N, K)`` (any strides) -> ``q (E, K, N)`` contiguous, ``scale (E, K)`` (amax over N)."""
     E, N, K = w.shape
-    cfg = dict(config or expert_t_config(N))
-    nb = triton.cdiv(K, cfg["BLOCK_C"])
-    n_items = E * nb
-    if n_items == 0:
-        return
-    grid = _grid(n_items, w.device, cfg.pop("programs_per_sm"))
-    _expert_colwise_t_kernel[grid](w, q, scale, N, K, nb, n_items, w.stride(0), w.stride(1), w.stride(2),
-                                   POW2=bool(pow2), **cfg, **format_constexprs(fmt, w.device, hw_cast))
+    strides = (w.stride(0), w.stride(1), w.stride(2), K * N, 1, N)
+    _launch(w, q, scale, None, None, None, None, None, E, N, N, N, strides, fmt, pow2, config, hw_cast)
 
 
 def launch_group_colwise(
@@ -361,21 +439,6 @@ def launch_group_colwise(
 
     ``qa``/``qb`` have ``rows_out`` rows and any strides; ``sa (G, C_A)``, ``sb (G, C_B)`` contiguous.
     """
-    G = offs.numel()
-    rows_in, rows_out = a.shape[0], qa.shape[0]
-    cfg = dict(config or colwise_config(rows_in // max(G, 1)))
-    nb_a = triton.cdiv(a.shape[1], cfg["BLOCK_C"])
-    nb_b = triton.cdiv(b.shape[1], cfg["BLOCK_C"]) if b is not None else 0
-    n_items = (G + 1) * (nb_a + nb_b)
-    if n_items == 0:
-        return
-    grid = _grid(n_items, a.device, cfg.pop("programs_per_sm"))
-    has_b = b is not None
-    b_args = (b, qb, sb, b.shape[1], b.stride(0), b.stride(1), qb.stride(0), qb.stride(1)) if has_b else (
-        a, qa, sa, 0, 0, 0, 0, 0)
-    _group_colwise_kernel[grid](
-        a, qa, sa, a.shape[1], a.stride(0), a.stride(1), qa.stride(0), qa.stride(1),
-        *b_args,
-        offs, padded_offs if padded_offs is not None else offs, G, rows_in, rows_out, nb_a, nb_b, n_items,
-        POW2=bool(pow2), HAS_B=has_b, PADDED=padded_offs is not None, **cfg, **format_constexprs(fmt, a.device, hw_cast),
-    )
+    strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
+    _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt, pow2,
+            config, hw_cast)
