@@ -98,6 +98,7 @@ def _store_strip(
     col_ok,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -120,7 +121,7 @@ def _store_strip(
         _store_rows(x_cols, q_cols, full_hi, o_start, o_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
                     True, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                     FP8_NEG_ZERO)
-    for j in range(0, (full_hi - full_lo) // BLOCK_R):
+    for j in tl.range(0, (full_hi - full_lo) // BLOCK_R, num_stages=STAGES):
         o0 = tl.multiple_of(full_hi - (j + 1) * BLOCK_R, BLOCK_R)
         _store_rows(x_cols, q_cols, o0, o_start, o_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
                     False, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
@@ -190,6 +191,7 @@ def _column_block(
     CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -263,11 +265,11 @@ def _column_block(
                         tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok)
                     z_end = tl.where(p1 == end, o_zero_end, o_start + (p1 - start))
                     _store_strip(x_cols, q_cols, p0 - shift, p1 - shift, stride_r, o_start + (p0 - start), z_end,
-                                 o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST,
+                                 o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
                                  FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
                 else:
                     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-                    for r in range(p0 - shift, p1 - shift, BLOCK_R):
+                    for r in tl.range(p0 - shift, p1 - shift, BLOCK_R, num_stages=STAGES):
                         rows = r + tl.arange(0, BLOCK_R)
                         x = tl.load(x_cols + rows.to(tl.int64)[:, None] * stride_r,
                                     mask=(rows < p1 - shift)[:, None] & col_ok[None, :], other=0.0)
@@ -280,7 +282,7 @@ def _column_block(
                 inv_scale, scale = fp8_scales(tl.zeros((BLOCK_C,), dtype=tl.float32), FP8_MAX, POW2)
                 tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok)
                 _store_strip(x_cols, q_cols, start - shift, start - shift, stride_r, o_start, o_zero_end,
-                             o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST,
+                             o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
                              FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
         g += 1
         nxt, _ = _group_rows(ends, gi, g, G, N_UNI, UNIFORM)
@@ -295,13 +297,13 @@ def _column_block(
             pt = tl.minimum(tl.maximum(tl.load(poffs_ptr + G - 1, mask=G > 0, other=0), 0), rows_out)
             z0 = pt + c * tail_per_chunk
             _store_strip(x_cols, q_cols, 0, 0, stride_r, z0, z0 + tail_per_chunk, rows_out, stride_qr,
-                         zero_scale, col_ok, BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
+                         zero_scale, col_ok, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
                          FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
         else:  # rows [end[-1], rows_in) are written as x * 0 (-0 for negative x, like the reference)
             z0 = tl.maximum(t, r0)
             z1 = tl.maximum(r1, z0)
             _store_strip(x_cols, q_cols, z0, z1, stride_r, z0, z1, rows_out, stride_qr, zero_scale, col_ok,
-                         BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                         BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                          FP8_NEG_ZERO)
 
 
@@ -345,6 +347,7 @@ def _colwise_kernel(
     CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -369,22 +372,24 @@ def _colwise_kernel(
         _column_block(a_ptr, qa_ptr, sa_ptr, cb, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar,
                       stride_qac, amax_ptr, 0, amax_stride, cnt_ptr, 0, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
                       n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, G_POW2, CHUNK,
-                      BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                      BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                       FP8_NEG_ZERO)
     elif HAS_B:
         _column_block(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, stride_br, stride_bc, 0, stride_qbr, stride_qbc,
                       amax_ptr, C_A, amax_stride, cnt_ptr, NB_A, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
                       n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, G_POW2, CHUNK,
-                      BLOCK_R, BLOCK_C, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                      BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                       FP8_NEG_ZERO)
 
 
-def colwise_config(*, chunk: int = 256, block_r: int = 64, block_c: int = 64, num_warps: int = 4) -> dict:
-    """Chunk rows, tile shape and warps (defaults: best of a sweep on one H200, see BENCHMARKS.md)."""
+def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3,
+                   num_warps: int = 4) -> dict:
+    """Chunk rows, tile shape, software-pipeline stages of the row loops and warps (defaults: best of
+    a sweep on one H200, see BENCHMARKS.md)."""
     for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
-    return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+    return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=stages, num_warps=num_warps)
 
 
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
