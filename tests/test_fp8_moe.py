@@ -224,11 +224,6 @@ def test_fp8_moe_gpu_peak_memory_not_above_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    reason="open: on the H200 (2026-11-29) dynamo stopped in the dispatch plan's raw Triton launch; the plan "
-    "and the SwiGLU kernels are custom ops since (fullgraph passes on CPU), not re-run on a GPU",
-    strict=False,
-)
 def test_fp8_moe_gpu_compile_fullgraph():
     mods, x, dy = _gpu_pair(T=1024)
     moe = mods["rowwise"]
