@@ -104,13 +104,12 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
     if k < 1 or k > num_experts:
         raise ValueError(f"topk_ids: expected 1 <= k <= num_experts={num_experts} columns, got shape {(T, k)}")
     ids = topk_ids.contiguous()
-    return DispatchPlan(*_plan_op(ids, num_experts, pad_multiple), k, pad_multiple)
+    # Eagerly a plain call (the custom-op dispatcher costs host time on every layer call).
+    build = _plan_op if torch.compiler.is_compiling() else _plan
+    return DispatchPlan(*build(ids, num_experts, pad_multiple), k, pad_multiple)
 
 
-# A torch custom op (with a fake kernel) so that torch.compile traces the plan as one opaque node
-# with static output shapes instead of stepping into the Triton launches.
-@torch.library.custom_op("moe_fp8::routing_dispatch_plan", mutates_args=())
-def _plan_op(
+def _plan(
     ids: torch.Tensor, num_experts: int, pad_multiple: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(counts, offsets, pair_to_row, row_to_pair, pad_rows)`` for contiguous ``ids (T, k)``."""
@@ -126,9 +125,8 @@ def _plan_op(
     num_blocks = triton.cdiv(N, block)
     dev = ids.device
     i32 = torch.int32
-    block_counts = torch.empty(E * num_blocks, dtype=i32, device=dev)
-    rank = torch.empty(N, dtype=i32, device=dev)
-    totals = torch.empty(E, dtype=i32, device=dev)
+    scratch = torch.empty(E * num_blocks + N + E, dtype=i32, device=dev)  # one allocation
+    block_counts, rank, totals = scratch.split([E * num_blocks, N, E])
     counts = torch.empty(E, dtype=i32, device=dev)
     offsets = torch.empty(E, dtype=i32, device=dev)
     pair_to_row = torch.empty(N, dtype=i32, device=dev)
@@ -143,6 +141,11 @@ def _plan_op(
             E=E, E_POW2=e_pow2, BLOCK=block, PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
         )
     return counts, offsets, pair_to_row, row_to_pair, pad_rows
+
+
+# Under torch.compile the plan is a custom op (with a fake kernel): one opaque node with static
+# output shapes instead of the Triton launches.
+_plan_op = torch.library.custom_op("moe_fp8::routing_dispatch_plan", _plan, mutates_args=())
 
 
 @_plan_op.register_fake
