@@ -19,6 +19,7 @@ from moe_fp8.quant.ops import (
     triton_quantize_expert_colwise_dual,
     triton_quantize_group_colwise_dual,
     triton_quantize_rowwise,
+    triton_quantize_expert_tensorwise,
     triton_quantize_tensorwise,
 )
 
@@ -36,6 +37,15 @@ def _check_tensorwise(x, pow2, fmt):
     poison_device_cache(x.device)
     q, s = triton_quantize_tensorwise(x, fmt, pow2)
     rq, rs = ref.quantize_tensorwise(x, fmt, pow2=pow2)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+
+
+def _check_expert_tensorwise(w, pow2, fmt):
+    poison_device_cache(w.device)
+    q, s = triton_quantize_expert_tensorwise(w, fmt, pow2)
+    rq, rs = ref.quantize_expert_tensorwise(w, fmt, pow2=pow2)
+    assert q.is_contiguous() and s.shape == (w.shape[0],)
     assert_same(q, rq, "q")
     assert_same(s, rs, "scale")
 
@@ -69,6 +79,23 @@ def test_blockwise_other_blocks_strides_empty_cpu():
 def test_tensorwise_cpu(shape, pow2, fmt):
     x = hard_input(shape, seed=len(shape)) if len(shape) > 1 else torch.randn(shape).bfloat16() * 3
     _check_tensorwise(x, pow2, fmt)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_expert_tensorwise_cpu(pow2, fmt):
+    """Experts of very different ranges (one all zero), several programs per expert, odd sizes."""
+    w = hard_input((5, 48, 352), seed=6) * torch.tensor([1e-3, 1.0, 0.0, 3.0, 1.0]).view(5, 1, 1)
+    _check_expert_tensorwise(w.bfloat16(), pow2, fmt)
+
+
+@pytest.mark.interpreter
+def test_expert_tensorwise_strided_and_empty_cpu():
+    w = hard_input((3, 40, 48), torch.float32, seed=8)
+    _check_expert_tensorwise(w.transpose(1, 2), False, E4M3FN)  # copied to contiguous first
+    for shape in [(0, 16, 16), (2, 0, 16)]:
+        _check_expert_tensorwise(torch.randn(shape).bfloat16(), False, E4M3FN)
 
 
 @pytest.mark.interpreter
@@ -200,6 +227,8 @@ def test_blockwise_gpu(shape):
 def test_tensorwise_gpu():
     _check_tensorwise(hard_input((8192, 7168), seed=6, device="cuda"), False, E4M3FN)
     _check_tensorwise(hard_input((1000, 999), torch.float32, seed=7, device="cuda"), True, E4M3FN)
+    _check_expert_tensorwise(hard_input((8, 2048, 7168), seed=8, device="cuda"), False, E4M3FN)
+    _check_expert_tensorwise(hard_input((128, 1536, 2048), seed=9, device="cuda"), True, E4M3FN)
 
 
 @pytest.mark.gpu

@@ -5,8 +5,7 @@ else. With ``fused=True`` (the cuda, rocm and triton backends) the fused Triton 
 ``moe_fp8.quant.ops`` run wherever Triton runs (GPU tensors, or CPU tensors under
 ``TRITON_INTERPRET=1``); otherwise (the emulated backend, or Triton unavailable) the pure-torch
 reference quantizers of ``moe_fp8.quant.reference`` run. The kernels reproduce the reference
-byte for byte, so the choice never changes a result. Per-expert tensorwise weight scales have
-no kernel: the reference (a handful of torch ops, no host sync) runs for them on every device.
+byte for byte, so the choice never changes a result.
 """
 
 from __future__ import annotations
@@ -72,7 +71,10 @@ def quantize_weight(
         q_bwd, s_bwd = ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True)
         return q_fwd, s_fwd, q_bwd, s_bwd
     if scaling == "tensorwise":
-        q_fwd, s_fwd = ref.quantize_expert_tensorwise(w, fmt, pow2=pow2)
+        if k:
+            q_fwd, s_fwd = kernels.triton_quantize_expert_tensorwise(w, fmt, pow2)
+        else:
+            q_fwd, s_fwd = ref.quantize_expert_tensorwise(w, fmt, pow2=pow2)
         return q_fwd, s_fwd, _transposed_copy(q_fwd), s_fwd.clone()
     if k:
         q_fwd, s_fwd = kernels.triton_quantize_blockwise(w, fmt, (BLOCK, BLOCK), pow2)

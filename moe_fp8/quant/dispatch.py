@@ -3,8 +3,8 @@
 Each function keeps the signature and results of its namesake in :mod:`moe_fp8.quant.reference`
 and runs the Triton kernel when the tensor is on a GPU (CUDA or ROCm) or when the Triton
 interpreter is on (``TRITON_INTERPRET=1`` set before ``moe_fp8`` is imported); otherwise the
-pure-torch reference runs. Both give the same bytes. ``quantize_expert_tensorwise`` and block
-shapes the kernel does not take always use the reference.
+pure-torch reference runs. Both give the same bytes. Block shapes the kernel does not take always
+use the reference.
 """
 
 from __future__ import annotations
@@ -44,7 +44,11 @@ def quantize_rowwise(x: torch.Tensor, fmt=None, *, pow2: bool = False) -> tuple[
 
 
 def quantize_expert_tensorwise(w: torch.Tensor, fmt=None, *, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per expert (reference implementation on every device)."""
+    """One scale per expert of ``w (E, N, K)``: see :func:`moe_fp8.quant.reference.quantize_expert_tensorwise`."""
+    if _use_triton(w):
+        from .ops import triton_quantize_expert_tensorwise
+
+        return triton_quantize_expert_tensorwise(w, fmt, pow2)
     return reference.quantize_expert_tensorwise(w, fmt, pow2=pow2)
 
 

@@ -20,13 +20,14 @@ from .formats import Float8Format, resolve_format
 from .kernels.blockwise import launch_blockwise, supported_block
 from .kernels.colwise import launch_expert_colwise_t, launch_group_colwise
 from .kernels.rowwise import launch_rowwise
-from .kernels.tensorwise import launch_tensorwise
+from .kernels.tensorwise import launch_expert_tensorwise, launch_tensorwise
 from .reference import HIGH_PRECISION_DTYPES
 
 __all__ = [
     "triton_quantize_rowwise",
     "triton_quantize_expert_colwise",
     "triton_quantize_expert_colwise_dual",
+    "triton_quantize_expert_tensorwise",
     "triton_quantize_group_colwise",
     "triton_quantize_group_colwise_dual",
     "triton_quantize_tensorwise",
@@ -312,6 +313,30 @@ def triton_quantize_tensorwise(x: torch.Tensor, fmt=None, pow2: bool = False) ->
     """
     _hp("x", x, None)
     return _tensorwise_op(x, _format(fmt, x.device).name, bool(pow2))
+
+
+@torch.library.custom_op("moe_fp8::quantize_expert_tensorwise", mutates_args=())
+def _expert_tensorwise_op(w: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    f = _check_expert(w, fmt)
+    w = w.contiguous()
+    q = torch.empty(w.shape, dtype=f.torch_dtype, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=_F32, device=w.device)
+    launch_expert_tensorwise(w, q, scale, f, pow2)
+    return q, scale
+
+
+@_expert_tensorwise_op.register_fake
+def _(w, fmt, pow2):
+    f = _check_expert(w, fmt)
+    return w.new_empty(w.shape, dtype=f.torch_dtype), w.new_empty(w.shape[0], dtype=_F32)
+
+
+def triton_quantize_expert_tensorwise(w: torch.Tensor, fmt=None, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per expert of ``w (E, N, K)`` (``reference.quantize_expert_tensorwise``): ``q (E, N, K)``
+    contiguous fp8, ``scale (E,)`` fp32. A non-contiguous ``w`` is copied to contiguous first.
+    """
+    _hp("w", w, 3)
+    return _expert_tensorwise_op(w, _format(fmt, w.device).name, bool(pow2))
 
 
 # --------------------------------------------------------------------------------------- blockwise

@@ -104,7 +104,7 @@ def quantize_expert_tensorwise(w: torch.Tensor, fmt=None, *, pow2: bool = False)
     """
     _check_input("w", w, 3)
     fmt = resolve_format(fmt, w.device)
-    amax = w.abs().amax(dim=(1, 2)) if w[0].numel() else w.new_zeros(w.shape[0])
+    amax = w.abs().amax(dim=(1, 2)) if w.numel() else w.new_zeros(w.shape[0])
     inv, scale = amax_to_scales(amax, fmt, pow2)
     return cast_to_fp8(w, inv[:, None, None], fmt), scale
 
