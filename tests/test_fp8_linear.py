@@ -49,6 +49,45 @@ def test_forward_equals_scaled_mm_of_reference_quantization():
     assert torch.equal(fp8_linear(x, w, recipe="rowwise"), ref)
 
 
+def _spec_grads(x, w, dy, recipe):
+    """dgrad and wgrad exactly as the recipe defines them: each GEMM operand quantized with the
+    reference quantizer in the layout ``torch._scaled_mm`` takes (token rows zero-padded to 16)."""
+    from moe_fp8.quant import reference as ref
+
+    def q(t):  # rows of a 2-D tensor, row-major result and a (rows, 1) or () scale
+        if recipe == "tensorwise":
+            return ref.quantize_tensorwise(t.contiguous())
+        qt, st = ref.quantize_rowwise(t.contiguous())
+        return qt, st[:, None]
+
+    def mm(a, b_t):  # a (M, K) @ b (K, N), b_t = b.T quantized (N, K)
+        (aq, as_), (bq, bs) = a, b_t
+        bs = bs if bs.dim() == 0 else bs.reshape(1, -1)
+        return torch._scaled_mm(aq, bq.t(), as_, bs, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    pad = -x.shape[0] % 16
+    xp, dyp = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (x, dy))
+    return mm(q(dy), q(w.t())), mm(q(dyp.t()), q(xp.t()))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("M", [48, 37])
+def test_backward_equals_scaled_mm_of_reference_quantization(recipe, M):
+    x, w, b, dy = _data(M=M)
+    _, gx, gw, _ = _grads(lambda x, w, b: fp8_linear(x, w, b, recipe=recipe), x, w, b, dy)
+    want_gx, want_gw = _spec_grads(x, w, dy, recipe)
+    assert torch.equal(gx, want_gx)
+    assert torch.equal(gw, want_gw)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_zero_tokens(recipe):
+    x, w, b, dy = _data(M=0)
+    y, gx, gw, gb = _grads(lambda x, w, b: fp8_linear(x, w, b, recipe=recipe), x, w, b, dy)
+    assert y.shape == (0, 48) and gx.shape == (0, 64)
+    assert torch.equal(gw, torch.zeros_like(gw)) and torch.equal(gb, torch.zeros_like(gb))
+
+
 def test_bf16_recipe_is_plain_linear():
     x, w, b, _ = _data()
     assert torch.equal(fp8_linear(x, w, b, recipe="bf16"), nn.functional.linear(x, w, b))

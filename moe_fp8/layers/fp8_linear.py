@@ -12,7 +12,10 @@ The high-precision input and weight are saved for backward (like TorchAO's ``Flo
 operand is quantized in the layout its GEMM needs. ``torch._scaled_mm`` wants the first operand
 row-major and the second column-major with every dimension a multiple of 16, except the first
 operand's rows: the token count, which wgrad contracts over, is zero-padded to a multiple of 16
-there (zero rows add nothing).
+there (zero rows add nothing). Operands a GEMM takes transposed (``W.T`` for dgrad, ``grad_out.T``
+and ``x.T`` for wgrad) are quantized per column by the column-wise kernel, which writes the
+transposed FP8 copy directly (rowwise recipes), or quantized as they are and transposed in FP8
+(tensorwise: one scale either way), never copied transposed in high precision.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_multiple_of
-from ..quant import formats, quantize_rowwise, quantize_tensorwise
+from ..quant import formats, quantize_expert_colwise, quantize_rowwise, quantize_tensorwise
 from ..quant.recipes import Float8Recipe, get_recipe
 
 __all__ = ["FP8Linear", "DENSE_RECIPES", "fp8_linear"]
@@ -44,6 +47,15 @@ def _quantize(t: torch.Tensor, recipe: Float8Recipe, fmt) -> tuple[torch.Tensor,
         return quantize_tensorwise(t, fmt, pow2=recipe.pow2_scales)
     q, scale = quantize_rowwise(t, fmt, pow2=recipe.pow2_scales)
     return q, scale[:, None]
+
+
+def _quantize_t(t: torch.Tensor, recipe: Float8Recipe, fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t (R, C)`` -> ``t.T`` quantized row-major ``(C, R)`` (per column of ``t``), scale ``(C, 1)`` or ``()``."""
+    if recipe.scaling == "tensorwise":
+        q, scale = quantize_tensorwise(t, fmt, pow2=recipe.pow2_scales)
+        return q.t().contiguous(), scale
+    q, scale = quantize_expert_colwise(t[None], fmt, pow2=recipe.pow2_scales, transposed=True)
+    return q[0], scale[0][:, None]
 
 
 def _scaled_mm(a_q, a_s, b_q_t, b_s_t, out_dtype) -> torch.Tensor:
@@ -73,12 +85,12 @@ class _FP8LinearFn(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             g_q, g_s = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N)
-            wt_q, wt_s = _quantize(weight.t(), recipe, fmt)  # per input column of W (over N)
+            wt_q, wt_s = _quantize_t(weight, recipe, fmt)  # per input column of W (over N)
             grad_x = _scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype)
         if ctx.needs_input_grad[1]:
             if recipe.fp8_wgrad:
-                gt_q, gt_s = _quantize(_pad_rows(grad_out).t(), recipe, grad_fmt)  # (N, M_pad)
-                xt_q, xt_s = _quantize(_pad_rows(x).t(), recipe, fmt)  # (K, M_pad)
+                gt_q, gt_s = _quantize_t(_pad_rows(grad_out), recipe, grad_fmt)  # (N, M_pad)
+                xt_q, xt_s = _quantize_t(_pad_rows(x), recipe, fmt)  # (K, M_pad)
                 grad_w = _scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype)
             else:
                 grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
