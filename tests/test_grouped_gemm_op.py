@@ -174,6 +174,25 @@ def test_weight_cache_hits_and_matches_uncached():
     assert cache.misses == 2 and len(cache) == 2  # separate entry per quantization settings
 
 
+@pytest.mark.parametrize("backend", ["emulated", "triton"])
+@pytest.mark.parametrize("recipe", ["bf16", "rowwise"])
+def test_transposed_view_weights_match_contiguous(recipe, backend):
+    """w given as the transposed view of (E, K, N) storage (Llama 4's layout): same bits as the
+    contiguous copy, gradient into the storage, and the weight cache hits across views."""
+    x, w, g, offs = make_inputs(96, 64, 48, 3, 90, "balanced", seed=11)
+    storage = w.detach().transpose(1, 2).contiguous().requires_grad_()  # (E, K, N)
+    want = run(x, w, g, offs, recipe=recipe, backend=backend)
+    y = fp8_grouped_mm(x, storage.transpose(1, 2), offs, recipe=recipe, backend=backend)
+    y.backward(g)
+    assert torch.equal(y, want[0])
+    assert torch.equal(storage.grad.transpose(1, 2), want[2])
+    if recipe != "bf16":
+        cache = Fp8WeightCache()
+        for _ in range(3):  # a new view object every call, as a module makes it
+            fp8_grouped_mm(x, storage.transpose(1, 2), offs, recipe=recipe, backend=backend, weight_cache=cache)
+        assert (cache.misses, cache.hits) == (1, 2)
+
+
 def test_weight_cache_invalidated_by_in_place_update():
     x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "balanced", seed=12)
     cache = Fp8WeightCache()

@@ -220,3 +220,16 @@ def test_degenerate_routings_in_subprocess(backend):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("ok") == 4 * len(RECIPES)
+
+
+@pytest.mark.parametrize("backend, recipe", [("cuda", "bf16"), ("cuda", "rowwise"), ("triton", "rowwise")])
+def test_transposed_view_weights_gpu(backend, recipe):
+    """Weights stored (E, K, N) (Llama 4) and passed as a transposed view: same bits as contiguous."""
+    need(backend)
+    x, w, g, offs = inputs(2048, 512, 384, 8, 2000, seed=7)
+    want = fwd_bwd(x, w, g, offs, recipe=recipe, backend=backend)
+    storage = w.detach().transpose(1, 2).contiguous().requires_grad_()
+    y = fp8_grouped_mm(x, storage.transpose(1, 2), offs, recipe=recipe, backend=backend)
+    y.backward(g)
+    torch.testing.assert_close(y, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(storage.grad.transpose(1, 2), want[2], rtol=0, atol=0)

@@ -183,6 +183,25 @@ def test_v5_conversion_shares_parameters():
 
 
 @pytest.mark.interpreter
+def test_llama4_layout_weight_cache_hits():
+    """Llama 4 stores (E, H, 2I): the experts pass transposed views, new each call; the cache
+    must still hit while the weights are unchanged, and miss after an update."""
+    llama = _random(V5_BLOCKS["llama4"]()).to(torch.bfloat16)
+    holder = nn.Sequential(llama)
+    hf.convert(holder)
+    experts = holder[0].experts
+    x = torch.randn(2, 5, H, dtype=torch.bfloat16)
+    for _ in range(3):
+        holder(x)
+    up, down = experts._caches
+    assert (up.misses, up.hits) == (1, 2) and (down.misses, down.hits) == (1, 2)
+    with torch.no_grad():
+        experts.gate_up_proj.mul_(0.5)
+    holder(x)
+    assert up.misses == 2 and down.misses == 1
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("recipe", ["bf16", "rowwise"])
 @pytest.mark.parametrize("family", sorted(V4_BLOCKS))
 def test_transformers_v4_blocks(family, recipe):

@@ -102,14 +102,27 @@ def fp8_grouped_mm(
     if weight_cache is not None and rec.is_fp8:
         key = (rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
         w_quant = weight_cache.get(
-            w, key, lambda t: lib.quantize_weight(t.contiguous(), rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
+            w, key, lambda t: lib.quantize_weight(t, rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
         )
     if x_fp8 is not None:
         _check_x_fp8(x_fp8, rec, fmt, x)
-    x, w = x.contiguous(), w.contiguous()
+    x, w = x.contiguous(), _matrix_layout(w)
     return FP8GroupedMM.apply(
         x, w, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype
     )
+
+
+def _matrix_layout(w: torch.Tensor) -> torch.Tensor:
+    """``w (E, N, K)`` itself when every expert matrix is row-major (``nn.Linear``) or column-major
+    (a transposed view of ``(E, K, N)`` weights: Llama 4's layout), else a contiguous copy.
+
+    Every quantizer takes any strides and ``torch._grouped_mm`` takes both layouts, so the
+    transposed view of a parameter is never copied (nor is its gradient copied back).
+    """
+    E, N, K = w.shape
+    if (w.stride(2) == 1 and w.stride(1) == K) or (w.stride(1) == 1 and w.stride(2) == N):
+        return w
+    return w.contiguous()
 
 
 def _check_x_fp8(x_fp8, rec: Float8Recipe, fmt: str, x: torch.Tensor) -> None:

@@ -55,7 +55,7 @@ def quantize_weight(
     """Quantize expert weights once, in the forward and the dgrad layout.
 
     Args:
-        w: ``(E, N, K)`` contiguous (``nn.Linear`` layout per expert).
+        w: ``(E, N, K)`` (``nn.Linear`` layout per expert), any strides.
     Returns:
         ``q_fwd (E, N, K)`` contiguous with ``s_fwd``, and ``q_bwd (E, K, N)`` contiguous with
         ``s_bwd``. Scales: rowwise ``(E, N)`` (amax over K) and ``(E, K)`` (amax over N), one

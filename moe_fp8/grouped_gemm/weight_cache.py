@@ -5,10 +5,13 @@ they are quantized once per optimizer step. An entry is served only while it pro
 to the same tensor in the same state:
 
 * the tensor object is the one quantized (a weak reference: a new tensor that happens to reuse
-  the freed memory never hits);
+  the freed memory never hits); for a view (``p.transpose(1, 2)``, made anew on every call of a
+  module that stores its weights transposed) the view's base, with the view's shape, strides and
+  offset;
 * its ``data_ptr()`` is unchanged;
-* its version counter ``_version`` is unchanged: every in-place update through the tensor
-  (``optimizer.step()``, ``p.add_()``, ``p.copy_()`` under ``no_grad``) bumps it.
+* its version counter ``_version`` is unchanged: every in-place update through the tensor or any
+  view of it (views share the counter) bumps it: ``optimizer.step()``, ``p.add_()``, ``p.copy_()``
+  under ``no_grad``.
 
 Limitation: writes through ``p.data`` (a separate version counter, by PyTorch's design) are
 invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`.
@@ -61,11 +64,12 @@ class Fp8WeightCache:
 
     def get(self, w: torch.Tensor, key: Hashable, quantize: Callable[[torch.Tensor], Quantized]) -> Quantized:
         """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``."""
-        slot = (id(w), key)
+        anchor = w if w._base is None else w._base
+        slot = (id(anchor), tuple(w.shape), w.stride(), w.storage_offset(), key)
         entry = self._entries.get(slot)
         if (
             entry is not None
-            and entry.ref() is w
+            and entry.ref() is anchor
             and entry.data_ptr == w.data_ptr()
             and entry.version == w._version
         ):
@@ -74,7 +78,8 @@ class Fp8WeightCache:
         self.misses += 1
         with torch.no_grad():
             value = tuple(quantize(w.detach()))
-        self._entries[slot] = _Entry(weakref.ref(w, _dropper(weakref.ref(self), slot)), w.data_ptr(), w._version, value)
+        ref = weakref.ref(anchor, _dropper(weakref.ref(self), slot))
+        self._entries[slot] = _Entry(ref, w.data_ptr(), w._version, value)
         return value
 
     def invalidate(self) -> None:
