@@ -224,12 +224,14 @@ def test_degenerate_routings_in_subprocess(backend):
 
 @pytest.mark.parametrize("backend, recipe", [("cuda", "bf16"), ("cuda", "rowwise"), ("triton", "rowwise")])
 def test_transposed_view_weights_gpu(backend, recipe):
-    """Weights stored (E, K, N) (Llama 4) and passed as a transposed view: same bits as contiguous."""
+    """Weights stored (E, K, N) (Llama 4) and passed as a transposed view: the FP8 recipe quantizes
+    to the same bytes (same bits out); bf16 runs torch._grouped_mm with the other B layout (close)."""
     need(backend)
     x, w, g, offs = inputs(2048, 512, 384, 8, 2000, seed=7)
     want = fwd_bwd(x, w, g, offs, recipe=recipe, backend=backend)
     storage = w.detach().transpose(1, 2).contiguous().requires_grad_()
     y = fp8_grouped_mm(x, storage.transpose(1, 2), offs, recipe=recipe, backend=backend)
     y.backward(g)
-    torch.testing.assert_close(y, want[0], rtol=0, atol=0)
-    torch.testing.assert_close(storage.grad.transpose(1, 2), want[2], rtol=0, atol=0)
+    tol = {} if recipe == "bf16" else dict(rtol=0, atol=0)
+    torch.testing.assert_close(y, want[0], **tol)
+    torch.testing.assert_close(storage.grad.transpose(1, 2), want[2], **tol)
