@@ -13,8 +13,10 @@ to the same tensor in the same state:
   view of it (views share the counter) bumps it: ``optimizer.step()``, ``p.add_()``, ``p.copy_()``
   under ``no_grad``.
 
-Limitation: writes through ``p.data`` (a separate version counter, by PyTorch's design) are
-invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`.
+Limitations: writes through ``p.data`` (a separate version counter, by PyTorch's design) are
+invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`. A
+weight cast anew on every call (fp32 parameters under ``torch.autocast``: ``p.to(bfloat16)`` is a
+new tensor, not a view) never hits: it is quantized on every call.
 The cached FP8 copies take as much memory as one BF16 copy of the weights.
 """
 
