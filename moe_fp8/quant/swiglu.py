@@ -25,7 +25,8 @@ from ..checks import check_tensor
 from ..kernel_backend import device_guard, use_triton
 from .formats import resolve_format
 from .reference import HIGH_PRECISION_DTYPES, quantize_rowwise
-from .triton_helpers import fp8_constexprs, fp8_quantize, fp8_scales
+from .kernels.common import format_constexprs, to_fp8
+from .triton_helpers import fp8_scales
 
 __all__ = ["SwiGLUQuantize", "swiglu_quantize", "swiglu_backward", "swiglu_reference"]
 
@@ -45,6 +46,7 @@ def _silu_mul(gate, up):
 def _swiglu_quant_kernel(
     h_ptr, a_ptr, q_ptr, scale_ptr, M, I, stride_h, stride_a, stride_q,
     POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
     FP8_SUB_SCALE: tl.constexpr, FP8_NEG_ZERO: tl.constexpr,
 ):
@@ -69,8 +71,9 @@ def _swiglu_quant_kernel(
         cols = i0 + tl.arange(0, BLOCK_I)
         mask = row_ok[:, None] & (cols < I)[None, :]
         a = tl.load(a_ptr + rows64[:, None] * stride_a + cols[None, :], mask=mask, other=0.0)
-        q = fp8_quantize(a, inv_scale[:, None], FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
-        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        q = to_fp8(a, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                   FP8_NEG_ZERO)
+        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
 
 
 @triton.jit
@@ -125,7 +128,7 @@ def _swiglu_quantize_op(h: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Te
         with device_guard(h):
             _swiglu_quant_kernel[(triton.cdiv(M, block_m),)](
                 h, a, q, scale, M, I, h.stride(0), a.stride(0), q.stride(0),
-                POW2=pow2, BLOCK_M=block_m, BLOCK_I=block_i, **fp8_constexprs(f),
+                POW2=pow2, BLOCK_M=block_m, BLOCK_I=block_i, **format_constexprs(f, h.device),
             )
     return a, q, scale
 

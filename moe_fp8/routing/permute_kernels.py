@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..quant.triton_helpers import fp8_quantize, fp8_scales
+from ..quant.kernels.common import to_fp8
+from ..quant.triton_helpers import fp8_scales
 
 __all__ = ["permute_rows_kernel", "write_padding_rows"]
 
@@ -41,7 +42,7 @@ def permute_rows_kernel(
     x_ptr, out_ptr, scale_ptr, pair_to_row_ptr, pad_rows_ptr,
     num_tokens, H, stride_x, num_pad_rows, pad_scale,
     TOPK: tl.constexpr, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr, PAD_ROWS: tl.constexpr,
-    QUANTIZE: tl.constexpr, POW2: tl.constexpr,
+    QUANTIZE: tl.constexpr, POW2: tl.constexpr, OUT_DTYPE: tl.constexpr, HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
     FP8_SUB_SCALE: tl.constexpr, FP8_NEG_ZERO: tl.constexpr,
 ):
@@ -64,9 +65,9 @@ def permute_rows_kernel(
             if QUANTIZE:
                 if NUM_CHUNKS == 1:
                     inv_scale, scale = fp8_scales(tl.max(tl.abs(xc.to(tl.float32)), axis=0), FP8_MAX, POW2)
-                vals = fp8_quantize(
-                    xc, inv_scale, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO
-                ).to(out_ptr.dtype.element_ty)
+                vals = to_fp8(
+                    xc, inv_scale, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO
+                )
             else:
                 vals = xc.to(out_ptr.dtype.element_ty)
             for j in tl.static_range(TOPK):

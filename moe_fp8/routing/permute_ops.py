@@ -14,7 +14,7 @@ import triton
 from ..checks import check_tensor
 from ..quant.formats import Float8Format, resolve_format
 from ..quant.reference import HIGH_PRECISION_DTYPES
-from ..quant.triton_helpers import fp8_constexprs
+from ..quant.kernels.common import format_constexprs
 from ..kernel_backend import device_guard, use_triton
 from .permute_kernels import permute_rows_kernel
 from .plan import DispatchPlan
@@ -60,7 +60,7 @@ def launch_permute(
             scale.fill_(padding_scale(fmt, pow2))
         return out, scale
     block, chunks = _row_blocking(H)
-    consts = fp8_constexprs(fmt) if quantize else fp8_constexprs(resolve_format("e4m3fn"))
+    consts = format_constexprs(fmt if quantize else resolve_format("e4m3fn"), x.device)
     with device_guard(x):
         permute_rows_kernel[(grid,)](
             x, out, scale if quantize else out, pair_to_row, pad_rows,
