@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in stages that each fit a 10-minute slot, results to one folder.
+#
+#   bash benchmarks/run_gpu.sh STAGE [OUT]      STAGE: tests | quant | gemm | layer | routing | all
+#
+# OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
+# into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
+# a hang (e.g. a kernel that never returns) ends the stage instead of the session.
+set -uo pipefail
+stage=${1:?usage: run_gpu.sh tests|quant|gemm|layer|routing|all [OUT]}
+out=${2:-benchmarks/results}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if compgen -G ".whl/torchao-*.whl" > /dev/null; then
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --target "$site" .whl/torchao-*.whl && export PYTHONPATH="$site:$PYTHONPATH"
+fi
+
+run() {  # run LIMIT_SECONDS LOG command...
+  local limit=$1 log=$2
+  shift 2
+  echo "== $* (limit ${limit}s, log $out/$log)"
+  timeout "$limit" "$@" > "$out/$log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$log" | grep -v -i warn
+  echo "== rc=$rc"
+}
+
+case $stage in
+  tests)   run 420 gpu_tests.log python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 ;;
+  quant)   run 420 quant.log python3 benchmarks/bench_quant.py --out "$out" ;;
+  gemm)    run 540 grouped_gemm.log python3 benchmarks/bench_grouped_gemm.py --out "$out" ;;
+  layer)   run 420 moe_layer.log python3 benchmarks/bench_moe_layer.py --out "$out" ;;
+  routing) run 300 routing.log python3 benchmarks/bench_routing.py --out "$out" ;;
+  all)     for s in tests quant gemm layer routing; do bash "$0" "$s" "$out"; done ;;
+  *)       echo "unknown stage: $stage" >&2; exit 2 ;;
+esac
