@@ -6,6 +6,8 @@ single-tensor and dual launches, column-major and row-major outputs, and the pad
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poison_device_cache
 
 from moe_fp8.quant import reference as ref
@@ -145,6 +147,39 @@ def test_group_colwise_no_groups_cpu():
     qa, sa, qb, sb = triton_quantize_group_colwise_dual(a, b, torch.zeros(0, dtype=torch.int32), E4M3FN)
     assert sa.shape == (0, 16) and sb.shape == (0, 32)
     assert_same(qa, (a.float() * 0).to(torch.float8_e4m3fn), "qa")  # every row outside every group
+
+
+@pytest.mark.interpreter
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    tail=st.integers(0, 20),
+    chunk=st.sampled_from([16, 32]),
+    padded=st.booleans(),
+    pow2=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_group_colwise_property_cpu(sizes, tail, chunk, padded, pow2, seed):
+    """Any group sizes (empty ones, at chunk edges, spanning chunks), rows past the groups, both
+    output layouts: bytes and scales equal the reference's, every output element written."""
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    M = int(offs[-1]) + tail
+    a, b = hard_input((M, 24), seed=seed), hard_input((M, 40), torch.float32, seed=seed + 1)
+    padded_offs, rows_out = _padded(offs) if padded else (None, M)
+    qa = torch.empty_strided((rows_out, 24), (1, rows_out), dtype=torch.float8_e4m3fn)
+    qb = torch.empty_strided((rows_out, 40), (1, rows_out), dtype=torch.float8_e4m3fn)
+    sa, sb = torch.empty(len(sizes), 24), torch.empty(len(sizes), 40)
+    for t in (qa, qb, sa, sb):  # poison: every element must be written
+        t.view(torch.uint8).fill_(0x55)
+    launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, pow2,
+                         config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4))
+    for q, s, x in ((qa, sa, a), (qb, sb, b)):
+        if padded:
+            rq, rs = _reference_padded(x, offs, padded_offs, rows_out, E4M3FN, pow2)
+        else:
+            rq, rs = ref.quantize_group_colwise(x, offs, E4M3FN, pow2=pow2)
+        assert_same(q, rq, "q")
+        assert_same(s, rs, "scale")
 
 
 def _bad_offsets_run(device: str) -> None:

@@ -6,6 +6,8 @@ the same checks on model-sized shapes.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poison_device_cache
 
 from moe_fp8.quant import reference as ref
@@ -118,6 +120,23 @@ def test_expert_colwise_t_strip_configs_cpu(chunk):
     launch_expert_colwise_t(w, q, s, E4M3FN, False,
                             config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4))
     rq, rs = ref.quantize_expert_colwise(w, E4M3FN, transposed=True)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+
+
+@pytest.mark.interpreter
+@settings(max_examples=25, deadline=None)
+@given(E=st.integers(1, 4), N=st.integers(0, 80), K=st.integers(1, 40), chunk=st.sampled_from([16, 32, 64]),
+       pow2=st.booleans(), seed=st.integers(0, 2**16))
+def test_expert_colwise_t_property_cpu(E, N, K, chunk, pow2, seed):
+    """Dgrad layout for any expert sizes: chunks straddling experts, partial tiles, N = 0."""
+    w = hard_input((E, N, K), seed=seed) if N else torch.zeros(E, 0, K, dtype=torch.bfloat16)
+    q = torch.empty((E, K, N), dtype=torch.float8_e4m3fn)
+    s = torch.empty((E, K))
+    for t in (q, s):
+        t.view(torch.uint8).fill_(0x55)
+    launch_expert_colwise_t(w, q, s, E4M3FN, pow2, config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4))
+    rq, rs = ref.quantize_expert_colwise(w, E4M3FN, pow2=pow2, transposed=True)
     assert_same(q, rq, "q")
     assert_same(s, rs, "scale")
 
