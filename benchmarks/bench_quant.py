@@ -44,8 +44,8 @@ FP8 = torch.float8_e4m3fn
 DEVICE = "cuda"
 # Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, STAGES, num_warps) (the
 # first, the default, is run with and without the hardware cast) and rowwise (tile, num_warps).
-STRIP_SWEEP = [(256, 64, 64, 1, 4), (512, 64, 64, 1, 4), (512, 64, 64, 3, 4), (256, 64, 32, 1, 4),
-               (256, 64, 32, 3, 4), (512, 32, 64, 3, 4), (512, 64, 64, 2, 8)]
+STRIP_SWEEP = [(512, 64, 64, 3, 4), (1024, 64, 64, 3, 4), (2048, 64, 64, 3, 4), (256, 64, 64, 3, 4),
+               (512, 32, 64, 3, 4), (1024, 64, 32, 3, 4), (512, 64, 64, 1, 4)]
 ROW_SWEEP = [(4096, 4), (8192, 8)]
 
 
