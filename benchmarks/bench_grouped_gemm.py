@@ -7,6 +7,8 @@ needs that; ours takes any sizes). Times are ``triton.testing.do_bench`` medians
 side by side. TFLOP/s counts ``2 M K N`` per GEMM (three GEMMs for forward+backward). SQNR (dB)
 of output, dgrad and wgrad is against the BF16 result. A second table times the FP8 GEMMs alone
 (operands quantized beforehand): cuda vs triton backend, forward (2D x 3D) and wgrad (2D x 2D).
+``rowwise / cuda, weight cache`` serves the quantized weights from an ``Fp8WeightCache`` (the
+weights do not change between timed calls: gradient accumulation between optimizer steps).
 
 Usage (H200): ``python benchmarks/bench_grouped_gemm.py --out benchmarks/results``.
 ``--smoke`` runs tiny shapes (CPU too) to check the script itself.
@@ -24,7 +26,7 @@ import time
 
 import torch
 
-from moe_fp8 import fp8_grouped_mm
+from moe_fp8 import Fp8WeightCache, fp8_grouped_mm
 from moe_fp8.grouped_gemm import available_backends, library
 from moe_fp8.grouped_gemm.backends import get_backend
 from moe_fp8.grouped_gemm.padding import padded_offsets, padded_rows
@@ -180,6 +182,13 @@ def methods_for(device):
             continue
         methods[f"{recipe} / {backend}"] = (
             lambda x, w, offs, r=recipe, b=backend: fp8_grouped_mm(x, w, offs, recipe=r, backend=b)
+        )
+    # The gradient-accumulation case: weights unchanged between calls, their FP8 copies cached.
+    cached_backend = "emulated" if device.type == "cpu" else "cuda"
+    if cached_backend in here:
+        cache = Fp8WeightCache()
+        methods[f"rowwise / {cached_backend}, weight cache"] = (
+            lambda x, w, offs: fp8_grouped_mm(x, w, offs, recipe="rowwise", backend=cached_backend, weight_cache=cache)
         )
     return methods
 
