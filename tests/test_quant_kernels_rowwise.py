@@ -111,14 +111,14 @@ def test_expert_colwise_strided_and_empty_cpu():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("chunk", [16, 32, 64, 128])
-def test_expert_colwise_t_strip_configs_cpu(chunk):
+@pytest.mark.parametrize("chunk,tickets", [(16, False), (32, True), (64, False), (128, True)])
+def test_expert_colwise_t_strip_configs_cpu(chunk, tickets):
     """Experts of several chunks and chunks straddling experts (70 rows each), partial tiles."""
     w = hard_input((3, 70, 40), seed=11)
     q = torch.empty((3, 40, 70), dtype=torch.float8_e4m3fn)
     s = torch.empty((3, 40))
     launch_expert_colwise_t(w, q, s, E4M3FN, False,
-                            config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4))
+                            config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets))
     rq, rs = ref.quantize_expert_colwise(w, E4M3FN, transposed=True)
     assert_same(q, rq, "q")
     assert_same(s, rs, "scale")

@@ -341,6 +341,7 @@ def _colwise_kernel(
     NB_B,
     POW2: tl.constexpr,
     HAS_B: tl.constexpr,
+    TICKETS: tl.constexpr,
     UNIFORM: tl.constexpr,
     PADDED: tl.constexpr,
     G_POW2: tl.constexpr,
@@ -359,9 +360,16 @@ def _colwise_kernel(
     """Program ``(column block, role, chunk)``: per column block, the members of every chunk, then
     the workers of every chunk, so a worker only ever waits for programs launched before it.
 
-    The workspace (int32 zeros): ``amax (G, C_A + C_B)`` (fp32 bits) and ``cnt (G, NB_A + NB_B)``.
+    The workspace (int32 zeros): ``amax (G, C_A + C_B)`` (fp32 bits), ``cnt (G, NB_A + NB_B)`` and
+    one dispatch ticket. With ``TICKETS`` a program's place in the grid is the order in which it
+    started (an atomic ticket, as rocPRIM's look-back scans do), not its program id, so the wait
+    is safe even where the hardware does not start programs in id order; on NVIDIA GPUs, which
+    do, the program id serves.
     """
-    pid = tl.program_id(0)
+    if TICKETS:
+        pid = tl.atomic_add(cnt_ptr + tl.maximum(G, 1) * (NB_A + NB_B), 1, sem="relaxed")
+    else:
+        pid = tl.program_id(0)
     cb = pid // (2 * n_chunks)
     rem = pid % (2 * n_chunks)
     is_worker = rem >= n_chunks
@@ -395,7 +403,7 @@ def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, st
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
             hw_cast) -> None:
     """One launch over ``(column blocks of a and b) x 2 x chunks``; ``offs=None``: ``G`` uniform groups of ``n_uni`` rows."""
-    cfg = dict(colwise_config(), **(config or {}))
+    cfg = {**colwise_config(), "TICKETS": torch.version.hip is not None, **(config or {})}
     c_a = sa.shape[1]
     c_b = sb.shape[1] if b is not None else 0
     nb_a, nb_b = triton.cdiv(c_a, cfg["BLOCK_C"]), triton.cdiv(c_b, cfg["BLOCK_C"])
@@ -405,7 +413,7 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     n_chunks = max(triton.cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
     dev = a.device
     g1 = max(G, 1)
-    work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b), dtype=torch.int32, device=dev)
+    work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
     amax, cnt = work[: g1 * (c_a + c_b)], work[g1 * (c_a + c_b):]
     b_args = (b, qb, sb, c_b, b.stride(0), b.stride(1), qb.stride(0), qb.stride(1)) if b is not None else (
         a, qa, sa, 0, 0, 0, 0, 0)
