@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in stages that each fit a 10-minute slot, results to one folder.
 #
-#   bash benchmarks/run_gpu.sh STAGE [OUT]      STAGE: tests | quant | gemm | layer | routing | all
+#   bash benchmarks/run_gpu.sh STAGE [OUT]
+#   STAGE: tests | quant | quant-sweep | gemm | layer | routing | all
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang (e.g. a kernel that never returns) ends the stage instead of the session.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|quant|gemm|layer|routing|all [OUT]}
+stage=${1:?usage: run_gpu.sh tests|quant|quant-sweep|gemm|layer|routing|all [OUT]}
 out=${2:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -29,6 +30,7 @@ run() {  # run LIMIT_SECONDS LOG command...
 case $stage in
   tests)   run 420 gpu_tests.log python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 ;;
   quant)   run 420 quant.log python3 benchmarks/bench_quant.py --out "$out" ;;
+  quant-sweep) run 540 quant_sweep.log python3 benchmarks/bench_quant.py --sweep --budget-s 400 --out "$out/sweep" ;;
   gemm)    run 540 grouped_gemm.log python3 benchmarks/bench_grouped_gemm.py --out "$out" ;;
   layer)   run 420 moe_layer.log python3 benchmarks/bench_moe_layer.py --out "$out" ;;
   routing) run 300 routing.log python3 benchmarks/bench_routing.py --out "$out" ;;
