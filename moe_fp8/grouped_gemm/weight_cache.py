@@ -67,7 +67,7 @@ class Fp8WeightCache:
     def get(self, w: torch.Tensor, key: Hashable, quantize: Callable[[torch.Tensor], Quantized]) -> Quantized:
         """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``."""
         anchor = w if w._base is None else w._base
-        slot = (id(anchor), tuple(w.shape), w.stride(), w.storage_offset(), key)
+        slot = (id(anchor), w.dtype, tuple(w.shape), w.stride(), w.storage_offset(), key)
         entry = self._entries.get(slot)
         if (
             entry is not None
