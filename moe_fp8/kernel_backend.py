@@ -7,7 +7,7 @@ import os
 
 import torch
 
-__all__ = ["interpreter_enabled", "triton_runs_on", "use_triton", "device_guard"]
+__all__ = ["interpreter_enabled", "triton_runs_on", "use_triton", "device_guard", "eager_or_custom_op"]
 
 
 def interpreter_enabled() -> bool:
@@ -40,3 +40,15 @@ def use_triton(kernel, t: torch.Tensor) -> bool:
 def device_guard(t: torch.Tensor):
     """Make ``t``'s GPU the current device while launching (Triton launches on the current one)."""
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def eager_or_custom_op(op, impl):
+    """A function calling ``impl`` eagerly (no dispatcher overhead on every call) and the torch
+    custom op ``op`` wrapping it under ``torch.compile`` (one opaque node with a fake kernel)."""
+
+    def call(*args):
+        return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+    call.__name__ = impl.__name__.lstrip("_")
+    call.__doc__ = f"``{impl.__name__}`` eagerly, the custom op ``{op._qualname}`` under torch.compile."
+    return call

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernel_backend import eager_or_custom_op
 from ..quant.formats import resolve_format
 from . import quant_seam
 from .backends import get_backend
@@ -143,19 +144,10 @@ def _(a, b, offs, scaling, fmt, pow2, fused, padded_offs, padded_rows):
 
 
 # ----------------------------------------------------------------------------- entry points
-def _pick(op, impl):
-    def call(*args):
-        return op(*args) if torch.compiler.is_compiling() else impl(*args)
-
-    call.__name__ = impl.__name__.lstrip("_")
-    call.__doc__ = f"``{impl.__name__}`` eagerly, the custom op ``{op._qualname}`` under torch.compile."
-    return call
-
-
-mm_2d3d = _pick(_op_mm_2d3d, _mm_2d3d)
-mm_2d2d = _pick(_op_mm_2d2d, _mm_2d2d)
-bf16_mm_2d3d = _pick(_op_bf16_mm_2d3d, _bf16_mm_2d3d)
-bf16_mm_2d2d = _pick(_op_bf16_mm_2d2d, _bf16_mm_2d2d)
-quantize_activation = _pick(_op_quantize_activation, _quantize_activation)
-quantize_weight = _pick(_op_quantize_weight, _quantize_weight)
-quantize_wgrad_operands = _pick(_op_quantize_wgrad_operands, _quantize_wgrad_operands)
+mm_2d3d = eager_or_custom_op(_op_mm_2d3d, _mm_2d3d)
+mm_2d2d = eager_or_custom_op(_op_mm_2d2d, _mm_2d2d)
+bf16_mm_2d3d = eager_or_custom_op(_op_bf16_mm_2d3d, _bf16_mm_2d3d)
+bf16_mm_2d2d = eager_or_custom_op(_op_bf16_mm_2d2d, _bf16_mm_2d2d)
+quantize_activation = eager_or_custom_op(_op_quantize_activation, _quantize_activation)
+quantize_weight = eager_or_custom_op(_op_quantize_weight, _quantize_weight)
+quantize_wgrad_operands = eager_or_custom_op(_op_quantize_wgrad_operands, _quantize_wgrad_operands)

@@ -27,7 +27,7 @@ import torch
 import triton
 
 from ..checks import check_tensor
-from ..kernel_backend import device_guard, use_triton
+from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
 from .plan_kernels import plan_histogram_kernel, plan_rows_kernel, plan_scan_kernel
 from .reference import dispatch_plan_reference
 
@@ -104,9 +104,7 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
     if k < 1 or k > num_experts:
         raise ValueError(f"topk_ids: expected 1 <= k <= num_experts={num_experts} columns, got shape {(T, k)}")
     ids = topk_ids.contiguous()
-    # Eagerly a plain call (the custom-op dispatcher costs host time on every layer call).
-    build = _plan_op if torch.compiler.is_compiling() else _plan
-    return DispatchPlan(*build(ids, num_experts, pad_multiple), k, pad_multiple)
+    return DispatchPlan(*_build_plan(ids, num_experts, pad_multiple), k, pad_multiple)
 
 
 def _plan(
@@ -144,8 +142,9 @@ def _plan(
 
 
 # Under torch.compile the plan is a custom op (with a fake kernel): one opaque node with static
-# output shapes instead of the Triton launches.
+# output shapes instead of the Triton launches; eagerly a plain call.
 _plan_op = torch.library.custom_op("moe_fp8::routing_dispatch_plan", _plan, mutates_args=())
+_build_plan = eager_or_custom_op(_plan_op, _plan)
 
 
 @_plan_op.register_fake
