@@ -13,7 +13,8 @@ For each MoE layer the ``rowwise`` forward alone is timed too, beside the dispat
 (``make_dispatch_plan`` on the same top-k ids, eager): the plan's share of the layer forward.
 
 Usage: ``python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 8192] [--quick]``
-(writes ``moe_layer.json`` and ``moe_layer.md``).
+(writes ``moe_layer.json`` and ``moe_layer.md``). ``--smoke`` runs tiny layers on the CPU (wall
+clock, no peak memory) to check the script itself.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +36,10 @@ from moe_fp8 import FP8MoE, convert_to_fp8
 from moe_fp8.routing import RouterConfig, make_dispatch_plan
 from moe_fp8.testing import sqnr
 
+SMOKE_LAYERS = {
+    "smoke_topk": (64, 32, 4, 2, 0, RouterConfig(4, 2, "softmax", renormalize=True)),
+    "smoke_llama4": (64, 32, 4, 1, 32, RouterConfig.llama4(4, 1)),
+}
 LAYERS = {  # name: (H, I, E, k, shared I, router config)
     "deepseek_v3_e8": (7168, 2048, 8, 8, 0, RouterConfig(8, 8, "softmax", renormalize=True)),
     "deepseek_v3_e32": (7168, 2048, 32, 8, 0, RouterConfig(32, 8, "softmax", renormalize=True)),
@@ -40,6 +47,7 @@ LAYERS = {  # name: (H, I, E, k, shared I, router config)
     "qwen3_30b_a3b": (2048, 768, 128, 8, 0, RouterConfig.qwen3_moe()),
 }
 RECIPES = ("bf16", "rowwise", "rowwise_gw_hp")
+DEVICE = "cuda"
 
 
 def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
@@ -54,11 +62,25 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return step
 
 
+def timed(fn) -> float:
+    """Median ms: ``do_bench`` on the GPU, a wall-clock median of 3 calls on the CPU (smoke runs)."""
+    if DEVICE == "cuda":
+        return do_bench(fn, warmup=5, rep=40, return_mode="median")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def measure(step) -> tuple[float, float]:
-    """(median ms, peak extra GiB) of one call of ``step``."""
+    """(median ms, peak extra GiB; 0 on the CPU) of one call of ``step``."""
     step()
+    if DEVICE != "cuda":
+        return timed(step), 0.0
     torch.cuda.synchronize()
-    ms = do_bench(step, warmup=5, rep=40, return_mode="median")
+    ms = timed(step)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -76,34 +98,33 @@ def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
     precomputed (the layer's own call replaced by a cached result): what the plan adds to the layer.
     """
     with torch.no_grad():
-        fwd_ms = do_bench(lambda: moe(x), warmup=5, rep=40, return_mode="median")
+        fwd_ms = timed(lambda: moe(x))
         ids = moe.router(x).topk_ids
         E = moe.experts.num_experts
-        plan_ms = do_bench(lambda: make_dispatch_plan(ids, E), warmup=5, rep=40, return_mode="median")
+        plan_ms = timed(lambda: make_dispatch_plan(ids, E))
         cached = make_dispatch_plan(ids, E)
         real = experts_module.make_dispatch_plan
         experts_module.make_dispatch_plan = lambda *a, **k: cached
         try:
-            no_plan_ms = do_bench(lambda: moe(x), warmup=5, rep=40, return_mode="median")
+            no_plan_ms = timed(lambda: moe(x))
         finally:
             experts_module.make_dispatch_plan = real
     return dict(fwd_ms=fwd_ms, plan_ms=plan_ms, plan_share=plan_ms / fwd_ms, plan_in_fwd_ms=fwd_ms - no_plan_ms,
                 plan_in_fwd_share=(fwd_ms - no_plan_ms) / fwd_ms)
 
 
-def moe_rows(tokens: int, names) -> list[dict]:
+def moe_rows(tokens: int, layers: dict) -> list[dict]:
     rows = []
-    for name in names:
-        H, I, E, k, shared, cfg = LAYERS[name]
+    for name, (H, I, E, k, shared, cfg) in layers.items():
         torch.manual_seed(0)
-        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(tokens, H, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(tokens, H, device=DEVICE, dtype=torch.bfloat16)
         ref_out = None
         base_ms = None
         for recipe in RECIPES:
             torch.manual_seed(0)
             moe = FP8MoE(H, I, E, k, router_config=cfg, shared_expert_hidden_size=shared, recipe=recipe,
-                         device="cuda", dtype=torch.bfloat16)
+                         device=DEVICE, dtype=torch.bfloat16)
             step = fwd_bwd(moe, x, dy)
             out = step().detach()
             ms, peak = measure(step)
@@ -121,12 +142,13 @@ def moe_rows(tokens: int, names) -> list[dict]:
             print(f"{name:16s} {recipe:14s} {ms:8.2f} ms {rows[-1]['speedup']:5.2f}x  peak {peak:6.2f} GiB  "
                   f"SQNR {rows[-1]['sqnr_vs_bf16']:5.1f} dB", flush=True)
             del moe, step
-            torch.cuda.empty_cache()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
 class _MLP(nn.Module):
-    def __init__(self, dim=4096, hidden=14336):
+    def __init__(self, dim: int = 4096, hidden: int = 14336):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
@@ -136,14 +158,16 @@ class _MLP(nn.Module):
         return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
 
 
-def dense_rows(tokens: int = 8192) -> list[dict]:
+def dense_rows(tokens: int = 8192, dim: int = 4096, hidden: int = 14336) -> list[dict]:
     rows = []
-    x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
-    flops = 6 * tokens * 3 * 4096 * 14336
+    x = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16)
+    flops = 6 * tokens * 3 * dim * hidden
     variants = [("bf16", None), ("ours rowwise", "rowwise"), ("ours rowwise_gw_hp", "rowwise_gw_hp"),
                 ("ours tensorwise", "tensorwise")]
     try:
+        if DEVICE != "cuda":
+            raise ImportError("TorchAO's Float8Linear needs a GPU")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         for r in ("rowwise", "rowwise_with_gw_hp", "tensorwise"):
@@ -154,7 +178,7 @@ def dense_rows(tokens: int = 8192) -> list[dict]:
     ref_out = None
     for label, how in variants:
         torch.manual_seed(0)
-        mlp = _MLP().to("cuda", torch.bfloat16)
+        mlp = _MLP(dim, hidden).to(DEVICE, torch.bfloat16)
         if isinstance(how, str):
             convert_to_fp8(mlp, recipe=how)
         elif isinstance(how, tuple):
@@ -176,13 +200,20 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--quick", action="store_true", help="DeepSeek-V3 E=8 and Qwen3 only, no dense")
+    ap.add_argument("--smoke", action="store_true", help="tiny layers on the CPU: checks the script")
     args = ap.parse_args()
-    names = ["deepseek_v3_e8", "qwen3_30b_a3b"] if args.quick else list(LAYERS)
-    rows = moe_rows(args.tokens, names)
-    if not args.quick:
-        rows += dense_rows()
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
+        rows = moe_rows(32, SMOKE_LAYERS) + dense_rows(32, 64, 96)
+    else:
+        names = ["deepseek_v3_e8", "qwen3_30b_a3b"] if args.quick else list(LAYERS)
+        rows = moe_rows(args.tokens, {n: LAYERS[n] for n in names})
+        if not args.quick:
+            rows += dense_rows()
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run)"
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+                gpu=gpu, torch=torch.__version__, triton=triton.__version__)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_layer.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
