@@ -9,7 +9,8 @@ beside it when ``torchao`` imports. Inputs are random normal bf16 (never zeros).
     python benchmarks/bench_quant.py                      # table -> benchmarks/results/quant.{json,md}
     python benchmarks/bench_quant.py --sweep --out DIR    # also time kernel configurations
 
-Needs a CUDA GPU. Shapes: DeepSeek-V3 (A 32768x7168, W 8x4096x7168 and 8x7168x2048), Llama 4
+Needs a CUDA GPU (``--smoke``: tiny shapes on the CPU, kernels in the Triton interpreter, to check
+the script itself; its numbers mean nothing). Shapes: DeepSeek-V3 (A 32768x7168, W 8x4096x7168 and 8x7168x2048), Llama 4
 (A 16384x5120, W 16x8192x5120), Qwen3-30B-A3B (A 65536x2048, W 128x1536x2048 and 128x2048x768);
 the wgrad operands of W (E, N, K) are grad_out (M, N) and the activations (M, K) over E balanced
 groups (multiples of 16 tokens).
@@ -40,6 +41,7 @@ MODELS = {
     "Llama 4": dict(tokens=16384, hidden=5120, weights=[(16, 8192, 5120)]),
     "Qwen3-30B-A3B": dict(tokens=65536, hidden=2048, weights=[(128, 1536, 2048), (128, 2048, 768)]),
 }
+SMOKE_MODELS = {"smoke": dict(tokens=64, hidden=48, weights=[(2, 32, 48)])}
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda"
 # Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, STAGES, num_warps) (the
@@ -60,6 +62,10 @@ def _torchao():
 
 
 def _time_us(fn) -> float:
+    if DEVICE != "cuda":  # smoke run: one wall-clock call
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
     try:
         return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
     except Exception as e:  # noqa: BLE001 - report and fall back to event timing of eager calls
@@ -70,9 +76,10 @@ def _time_us(fn) -> float:
 def _copy_gbps() -> float:
     """Device-to-device copy of 1 GiB, timed eagerly: captured in a CUDA graph the copy becomes a
     memcpy node that ran at 2.7 TB/s instead of 4.2 on one H200 (2026-11)."""
-    src = torch.randn(1 << 29, device=DEVICE, dtype=torch.bfloat16)
+    src = torch.randn(1 << (29 if DEVICE == "cuda" else 16), device=DEVICE, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    us = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median") * 1e3
+    us = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median") * 1e3 if DEVICE == "cuda" else (
+        _time_us(lambda: dst.copy_(src)))
     return 2 * src.numel() * 2 / us / 1e3
 
 
@@ -134,7 +141,7 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
               flush=True)
 
     for model in models:
-        spec = MODELS[model]
+        spec = MODELS.get(model) or SMOKE_MODELS[model]
         M, H = spec["tokens"], spec["hidden"]
         x = torch.randn(M, H, device=DEVICE, dtype=torch.bfloat16)
         shape = f"{M}x{H}"
@@ -198,7 +205,8 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
                                   "chunk={} {}x{} stages={} w{}".format(*v) + f" hw_cast={hw}",
                                   _group_variant(a, b, offs, _strip_config(*v), hw))
             del a, b
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     return table, sweeps
 
 
@@ -235,13 +243,19 @@ def main() -> None:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     p.add_argument("--sweep", action="store_true", help="also time kernel configurations")
     p.add_argument("--budget-s", type=float, default=400, help="skip further sweeps after this many seconds")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_quant.py needs a CUDA GPU")
-    ao, ao_version = _torchao()
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        sys.exit("bench_quant.py needs a CUDA GPU (or --smoke)")
+    ao, ao_version = _torchao() if DEVICE == "cuda" else (None, None)
     start = time.time()
-    table, sweeps = run([m.strip() for m in args.models.split(",")], args.sweep, start + args.budget_s, ao)
-    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    models = list(SMOKE_MODELS) if args.smoke else [m.strip() for m in args.models.split(",")]
+    table, sweeps = run(models, args.sweep, start + args.budget_s, ao)
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run)"
+    meta = dict(date=datetime.date.today().isoformat(), gpu=gpu, torch=torch.__version__,
                 triton=triton.__version__, torchao=ao_version, python=platform.python_version(),
                 copy_gbps=round(table.copy, 1), seconds=round(time.time() - start, 1))
     os.makedirs(args.out, exist_ok=True)

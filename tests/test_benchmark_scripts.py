@@ -23,14 +23,15 @@ def test_benchmark_compiles(script):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("script, outputs", [
-    ("bench_grouped_gemm.py", ["grouped_gemm.json", "grouped_gemm.md"]),
-    ("bench_moe_layer.py", ["moe_layer.json", "moe_layer.md"]),
+@pytest.mark.parametrize("script, extra, outputs", [
+    ("bench_grouped_gemm.py", [], ["grouped_gemm.json", "grouped_gemm.md"]),
+    ("bench_moe_layer.py", [], ["moe_layer.json", "moe_layer.md"]),
+    ("bench_quant.py", ["--sweep"], ["quant.json", "quant.md"]),
 ])
-def test_benchmark_smoke(script, outputs, tmp_path):
+def test_benchmark_smoke(script, extra, outputs, tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *extra, "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for name in outputs:
         assert (tmp_path / name).stat().st_size > 0
