@@ -20,11 +20,12 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
+
+from timing import wall_median_ms
 
 from moe_fp8 import Fp8WeightCache, fp8_grouped_mm
 from moe_fp8.grouped_gemm import available_backends, library
@@ -60,12 +61,7 @@ def timer(fn, rep_ms: int) -> float:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return wall_median_ms(fn)
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:

@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import triton
 from torch import nn
+from timing import wall_median_ms
 from triton.testing import do_bench
 
 import moe_fp8.layers.experts as experts_module
@@ -66,12 +65,7 @@ def timed(fn) -> float:
     """Median ms: ``do_bench`` on the GPU, a wall-clock median of 3 calls on the CPU (smoke runs)."""
     if DEVICE == "cuda":
         return do_bench(fn, warmup=5, rep=40, return_mode="median")
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return wall_median_ms(fn)
 
 
 def measure(step) -> tuple[float, float]:

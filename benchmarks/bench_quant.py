@@ -28,6 +28,7 @@ import time
 
 import torch
 import triton
+from timing import wall_median_ms
 from triton.testing import do_bench, do_bench_cudagraph
 
 from moe_fp8.quant import ops
@@ -62,10 +63,8 @@ def _torchao():
 
 
 def _time_us(fn) -> float:
-    if DEVICE != "cuda":  # smoke run: one wall-clock call
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
+    if DEVICE != "cuda":  # smoke run
+        return wall_median_ms(fn, calls=1) * 1e3
     try:
         return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
     except Exception as e:  # noqa: BLE001 - report and fall back to event timing of eager calls
