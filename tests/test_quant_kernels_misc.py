@@ -33,19 +33,14 @@ def _check_blockwise(x, block, pow2, fmt):
     assert_same(s, rs, "scale")
 
 
-def _check_tensorwise(x, pow2, fmt):
+def _check_tensorwise(x, pow2, fmt, *, per_expert=False):
+    """Tensorwise kernel (one scale, or one per expert of ``(E, N, K)``) against the reference."""
     poison_device_cache(x.device)
-    q, s = triton_quantize_tensorwise(x, fmt, pow2)
-    rq, rs = ref.quantize_tensorwise(x, fmt, pow2=pow2)
-    assert_same(q, rq, "q")
-    assert_same(s, rs, "scale")
-
-
-def _check_expert_tensorwise(w, pow2, fmt):
-    poison_device_cache(w.device)
-    q, s = triton_quantize_expert_tensorwise(w, fmt, pow2)
-    rq, rs = ref.quantize_expert_tensorwise(w, fmt, pow2=pow2)
-    assert q.is_contiguous() and s.shape == (w.shape[0],)
+    kernel, reference = ((triton_quantize_expert_tensorwise, ref.quantize_expert_tensorwise) if per_expert
+                         else (triton_quantize_tensorwise, ref.quantize_tensorwise))
+    q, s = kernel(x, fmt, pow2)
+    rq, rs = reference(x, fmt, pow2=pow2)
+    assert q.is_contiguous()
     assert_same(q, rq, "q")
     assert_same(s, rs, "scale")
 
@@ -87,15 +82,15 @@ def test_tensorwise_cpu(shape, pow2, fmt):
 def test_expert_tensorwise_cpu(pow2, fmt):
     """Experts of very different ranges (one all zero), several programs per expert, odd sizes."""
     w = hard_input((5, 48, 352), seed=6) * torch.tensor([1e-3, 1.0, 0.0, 3.0, 1.0]).view(5, 1, 1)
-    _check_expert_tensorwise(w.bfloat16(), pow2, fmt)
+    _check_tensorwise(w.bfloat16(), pow2, fmt, per_expert=True)
 
 
 @pytest.mark.interpreter
 def test_expert_tensorwise_strided_and_empty_cpu():
     w = hard_input((3, 40, 48), torch.float32, seed=8)
-    _check_expert_tensorwise(w.transpose(1, 2), False, E4M3FN)  # copied to contiguous first
+    _check_tensorwise(w.transpose(1, 2), False, E4M3FN, per_expert=True)  # copied to contiguous first
     for shape in [(0, 16, 16), (2, 0, 16)]:
-        _check_expert_tensorwise(torch.randn(shape).bfloat16(), False, E4M3FN)
+        _check_tensorwise(torch.randn(shape).bfloat16(), False, E4M3FN, per_expert=True)
 
 
 @pytest.mark.interpreter
@@ -227,8 +222,8 @@ def test_blockwise_gpu(shape):
 def test_tensorwise_gpu():
     _check_tensorwise(hard_input((8192, 7168), seed=6, device="cuda"), False, E4M3FN)
     _check_tensorwise(hard_input((1000, 999), torch.float32, seed=7, device="cuda"), True, E4M3FN)
-    _check_expert_tensorwise(hard_input((8, 2048, 7168), seed=8, device="cuda"), False, E4M3FN)
-    _check_expert_tensorwise(hard_input((128, 1536, 2048), seed=9, device="cuda"), True, E4M3FN)
+    _check_tensorwise(hard_input((8, 2048, 7168), seed=8, device="cuda"), False, E4M3FN, per_expert=True)
+    _check_tensorwise(hard_input((128, 1536, 2048), seed=9, device="cuda"), True, E4M3FN, per_expert=True)
 
 
 @pytest.mark.gpu
