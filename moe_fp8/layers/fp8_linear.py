@@ -15,7 +15,8 @@ operand's rows: the token count, which wgrad contracts over, is zero-padded to a
 there (zero rows add nothing). Operands a GEMM takes transposed (``W.T`` for dgrad, ``grad_out.T``
 and ``x.T`` for wgrad) are quantized per column by the column-wise kernel, which writes the
 transposed FP8 copy directly (rowwise recipes), or quantized as they are and transposed in FP8
-(tensorwise: one scale either way), never copied transposed in high precision.
+(tensorwise: one scale either way, so grad_out is quantized once for dgrad and wgrad), never
+copied transposed in high precision.
 """
 
 from __future__ import annotations
@@ -49,12 +50,18 @@ def _quantize(t: torch.Tensor, recipe: Float8Recipe, fmt) -> tuple[torch.Tensor,
     return q, scale[:, None]
 
 
+def _transposed_padded(q: torch.Tensor) -> torch.Tensor:
+    """FP8 ``q (R, C)`` -> ``q.T`` row-major ``(C, R_pad)``, rows zero-padded to 16 (byte 0 is +0)."""
+    return _pad_rows(q.view(torch.uint8)).t().contiguous().view(q.dtype)
+
+
 def _quantize_t(t: torch.Tensor, recipe: Float8Recipe, fmt) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t (R, C)`` -> ``t.T`` quantized row-major ``(C, R)`` (per column of ``t``), scale ``(C, 1)`` or ``()``."""
+    """``t (R, C)`` -> ``t.T`` quantized row-major ``(C, R_pad)`` (per column of ``t``; ``R`` zero-padded
+    to a multiple of 16), scale ``(C, 1)`` or ``()``."""
     if recipe.scaling == "tensorwise":
         q, scale = quantize_tensorwise(t, fmt, pow2=recipe.pow2_scales)
-        return q.t().contiguous(), scale
-    q, scale = quantize_expert_colwise(t[None], fmt, pow2=recipe.pow2_scales, transposed=True)
+        return _transposed_padded(q), scale
+    q, scale = quantize_expert_colwise(_pad_rows(t)[None], fmt, pow2=recipe.pow2_scales, transposed=True)
     return q[0], scale[0][:, None]
 
 
@@ -82,15 +89,21 @@ class _FP8LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         recipe, fmt, grad_fmt = ctx.recipe, ctx.fmt, ctx.grad_fmt
         grad_out = grad_out.contiguous()
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        tensorwise_wgrad = need_dw and recipe.fp8_wgrad and recipe.scaling == "tensorwise"
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            g_q, g_s = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N)
+        if need_dx or tensorwise_wgrad:
+            g_q, g_s = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N), or tensorwise
+        if need_dx:
             wt_q, wt_s = _quantize_t(weight, recipe, fmt)  # per input column of W (over N)
             grad_x = _scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype)
-        if ctx.needs_input_grad[1]:
+        if need_dw:
             if recipe.fp8_wgrad:
-                gt_q, gt_s = _quantize_t(_pad_rows(grad_out), recipe, grad_fmt)  # (N, M_pad)
-                xt_q, xt_s = _quantize_t(_pad_rows(x), recipe, fmt)  # (K, M_pad)
+                if tensorwise_wgrad:  # one scale either way: transpose the codes made for dgrad
+                    gt_q, gt_s = _transposed_padded(g_q), g_s  # (N, M_pad)
+                else:
+                    gt_q, gt_s = _quantize_t(grad_out, recipe, grad_fmt)  # (N, M_pad)
+                xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
                 grad_w = _scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype)
             else:
                 grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
