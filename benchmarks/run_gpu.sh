@@ -2,13 +2,13 @@
 # GPU tests and benchmarks in stages that each fit a 10-minute slot, results to one folder.
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
-#   STAGE: tests | quant | quant-sweep | gemm | layer | routing | all
+#   STAGE: tests | quant | quant-sweep | gemm | layer | routing | profile | all
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang (e.g. a kernel that never returns) ends the stage instead of the session.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|quant|quant-sweep|gemm|layer|routing|all [OUT]}
+stage=${1:?usage: run_gpu.sh tests|quant|quant-sweep|gemm|layer|routing|profile|all [OUT]}
 out=${2:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -34,6 +34,7 @@ case $stage in
   gemm)    run 540 grouped_gemm.log python3 benchmarks/bench_grouped_gemm.py --out "$out" ;;
   layer)   run 420 moe_layer.log python3 benchmarks/bench_moe_layer.py --out "$out" ;;
   routing) run 300 routing.log python3 benchmarks/bench_routing.py --out "$out" ;;
+  profile) run 300 profile.log python3 benchmarks/profile_layers.py --out "$out" ;;
   all)     for s in tests quant gemm layer routing; do bash "$0" "$s" "$out"; done ;;
   *)       echo "unknown stage: $stage" >&2; exit 2 ;;
 esac
