@@ -128,11 +128,15 @@ def _plan(
     counts = torch.empty(E, dtype=i32, device=dev)
     offsets = torch.empty(E, dtype=i32, device=dev)
     pair_to_row = torch.empty(N, dtype=i32, device=dev)
-    row_to_pair = torch.full((M,), -1, dtype=i32, device=dev)
+    # -1 for padding rows: written by the histogram kernel when it runs (T > 0)
+    row_to_pair = torch.empty(M, dtype=i32, device=dev) if num_blocks else torch.full((M,), -1, dtype=i32, device=dev)
     pad_rows = torch.empty((P - 1) * E, dtype=i32, device=dev)
     with device_guard(ids):
         if num_blocks:
-            plan_histogram_kernel[(num_blocks,)](ids, block_counts, rank, N, num_blocks, E=E, E_POW2=e_pow2, BLOCK=block)
+            plan_histogram_kernel[(num_blocks,)](
+                ids, block_counts, rank, row_to_pair, N, num_blocks, M, triton.cdiv(M, num_blocks),
+                E=E, E_POW2=e_pow2, BLOCK=block,
+            )
         plan_scan_kernel[(E,)](block_counts, totals, num_blocks, CHUNK=_SCAN_CHUNK)
         plan_rows_kernel[(max(num_blocks, 1),)](
             ids, rank, block_counts, totals, counts, offsets, pair_to_row, row_to_pair, pad_rows, N, num_blocks,

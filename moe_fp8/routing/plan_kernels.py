@@ -4,7 +4,8 @@ Three launches, no atomics, no host sync, every size static:
 
 1. ``plan_histogram_kernel`` (one program per block of ``BLOCK`` pairs): the block's per-expert
    counts (stored expert-major, ``(E, num_blocks)``) and each pair's rank among the pairs of the
-   same expert earlier in the block.
+   same expert earlier in the block; it also fills its share of ``row_to_pair`` with -1 (the
+   value of padding rows), so no separate fill runs.
 2. ``plan_scan_kernel`` (one program per expert): exclusive prefix sum of that expert's block
    counts over the blocks (in place) and the expert's total.
 3. ``plan_rows_kernel`` (one program per block): group starts from the totals (padded to
@@ -33,11 +34,15 @@ def _load_ids(ids_ptr, pairs, num_pairs, E: tl.constexpr):
 
 @triton.jit
 def plan_histogram_kernel(
-    ids_ptr, block_counts_ptr, rank_ptr, num_pairs, num_blocks,
+    ids_ptr, block_counts_ptr, rank_ptr, row_to_pair_ptr, num_pairs, num_blocks, num_rows, fill_rows,
     E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
+    first = b * fill_rows  # rows [first, first + fill_rows) of row_to_pair start as -1
+    for r in range(first, first + fill_rows, BLOCK):
+        rows = r + lanes
+        tl.store(row_to_pair_ptr + rows, tl.full([BLOCK], -1, tl.int32), mask=(rows < num_rows) & (rows < first + fill_rows))
     pairs = b * BLOCK + lanes
     ids, valid, in_range = _load_ids(ids_ptr, pairs, num_pairs, E)
     experts = tl.arange(0, E_POW2)
