@@ -1,7 +1,9 @@
 """Routing plumbing on the GPU: dispatch plan, permute(+quantize), combine, against copy bandwidth and plain torch.
 
 For DeepSeek-V3 (T=16384, k=8, E=256, H=7168, expert I=2048) and Qwen3-30B-A3B (T=16384, k=8,
-E=128, H=2048, I=768), one run measures side by side (``triton.testing.do_bench`` medians):
+E=128, H=2048, I=768), one run measures side by side (medians; our kernels by CUDA-graph replay,
+``do_bench_cudagraph``, so the host's launch time does not hide a 0.1 ms kernel; the plan both
+eagerly and replayed; plain PyTorch eagerly, ``do_bench``):
 
 * a device-to-device copy (bytes read + written): the bandwidth ceiling;
 * ours: ``make_dispatch_plan`` (eager and CUDA-graph replay), ``permute_quantize``, bf16
@@ -46,7 +48,13 @@ GEMM_TFLOPS = 1000.0
 
 
 def ms(fn) -> float:
+    """Median ms of eager calls (host launch time included where it exceeds the GPU's)."""
     return do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def graph_ms(fn) -> float:
+    """Median GPU ms of CUDA-graph replays of ``fn``."""
+    return do_bench_cudagraph(fn, rep=60, return_mode="median")
 
 
 def copy_bandwidth() -> float:
@@ -63,7 +71,7 @@ def sweep(label, apply, variants, fn, nbytes, copy_gbs, rows):
     for v in variants:
         restore = apply(v)
         try:
-            t = ms(fn)
+            t = graph_ms(fn)
         finally:
             restore()
         rows.append({"kernel": label, "variant": str(v), "ms": t, "GBps": nbytes / t / 1e6, "of_copy": nbytes / t / 1e6 / copy_gbs})
@@ -95,7 +103,7 @@ def bench_shape(name, copy_gbs, sweep_rows):
 
     # dispatch plan
     res["plan_ms"] = ms(lambda: make_dispatch_plan(ids, E, pad_multiple=PAD))
-    res["plan_graph_ms"] = do_bench_cudagraph(lambda: make_dispatch_plan(ids, E, pad_multiple=PAD), rep=60, return_mode="median")
+    res["plan_graph_ms"] = graph_ms(lambda: make_dispatch_plan(ids, E, pad_multiple=PAD))
     res["plan_torch_sort_ms"] = ms(lambda: dispatch_plan_reference(ids, E, PAD))
     layer_ms = 6 * N * H * I / (GEMM_TFLOPS * 1e12) * 1e3
     res["layer_fwd_estimate_ms"] = layer_ms
@@ -167,7 +175,7 @@ def markdown(meta, results, sweep_rows) -> str:
         "# Routing plumbing on the GPU (`benchmarks/bench_routing.py`)",
         "",
         f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
-        f"copy {meta['copy_GBps']:.0f} GB/s (1 GiB D2D, read+write) · groups padded to {PAD} rows · medians of do_bench",
+        f"copy {meta['copy_GBps']:.0f} GB/s (1 GiB D2D, read+write) · groups padded to {PAD} rows · our kernels: medians of CUDA-graph replays; plain torch: eager do_bench medians",
         "",
         "| shape | kernel | ours ms | GB/s | of copy | plain torch ms | speedup |",
         "|---|---|---|---|---|---|---|",

@@ -5,13 +5,29 @@ multiple of 16 rows (a device-side assert otherwise) and the total row count to 
 16 (the bf16 ``torch._grouped_mm`` needs multiples of 8). Group sizes live on the device, so the
 padded layout is computed there too, inside a buffer whose row count is a static upper bound:
 ``padded_rows(M, E) = round_up(M + 15 E, 16)`` >= ``sum_g round_up(size_g, 16)``.
+
+``gather_rows_padded`` builds a row-major padded copy in one Triton launch (``padding_kernels.py``)
+on GPUs and in the interpreter, else with ``padded_row_index`` + ``scatter_rows_padded`` (the
+reference, which also serves column-major copies).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ALIGN", "padded_rows", "padded_offsets", "padded_row_index", "scatter_rows_padded"]
+from ..checks import check_offsets, check_same_device, check_tensor
+from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
+from .padding_kernels import gather_rows_padded_kernel, launch_gather_rows_padded
+
+__all__ = [
+    "ALIGN",
+    "padded_rows",
+    "padded_offsets",
+    "padded_row_index",
+    "scatter_rows_padded",
+    "gather_rows_padded",
+    "gather_rows_padded_reference",
+]
 
 ALIGN = 16
 
@@ -62,3 +78,65 @@ def scatter_rows_padded(
         out = src.new_zeros(num_padded_rows, src.shape[1])
         out.index_copy_(0, dest, src)
     return out.view(x.dtype) if src is not x else out
+
+
+def gather_rows_padded_reference(
+    x: torch.Tensor, offs: torch.Tensor, padded_offs: torch.Tensor, num_padded_rows: int
+) -> torch.Tensor:
+    """Pure-torch ``gather_rows_padded``: ``padded_row_index`` + ``scatter_rows_padded`` (valid offsets only)."""
+    return scatter_rows_padded(x, padded_row_index(offs, padded_offs, x.shape[0]), num_padded_rows)
+
+
+def _gather_rows_padded(x: torch.Tensor, offs: torch.Tensor, padded_offs: torch.Tensor,
+                        num_padded_rows: int) -> torch.Tensor:
+    if not use_triton(gather_rows_padded_kernel, x):
+        return gather_rows_padded_reference(x, offs, padded_offs, num_padded_rows)
+    out = x.new_empty(num_padded_rows, x.shape[1])
+    with device_guard(x):
+        launch_gather_rows_padded(x, offs, padded_offs, out)
+    return out
+
+
+# Under torch.compile one opaque node with a fake kernel (static output shape); eagerly a plain call.
+_gather_op = torch.library.custom_op("moe_fp8::gather_rows_padded", _gather_rows_padded, mutates_args=())
+_gather = eager_or_custom_op(_gather_op, _gather_rows_padded)
+
+
+@_gather_op.register_fake
+def _(x, offs, padded_offs, num_padded_rows):
+    return x.new_empty(num_padded_rows, x.shape[1])
+
+
+def gather_rows_padded(
+    x: torch.Tensor, offs: torch.Tensor, padded_offs: torch.Tensor, num_padded_rows: int
+) -> torch.Tensor:
+    """Copy the rows of ``x`` into its groups padded to 16 rows, on the device (no host sync).
+
+    Args:
+        x: ``(M, C)``, any dtype of 1, 2, 4 or 8 bytes (FP8 included: bits are copied); a unit
+            column stride avoids a copy.
+        offs: ``(E,)`` int32 cumulative end offsets of the groups of ``x``'s rows.
+        padded_offs: ``(E,)`` int32 ``padded_offsets(offs)``.
+        num_padded_rows: ``R >= padded_rows(M, E)``.
+
+    Returns:
+        ``(R, C)`` row-major, ``x.dtype``: row ``padded_start[g] + i`` holds ``x[start[g] + i]`` for
+        ``i < size[g]``; rows ``padded_offs[-1] + i`` hold ``x[offs[-1] + i]`` (rows in no group,
+        past every padded group); every other row is zero. Offsets that are not monotonic or leave
+        ``[0, M]`` give unspecified rows, never an access outside the tensors (the kernel clamps them
+        to a running maximum in range).
+    """
+    check_tensor("x", x, ndim=2)
+    if x.element_size() not in (1, 2, 4, 8) or x.is_complex():
+        raise TypeError(f"x: expected a real dtype of 1, 2, 4 or 8 bytes, got {x.dtype}")
+    check_offsets(offs, device=x.device)
+    check_tensor("padded_offs", padded_offs, dtypes=(torch.int32,), shape=(offs.numel(),))
+    check_same_device(x=x, padded_offs=padded_offs)
+    if not isinstance(num_padded_rows, int) or num_padded_rows < padded_rows(x.shape[0], offs.numel()):
+        raise ValueError(
+            f"num_padded_rows: expected an int >= padded_rows({x.shape[0]}, {offs.numel()}) = "
+            f"{padded_rows(x.shape[0], offs.numel())}, got {num_padded_rows!r}"
+        )
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        x = x.contiguous()
+    return _gather(x, offs, padded_offs, num_padded_rows)

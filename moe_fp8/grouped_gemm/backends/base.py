@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ...quant.formats import Float8Format, detect_format
-from ..padding import padded_offsets, padded_row_index, padded_rows, scatter_rows_padded
+from ..padding import gather_rows_padded, padded_offsets, padded_rows
 from ..tail import zero_rows_past_end
 
 __all__ = ["GroupedGemmBackend"]
@@ -68,14 +68,12 @@ class GroupedGemmBackend:
         """``out[g] = a_g^T @ b_g`` for ``a (M, N)``, ``b (M, K)``; ``(E, N, K)``.
 
         On the GPU, PyTorch's kernel needs groups of a multiple of 8 rows: the rows are copied
-        into 16-row-aligned groups first (on device, static size).
+        into 16-row-aligned groups first (on device, static size, one Triton launch per operand).
         """
         if a.is_cuda:
-            E, M = offs.numel(), a.shape[0]
             p_offs = padded_offsets(offs)
-            rows = padded_rows(M, E)
-            dest = padded_row_index(offs, p_offs, M)
-            a = scatter_rows_padded(a, dest, rows)
-            b = scatter_rows_padded(b, dest, rows)
+            rows = padded_rows(a.shape[0], offs.numel())
+            a = gather_rows_padded(a, offs, p_offs, rows)
+            b = gather_rows_padded(b, offs, p_offs, rows)
             offs = p_offs
         return torch._grouped_mm(a.t(), b, offs=offs)
