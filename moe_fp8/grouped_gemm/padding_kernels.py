@@ -1,0 +1,127 @@
+"""One-launch Triton kernel: copy token rows into groups padded to 16 rows (``padding.py``'s layout).
+
+It *gathers*: program ``p`` owns output rows ``[p * BLOCK_R, (p + 1) * BLOCK_R)``, finds the group
+of each of them and copies its source row, or zeros, across all columns in ``BLOCK_C`` chunks.
+Every output row is written exactly once, so there is no separate fill and no scatter. For row
+``r`` of the output:
+
+* ``pend`` and ``end`` are the running maxima of the padded end offsets clamped to ``[0, R]`` and
+  of the end offsets clamped to ``[0, M]`` (bad offsets can address nothing outside the tensors);
+* the groups ending at or before ``r`` (``pend[g] <= r``) are a prefix of them: ``pstart`` and
+  ``start`` (the start of ``r``'s group in the padded and the source layout) are the largest
+  ``pend``/``end`` over that prefix (0 if it is empty), ``stop`` the smallest ``end`` past it
+  (``M`` past the last group: the rows after ``offs[-1]`` form a tail group, as in
+  ``padded_row_index``);
+* ``out[r] = x[start + r - pstart]`` if that row is below ``stop``, else zeros.
+
+The offsets are read ``G_BLOCK`` at a time (the running maxima carried from chunk to chunk), so the
+``(BLOCK_R, G_BLOCK)`` comparison tile stays in registers however many groups there are.
+
+Bits move, not values: the caller passes integer views of the same element size (FP8 as uint8).
+Interior column chunks carry no column mask and a row mask that is constant along a row, so loads
+and stores stay 16-byte vectorizable; row offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gather_rows_padded_kernel", "launch_gather_rows_padded"]
+
+# Integer types of each element size: the kernel copies bits.
+_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def gather_rows_padded_kernel(
+    x_ptr,
+    out_ptr,
+    offs_ptr,
+    poffs_ptr,
+    M,
+    C,
+    R,
+    stride_x,
+    E,
+    G_BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """``out (R, C)`` contiguous from ``x (M, C)`` (row stride ``stride_x``, unit column stride),
+    ``offs``/``poffs`` ``(E,)`` int32 end offsets of the groups and of the padded groups; fewer
+    than 2**31 rows."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pstart = tl.zeros((BLOCK_R,), dtype=tl.int32)
+    start = tl.zeros((BLOCK_R,), dtype=tl.int32)
+    stop = tl.full((BLOCK_R,), M, dtype=tl.int32)
+    end_carry = 0
+    pend_carry = 0
+    for g0 in range(0, E, G_BLOCK):  # the groups in chunks (a (BLOCK_R, G_BLOCK) tile stays in registers)
+        gi = g0 + tl.arange(0, G_BLOCK)
+        in_e = gi < E
+        # lanes past E get end = M, pend = R: they never end at or before a row r < R
+        end = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=in_e, other=M), 0), M)
+        end = tl.maximum(tl.associative_scan(end, 0, _max_combine), end_carry)
+        pend = tl.minimum(tl.maximum(tl.load(poffs_ptr + gi, mask=in_e, other=R), 0), R)
+        pend = tl.maximum(tl.associative_scan(pend, 0, _max_combine), pend_carry)
+        end_carry = tl.max(end, axis=0)
+        pend_carry = tl.max(pend, axis=0)
+        before = pend[None, :] <= r[:, None]  # the groups ending at or before row r
+        pstart = tl.maximum(pstart, tl.max(tl.where(before, pend[None, :], 0), axis=1))
+        start = tl.maximum(start, tl.max(tl.where(before, end[None, :], 0), axis=1))
+        stop = tl.minimum(stop, tl.min(tl.where(before, M, end[None, :]), axis=1))
+    src = start + (r - pstart)  # >= 0: r >= pstart
+    in_out = (r < R)[:, None]
+    live = (src < stop)[:, None] & in_out
+    x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_x
+    out_rows = out_ptr + r.to(tl.int64)[:, None] * C
+    cols = tl.arange(0, BLOCK_C)[None, :]
+    n_full = C // BLOCK_C
+    for cb in range(0, n_full):
+        c = cb * BLOCK_C + cols
+        tl.store(out_rows + c, tl.load(x_rows + c, mask=live, other=0), mask=in_out)
+    if n_full * BLOCK_C < C:
+        c = n_full * BLOCK_C + cols
+        c_ok = c < C
+        tl.store(out_rows + c, tl.load(x_rows + c, mask=live & c_ok, other=0), mask=in_out & c_ok)
+
+
+def launch_gather_rows_padded(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    padded_offs: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_r: int = 16,
+    block_bytes: int = 512,
+    group_block: int = 128,
+    num_warps: int = 4,
+) -> None:
+    """Fill ``out (R, C)`` (contiguous, ``x.dtype``) from ``x (M, C)`` (unit column stride).
+
+    ``offs``/``padded_offs``: ``(E,)`` int32 on ``x``'s device. Each program finds the groups of
+    its ``block_r`` rows, reading the offsets ``group_block`` at a time, then copies ``block_bytes``
+    bytes of each row per step (defaults: 16 rows, 128 groups, 512 B, 4 warps).
+    """
+    (M, C), R, E = x.shape, out.shape[0], offs.numel()
+    if out.dim() != 2 or out.shape[1] != C or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous (*, {C}) {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    if C > 1 and x.stride(1) != 1:
+        raise ValueError(f"x: expected a unit column stride, got strides {x.stride()}")
+    if R == 0 or C == 0:
+        return
+    bits = _BITS_DTYPES[x.element_size()]
+    block_c = max(block_bytes // x.element_size(), 1)
+    grid = (triton.cdiv(R, block_r),)
+    gather_rows_padded_kernel[grid](
+        x.view(bits), out.view(bits), offs, padded_offs, M, C, R, x.stride(0) if M > 1 else C, E,
+        G_BLOCK=min(triton.next_power_of_2(max(E, 1)), group_block), BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=num_warps,
+    )
