@@ -45,10 +45,10 @@ MODELS = {
 SMOKE_MODELS = {"smoke": dict(tokens=64, hidden=48, weights=[(2, 32, 48)])}
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda"
-# Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, STAGES, num_warps) (the
+# Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, STAGES, num_warps, maxnreg) (the
 # first, the default, is run with and without the hardware cast) and rowwise (tile, num_warps).
-STRIP_SWEEP = [(512, 64, 64, 3, 4), (1024, 64, 64, 3, 4), (2048, 64, 64, 3, 4), (256, 64, 64, 3, 4),
-               (512, 32, 64, 3, 4), (1024, 64, 32, 3, 4), (512, 64, 64, 1, 4)]
+STRIP_SWEEP = [(512, 64, 64, 3, 4, 96), (512, 64, 64, 3, 4, None), (1024, 64, 64, 3, 4, 96),
+               (512, 64, 64, 3, 4, 80), (256, 64, 64, 3, 4, 96)]
 ROW_SWEEP = [(4096, 4), (8192, 8)]
 
 
@@ -107,8 +107,12 @@ def _rowwise_variant(x, tile, warps, hw_cast):
                                   stride_r=x.stride(0), stride_k=1, config=cfg, hw_cast=hw_cast)
 
 
-def _strip_config(chunk, br, bc, stages, warps):
-    return colwise_config(chunk=chunk, block_r=br, block_c=bc, stages=stages, num_warps=warps)
+def _strip_config(chunk, br, bc, stages, warps, maxnreg):
+    return colwise_config(chunk=chunk, block_r=br, block_c=bc, stages=stages, num_warps=warps, maxnreg=maxnreg)
+
+
+def _strip_label(v) -> str:
+    return "chunk={} {}x{} stages={} w{} maxnreg={}".format(*v)
 
 
 def _expert_t_variant(w, cfg, hw_cast):
@@ -180,7 +184,7 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
                 for v in STRIP_SWEEP:
                     for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):
                         sweep_row(model, "expert colwise dgrad", shape, base + E * K * 4,
-                                  "chunk={} {}x{} stages={} w{}".format(*v) + f" hw_cast={hw}",
+                                  _strip_label(v) + f" hw_cast={hw}",
                                   _expert_t_variant(w, _strip_config(*v), hw))
             del w, w_t
 
@@ -201,7 +205,7 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
                 for v in STRIP_SWEEP:
                     for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):
                         sweep_row(model, "group colwise dual", shape, nbytes,
-                                  "chunk={} {}x{} stages={} w{}".format(*v) + f" hw_cast={hw}",
+                                  _strip_label(v) + f" hw_cast={hw}",
                                   _group_variant(a, b, offs, _strip_config(*v), hw))
             del a, b
         if DEVICE == "cuda":

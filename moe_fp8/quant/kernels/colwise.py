@@ -391,19 +391,22 @@ def _colwise_kernel(
 
 
 def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3,
-                   num_warps: int = 4) -> dict:
-    """Chunk rows, tile shape, software-pipeline stages of the row loops and warps (defaults: best of
-    a sweep on one H200, see BENCHMARKS.md)."""
+                   num_warps: int = 4, maxnreg: int | None = 96) -> dict:
+    """Chunk rows, tile shape, software-pipeline stages of the row loops, warps and a cap on registers
+    per thread (NVIDIA only, ignored elsewhere; ``None``: no cap). Defaults: best of a sweep on one
+    H200 (see BENCHMARKS.md); the cap of 96 lets 5 programs share a multiprocessor instead of 4."""
     for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
-    return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=stages, num_warps=num_warps)
+    return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=stages, num_warps=num_warps, maxnreg=maxnreg)
 
 
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
             hw_cast) -> None:
     """One launch over ``(column blocks of a and b) x 2 x chunks``; ``offs=None``: ``G`` uniform groups of ``n_uni`` rows."""
     cfg = {**colwise_config(), "TICKETS": torch.version.hip is not None, **(config or {})}
+    if cfg["maxnreg"] is None or not a.is_cuda or torch.version.hip is not None:
+        del cfg["maxnreg"]  # a launch option of NVIDIA's compiler only (the interpreter runs on CPU tensors)
     c_a = sa.shape[1]
     c_b = sb.shape[1] if b is not None else 0
     nb_a, nb_b = triton.cdiv(c_a, cfg["BLOCK_C"]), triton.cdiv(c_b, cfg["BLOCK_C"])
