@@ -72,11 +72,8 @@ def check_plan_invariants(plan: DispatchPlan, ids: torch.Tensor, E: int, P: int)
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("E,k,P", [(8, 2, 1), (8, 2, 16), (64, 6, 16), (256, 8, 16), (5, 3, 4)])
-@pytest.mark.parametrize("small_tiles", [False, True])
-def test_plan_matches_reference_and_invariants(kind, E, k, P, small_tiles, monkeypatch):
-    if small_tiles:  # several sub-blocks per program and several steps of the rows kernel's sums
-        monkeypatch.setattr(plan_mod, "_TILE", 16)
-        monkeypatch.setattr(plan_mod, "_MAX_BLOCKS", 4)
+def test_plan_matches_reference_and_invariants(kind, E, k, P, monkeypatch):
+    monkeypatch.setattr(plan_mod, "_SCAN_CHUNK", 4)  # exercise the scan's carry across chunks
     ids = random_topk_ids(97, E, k, kind, seed=E * 7 + P)
     plan = make_dispatch_plan(ids, E, pad_multiple=P)
     check_plan_invariants(plan, ids, E, P)

@@ -28,7 +28,7 @@ import triton
 
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
-from .plan_kernels import plan_count_kernel, plan_rows_kernel
+from .plan_kernels import plan_histogram_kernel, plan_rows_kernel, plan_scan_kernel
 from .reference import dispatch_plan_reference
 
 __all__ = ["DispatchPlan", "make_dispatch_plan", "padded_num_rows"]
@@ -76,16 +76,12 @@ def padded_num_rows(num_pairs: int, num_experts: int, pad_multiple: int = 1) -> 
     return num_pairs + (pad_multiple - 1) * num_experts
 
 
-_MAX_BLOCKS = 128  # programs per launch at most (the rows kernel reads E counts per block per program)
-_TILE = 8192  # elements of the (pairs x experts) and (experts x blocks) register tiles (tests shrink it)
+_SCAN_CHUNK = 1024  # blocks per step of the per-expert scan (tests shrink it to exercise the carry)
 
 
-def _blocking(num_pairs: int, e_pow2: int) -> tuple[int, int, int]:
-    """``(BLOCK, SUB, NB_CHUNK)``: pairs per program, pairs per one-hot sub-block, blocks per step
-    of the rows kernel's sums (powers of two)."""
-    sub = max(16, min(128, _TILE // e_pow2))
-    block = max(sub, triton.next_power_of_2(triton.cdiv(num_pairs, _MAX_BLOCKS)))
-    return block, sub, min(1024, max(2, _TILE // e_pow2))
+def _block_size(e_pow2: int) -> int:
+    """Pairs per program: keeps the (pairs x experts) one-hot tile near 8K elements."""
+    return max(16, min(128, 8192 // e_pow2))
 
 
 def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple: int = 1) -> DispatchPlan:
@@ -123,28 +119,28 @@ def _plan(
     N = T * k
     M = padded_num_rows(N, E, P)
     e_pow2 = triton.next_power_of_2(E)
-    block, sub, nb_chunk = _blocking(N, e_pow2)
+    block = _block_size(e_pow2)
     num_blocks = triton.cdiv(N, block)
     dev = ids.device
     i32 = torch.int32
-    scratch = torch.empty(E * num_blocks + N, dtype=i32, device=dev)  # one allocation
-    block_counts, rank = scratch.split([E * num_blocks, N])
+    scratch = torch.empty(E * num_blocks + N + E, dtype=i32, device=dev)  # one allocation
+    block_counts, rank, totals = scratch.split([E * num_blocks, N, E])
     counts = torch.empty(E, dtype=i32, device=dev)
     offsets = torch.empty(E, dtype=i32, device=dev)
     pair_to_row = torch.empty(N, dtype=i32, device=dev)
-    # -1 for padding rows: written by the count kernel when it runs (T > 0)
+    # -1 for padding rows: written by the histogram kernel when it runs (T > 0)
     row_to_pair = torch.empty(M, dtype=i32, device=dev) if num_blocks else torch.full((M,), -1, dtype=i32, device=dev)
     pad_rows = torch.empty((P - 1) * E, dtype=i32, device=dev)
     with device_guard(ids):
         if num_blocks:
-            plan_count_kernel[(num_blocks,)](
+            plan_histogram_kernel[(num_blocks,)](
                 ids, block_counts, rank, row_to_pair, N, num_blocks, M, triton.cdiv(M, num_blocks),
-                E=E, E_POW2=e_pow2, BLOCK=block, SUB=sub,
+                E=E, E_POW2=e_pow2, BLOCK=block,
             )
+        plan_scan_kernel[(E,)](block_counts, totals, num_blocks, CHUNK=_SCAN_CHUNK)
         plan_rows_kernel[(max(num_blocks, 1),)](
-            ids, rank, block_counts, counts, offsets, pair_to_row, row_to_pair, pad_rows, N, num_blocks,
-            E=E, E_POW2=e_pow2, BLOCK=block, SUB=sub, NB_CHUNK=nb_chunk, PAD=P,
-            PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
+            ids, rank, block_counts, totals, counts, offsets, pair_to_row, row_to_pair, pad_rows, N, num_blocks,
+            E=E, E_POW2=e_pow2, BLOCK=block, PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
         )
     return counts, offsets, pair_to_row, row_to_pair, pad_rows
 
