@@ -33,6 +33,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from moe_fp8.quant import ops
 from moe_fp8.quant.formats import E4M3FN
+from moe_fp8.quant.kernels import colwise, rowwise
 from moe_fp8.quant.kernels.colwise import colwise_config, launch_expert_colwise_t, launch_group_colwise
 from moe_fp8.quant.kernels.rowwise import launch_rowwise, rowwise_config
 from moe_fp8.testing import random_offsets
@@ -130,6 +131,22 @@ def _group_variant(a, b, offs, cfg, hw_cast):
     return lambda: launch_group_colwise(a, qa, sa, b, qb, sb, offs, None, E4M3FN, True, config=cfg, hw_cast=hw_cast)
 
 
+def _compiled(jit_fn) -> dict:
+    """Compiled variants of a Triton kernel so far, ``{cache key: CompiledKernel}`` (none in the interpreter)."""
+    out = {}
+    for entry in getattr(jit_fn, "device_caches", {}).values():  # (kernel_cache, ...) in triton 3.4-3.9
+        if isinstance(entry, tuple) and entry and isinstance(entry[0], dict):
+            out.update(entry[0])
+    return out
+
+
+def _resources(jit_fn, before: dict) -> str:
+    """Registers per thread and spilled bytes of the variants compiled since ``before``, as the
+    compiler reported them on this GPU ('' if none was compiled, e.g. a configuration seen before)."""
+    new = [k for key, k in _compiled(jit_fn).items() if key not in before]
+    return ", ".join(f"{getattr(k, 'n_regs', '?')} regs, {getattr(k, 'n_spills', '?')} spills" for k in new)
+
+
 def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
     table = Table(_copy_gbps())
     print(f"device-to-device copy: {table.copy:.0f} GB/s (read + write)", flush=True)
@@ -137,11 +154,13 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
     gen = torch.Generator().manual_seed(0)
 
     def sweep_row(model, kernel, shape, nbytes, variant, fn):
+        jit_fn = rowwise._rowwise_kernel if kernel == "rowwise" else colwise._colwise_kernel
+        before = _compiled(jit_fn)
         us = _time_us(fn)
         sweeps.append(dict(model=model, kernel=kernel, shape=shape, variant=variant, us=round(us, 2),
-                           frac=round(nbytes / us / 1e3 / table.copy, 3)))
-        print(f"   sweep {model:14s} {kernel:24s} {shape:22s} {variant:34s} {us:8.1f} us {sweeps[-1]['frac']:5.1%}",
-              flush=True)
+                           frac=round(nbytes / us / 1e3 / table.copy, 3), resources=_resources(jit_fn, before)))
+        print(f"   sweep {model:14s} {kernel:24s} {shape:22s} {variant:34s} {us:8.1f} us {sweeps[-1]['frac']:5.1%} "
+              f"{sweeps[-1]['resources']}", flush=True)
 
     for model in models:
         spec = MODELS.get(model) or SMOKE_MODELS[model]
@@ -233,10 +252,11 @@ def _markdown(meta: dict, table: Table, sweeps: list[dict]) -> str:
                      f"{r['ours_frac']:.0%} | {ao} |")
     lines += ["", "TorchAO's dual expert number is the sum of its two weight kernels (it has no dual kernel)."]
     if sweeps:
-        lines += ["", "## Configuration sweep", "", "| model | kernel | shape | variant | µs | % copy |",
-                  "|---|---|---|---|---:|---:|"]
-        lines += [f"| {s['model']} | {s['kernel']} | {s['shape']} | {s['variant']} | {s['us']:.1f} | {s['frac']:.0%} |"
-                  for s in sweeps]
+        lines += ["", "## Configuration sweep", "",
+                  "Registers: per thread, as compiled on this GPU, for configurations compiled in that row.", "",
+                  "| model | kernel | shape | variant | µs | % copy | registers |", "|---|---|---|---|---:|---:|---|"]
+        lines += [f"| {s['model']} | {s['kernel']} | {s['shape']} | {s['variant']} | {s['us']:.1f} | {s['frac']:.0%} | "
+                  f"{s['resources']} |" for s in sweeps]
     return "\n".join(lines) + "\n"
 
 
