@@ -10,7 +10,8 @@ inputs, router included. Peak memory is ``max_memory_allocated`` over one forwar
 what was allocated before it (parameters and inputs excluded).
 
 For each MoE layer the ``rowwise`` forward alone is timed too, beside the dispatch plan
-(``make_dispatch_plan`` on the same top-k ids, eager): the plan's share of the layer forward.
+(``make_dispatch_plan`` on the same top-k ids): the plan's share of the layer forward, eagerly
+(host time included) and from CUDA-graph replays (GPU time only).
 
 Usage: ``python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 8192] [--quick]``
 (writes ``moe_layer.json`` and ``moe_layer.md``). ``--smoke`` runs tiny layers on the CPU (wall
@@ -28,7 +29,7 @@ import torch
 import triton
 from torch import nn
 from timing import wall_median_ms
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import moe_fp8.layers.experts as experts_module
 from moe_fp8 import FP8MoE, convert_to_fp8
@@ -68,6 +69,18 @@ def timed(fn) -> float:
     return wall_median_ms(fn)
 
 
+def graph_ms(fn) -> float | None:
+    """Median GPU ms of CUDA-graph replays of ``fn``: no host time. None on the CPU or if ``fn``
+    cannot be captured (the reason is printed)."""
+    if DEVICE != "cuda":
+        return None
+    try:
+        return do_bench_cudagraph(fn, rep=40, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - a capture failure is a result to report, not a crash
+        print(f"CUDA-graph capture failed: {e!r}", flush=True)
+        return None
+
+
 def measure(step) -> tuple[float, float]:
     """(median ms, peak extra GiB; 0 on the CPU) of one call of ``step``."""
     step()
@@ -85,14 +98,17 @@ def measure(step) -> tuple[float, float]:
 
 
 def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
-    """The dispatch plan's cost against the layer forward (eager, no grad, ms).
+    """The dispatch plan's cost against the layer forward (no grad, ms), eager and replayed.
 
     ``plan_ms``: ``make_dispatch_plan`` alone on the layer's top-k ids (host launch time included,
     nothing to overlap with). ``plan_in_fwd_ms``: forward time minus the forward time with the plan
     precomputed (the layer's own call replaced by a cached result): what the plan adds to the layer.
+    ``graph_*``: the same from CUDA-graph replays (GPU time only, as a captured training step sees
+    it; None where capture is not possible).
     """
     with torch.no_grad():
-        fwd_ms = timed(lambda: moe(x))
+        fwd = lambda: moe(x)  # noqa: E731
+        fwd_ms, graph_fwd_ms = timed(fwd), graph_ms(fwd)
         ids = moe.router(x).topk_ids
         E = moe.experts.num_experts
         plan_ms = timed(lambda: make_dispatch_plan(ids, E))
@@ -100,11 +116,20 @@ def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
         real = experts_module.make_dispatch_plan
         experts_module.make_dispatch_plan = lambda *a, **k: cached
         try:
-            no_plan_ms = timed(lambda: moe(x))
+            no_plan_ms, graph_no_plan_ms = timed(fwd), graph_ms(fwd)
         finally:
             experts_module.make_dispatch_plan = real
+    graph = None if graph_fwd_ms is None or graph_no_plan_ms is None else graph_fwd_ms - graph_no_plan_ms
     return dict(fwd_ms=fwd_ms, plan_ms=plan_ms, plan_share=plan_ms / fwd_ms, plan_in_fwd_ms=fwd_ms - no_plan_ms,
-                plan_in_fwd_share=(fwd_ms - no_plan_ms) / fwd_ms)
+                plan_in_fwd_share=(fwd_ms - no_plan_ms) / fwd_ms, graph_fwd_ms=graph_fwd_ms,
+                graph_plan_in_fwd_ms=graph, graph_plan_in_fwd_share=None if graph is None else graph / graph_fwd_ms)
+
+
+def _graph_cells(r: dict) -> str:
+    """``replayed forward ms, plan in it ms, share`` of a ``plan_share`` row ('-' without a graph)."""
+    if r["graph_plan_in_fwd_ms"] is None:
+        return "-, -, -"
+    return f"{r['graph_fwd_ms']:.3f}, {r['graph_plan_in_fwd_ms']:.3f}, {100 * r['graph_plan_in_fwd_share']:.1f}%"
 
 
 def moe_rows(tokens: int, layers: dict) -> list[dict]:
@@ -132,7 +157,7 @@ def moe_rows(tokens: int, layers: dict) -> list[dict]:
                 r = rows[-1]
                 print(f"{name:16s} rowwise forward {r['fwd_ms']:.3f} ms, plan alone {r['plan_ms']:.3f} ms "
                       f"= {100 * r['plan_share']:.1f}%, plan in the forward {r['plan_in_fwd_ms']:.3f} ms "
-                      f"= {100 * r['plan_in_fwd_share']:.1f}%", flush=True)
+                      f"= {100 * r['plan_in_fwd_share']:.1f}%; replayed: {_graph_cells(r)}", flush=True)
             print(f"{name:16s} {recipe:14s} {ms:8.2f} ms {rows[-1]['speedup']:5.2f}x  peak {peak:6.2f} GiB  "
                   f"SQNR {rows[-1]['sqnr_vs_bf16']:5.1f} dB", flush=True)
             del moe, step
@@ -219,15 +244,16 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['layer']} | {r['tokens']} | {r['recipe']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
                      f"{r['speedup']:.2f}x | {r['peak_gib']:.2f} | {r['sqnr_vs_bf16']:.1f} |")
-    lines += ["", "Dispatch plan vs the `rowwise` layer forward (eager, no grad; 'in forward' = forward time "
-              "minus forward time with the plan precomputed):", "",
-              "| layer | tokens | forward ms | plan alone ms | share | plan in forward ms | share |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Dispatch plan vs the `rowwise` layer forward (no grad; 'in forward' = forward time minus "
+              "forward time with the plan precomputed; eager, then CUDA-graph replay):", "",
+              "| layer | tokens | forward ms | plan alone ms | share | plan in forward ms | share "
+              "| replayed forward ms | plan in forward ms | share |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "plan_ms" in r:
             lines.append(f"| {r['layer']} | {r['tokens']} | {r['fwd_ms']:.3f} | {r['plan_ms']:.3f} | "
                          f"{100 * r['plan_share']:.1f}% | {r['plan_in_fwd_ms']:.3f} | "
-                         f"{100 * r['plan_in_fwd_share']:.1f}% |")
+                         f"{100 * r['plan_in_fwd_share']:.1f}% | {_graph_cells(r).replace(', ', ' | ')} |")
     (out / "moe_layer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
