@@ -46,10 +46,11 @@ MODELS = {
 SMOKE_MODELS = {"smoke": dict(tokens=64, hidden=48, weights=[(2, 32, 48)])}
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda"
-# Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, STAGES, num_warps, maxnreg) (the
-# first, the default, is run with and without the hardware cast) and rowwise (tile, num_warps).
-STRIP_SWEEP = [(512, 64, 64, 3, 4, 96), (512, 64, 64, 3, 4, None), (1024, 64, 64, 3, 4, 96),
-               (512, 64, 64, 3, 4, 80), (256, 64, 64, 3, 4, 96)]
+# Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, STAGES, LAG, num_warps, maxnreg)
+# (the first, the default, is run with and without the hardware cast) and rowwise (tile, num_warps).
+STRIP_SWEEP = [(512, 64, 64, 3, 0, 4, 96), (512, 64, 64, 3, 0, 4, None), (512, 64, 64, 3, 1, 4, 96),
+               (512, 64, 64, 3, 2, 4, 96), (512, 64, 64, 3, 4, 4, 96), (512, 64, 64, 1, 0, 4, None),
+               (512, 64, 64, 1, 2, 4, None)]
 ROW_SWEEP = [(4096, 4), (8192, 8)]
 
 
@@ -108,12 +109,13 @@ def _rowwise_variant(x, tile, warps, hw_cast):
                                   stride_r=x.stride(0), stride_k=1, config=cfg, hw_cast=hw_cast)
 
 
-def _strip_config(chunk, br, bc, stages, warps, maxnreg):
-    return colwise_config(chunk=chunk, block_r=br, block_c=bc, stages=stages, num_warps=warps, maxnreg=maxnreg)
+def _strip_config(chunk, br, bc, stages, lag, warps, maxnreg):
+    return colwise_config(chunk=chunk, block_r=br, block_c=bc, stages=stages, lag=lag, num_warps=warps,
+                          maxnreg=maxnreg)
 
 
 def _strip_label(v) -> str:
-    return "chunk={} {}x{} stages={} w{} maxnreg={}".format(*v)
+    return "chunk={} {}x{} stages={} lag={} w{} maxnreg={}".format(*v)
 
 
 def _expert_t_variant(w, cfg, hw_cast):

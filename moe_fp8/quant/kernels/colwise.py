@@ -349,6 +349,7 @@ def _colwise_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     STAGES: tl.constexpr,
+    LAG: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -358,7 +359,11 @@ def _colwise_kernel(
     FP8_NEG_ZERO: tl.constexpr,
 ):
     """Program ``(column block, role, chunk)``: per column block, the members of every chunk, then
-    the workers of every chunk, so a worker only ever waits for programs launched before it.
+    the workers of every chunk, so a worker only ever waits for programs launched before it. With
+    ``LAG > 0`` the workers of a column block come ``LAG`` column blocks later (after the members of
+    column block ``cb + LAG``), so that their members have had time to finish: fewer workers spin on
+    the counters, at the price of ``LAG`` more column blocks held in L2 (``2 * LAG * n_chunks`` idle
+    programs pad the grid).
 
     The workspace (int32 zeros): ``amax (G, C_A + C_B)`` (fp32 bits), ``cnt (G, NB_A + NB_B)`` and
     one dispatch ticket. With ``TICKETS`` a program's place in the grid is the order in which it
@@ -370,19 +375,19 @@ def _colwise_kernel(
         pid = tl.atomic_add(cnt_ptr + tl.maximum(G, 1) * (NB_A + NB_B), 1, sem="relaxed")
     else:
         pid = tl.program_id(0)
-    cb = pid // (2 * n_chunks)
-    rem = pid % (2 * n_chunks)
-    is_worker = rem >= n_chunks
-    c = rem % n_chunks
+    slot = pid // n_chunks  # slots alternate: members of column block j, workers of column block j - LAG
+    c = pid % n_chunks
+    is_worker = slot % 2 == 1
+    cb = slot // 2 - is_worker.to(tl.int32) * LAG  # out of [0, NB_A + NB_B) in the LAG idle slots at each end
     amax_stride = C_A + C_B
     cnt_stride = NB_A + NB_B
-    if cb < NB_A:
+    if (cb >= 0) & (cb < NB_A):
         _column_block(a_ptr, qa_ptr, sa_ptr, cb, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar,
                       stride_qac, amax_ptr, 0, amax_stride, cnt_ptr, 0, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
                       n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, G_POW2, CHUNK,
                       BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                       FP8_NEG_ZERO)
-    elif HAS_B:
+    elif HAS_B & (cb >= NB_A) & (cb < NB_A + NB_B):
         _column_block(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, stride_br, stride_bc, 0, stride_qbr, stride_qbc,
                       amax_ptr, C_A, amax_stride, cnt_ptr, NB_A, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
                       n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, G_POW2, CHUNK,
@@ -390,15 +395,19 @@ def _colwise_kernel(
                       FP8_NEG_ZERO)
 
 
-def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3,
+def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3, lag: int = 0,
                    num_warps: int = 4, maxnreg: int | None = 96) -> dict:
-    """Chunk rows, tile shape, software-pipeline stages of the row loops, warps and a cap on registers
-    per thread (NVIDIA only, ignored elsewhere; ``None``: no cap). Defaults: best of a sweep on one
-    H200 (see BENCHMARKS.md); the cap of 96 lets 5 programs share a multiprocessor instead of 4."""
+    """Chunk rows, tile shape, software-pipeline stages of the row loops, how many column blocks the
+    workers trail their members by (see ``_colwise_kernel``), warps and a cap on registers per thread
+    (NVIDIA only, ignored elsewhere; ``None``: no cap). Defaults: best of a sweep on one H200 (see
+    BENCHMARKS.md); the cap of 96 lets 5 programs share a multiprocessor instead of 4."""
     for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
-    return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=stages, num_warps=num_warps, maxnreg=maxnreg)
+    if not isinstance(lag, int) or lag < 0:
+        raise ValueError(f"lag: expected an int >= 0, got {lag!r}")
+    return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=stages, LAG=lag, num_warps=num_warps,
+                maxnreg=maxnreg)
 
 
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
@@ -421,7 +430,7 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     b_args = (b, qb, sb, c_b, b.stride(0), b.stride(1), qb.stride(0), qb.stride(1)) if b is not None else (
         a, qa, sa, 0, 0, 0, 0, 0)
     offs = cnt if uniform else offs  # any int32 pointer: UNIFORM never reads it
-    _colwise_kernel[((nb_a + nb_b) * 2 * n_chunks,)](
+    _colwise_kernel[((nb_a + nb_b + cfg["LAG"]) * 2 * n_chunks,)](
         a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded_offs is not None else offs, amax, cnt,
         G, n_uni, rows_in, rows_out, n_chunks, triton.cdiv(rows_out, n_chunks), nb_a, nb_b,
         POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded_offs is not None,
