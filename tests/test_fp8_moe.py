@@ -14,6 +14,9 @@ T, H, I, E, K = 40, 64, 32, 4, 2
 # (both operands quantized); the SwiGLU multiplies two such outputs (~25.5 dB) and the down GEMM
 # quantizes again, so two chained layers land near 24 dB whatever the sizes (measured 24.1-24.4 dB
 # at H in {64, 256}, T in {40, 256}; TorchAO's MoE test floor is 23 dB). The bf16 recipe gives ~47 dB.
+# No rowwise-e4m3 implementation can do better than the *ideal* one (operands quantized, all else
+# exact): test_rowwise_output_at_the_ideal_fp8_bound measures that bound (~23.8 dB) and holds the
+# module to it.
 OUT_SQNR = 23.0
 
 def _moe(recipe="rowwise", seed=0, **kw):
@@ -76,6 +79,39 @@ def test_fp8_moe_vs_fp64(recipe):
     # expert path with a frozen router.
     assert grads["router.weight"] is not None and torch.isfinite(grads["router.weight"]).all()
     assert torch.isfinite(gx).all()
+
+
+def _ideal_rowwise_fp8(moe: FP8MoE, x: torch.Tensor) -> torch.Tensor:
+    """The module's forward with the rowwise e4m3 quantizations of its four GEMM operands (x, h by
+    row; both weights by output channel) and everything else in fp64: the best any implementation of
+    the recipe can do (no accumulation-order or bf16 rounding error)."""
+    from moe_fp8.quant import reference as ref
+
+    def dq(t):
+        q, scale = ref.quantize_rowwise(t.float().reshape(-1, t.shape[-1]), "e4m3fn")
+        return (q.double() * scale.double()[:, None]).reshape(t.shape)
+
+    r = moe.router(x)
+    x64, w1, w2 = dq(x), dq(moe.experts.gate_up_proj.detach()), dq(moe.experts.down_proj.detach())
+    out = torch.zeros_like(x64)
+    for e in range(E):
+        tok, slot = torch.nonzero(r.topk_ids == e, as_tuple=True)
+        gate, up = (x64[tok] @ w1[e].T).chunk(2, dim=-1)
+        y = dq(nn.functional.silu(gate) * up) @ w2[e].T
+        out = out.index_add(0, tok, y * r.topk_weights[tok, slot, None].detach().double())
+    return out
+
+
+@pytest.mark.interpreter
+def test_rowwise_output_at_the_ideal_fp8_bound():
+    """Ours loses nothing beyond the format itself; and the format caps a SwiGLU MoE near 24 dB,
+    below the 25 dB that issue #6 asked of this test (measured here, see OUT_SQNR)."""
+    moe = _moe("rowwise", seed=4)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    exact = _reference(moe, x, torch.zeros_like(x))[0]
+    bound = sqnr(exact, _ideal_rowwise_fp8(moe, x))
+    assert 22.5 < bound < 25.0
+    assert sqnr(exact, moe(x)) >= bound - 0.5
 
 
 @pytest.mark.interpreter
