@@ -13,7 +13,8 @@ For each MoE layer the ``rowwise`` forward alone is timed too, beside the dispat
 (``make_dispatch_plan`` on the same top-k ids): the plan's share of the layer forward, eagerly
 (host time included) and from CUDA-graph replays (GPU time only).
 
-Usage: ``python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 8192] [--quick]``
+Usage: ``python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 8192 [16384 ...]] [--layers NAME ...]
+[--quick]``
 (writes ``moe_layer.json`` and ``moe_layer.md``). ``--smoke`` runs tiny layers on the CPU (wall
 clock, no peak memory) to check the script itself.
 """
@@ -217,7 +218,8 @@ def dense_rows(tokens: int = 8192, dim: int = 4096, hidden: int = 14336) -> list
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192], help="token counts, each a run of the layers")
+    ap.add_argument("--layers", nargs="+", choices=list(LAYERS), help="MoE layers to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="DeepSeek-V3 E=8 and Qwen3 only, no dense")
     ap.add_argument("--smoke", action="store_true", help="tiny layers on the CPU: checks the script")
     args = ap.parse_args()
@@ -226,9 +228,9 @@ def main() -> None:
         DEVICE = "cpu"
         rows = moe_rows(32, SMOKE_LAYERS) + dense_rows(32, 64, 96)
     else:
-        names = ["deepseek_v3_e8", "qwen3_30b_a3b"] if args.quick else list(LAYERS)
-        rows = moe_rows(args.tokens, {n: LAYERS[n] for n in names})
-        if not args.quick:
+        names = args.layers or (["deepseek_v3_e8", "qwen3_30b_a3b"] if args.quick else list(LAYERS))
+        rows = [r for t in args.tokens for r in moe_rows(t, {n: LAYERS[n] for n in names})]
+        if not (args.quick or args.layers):
             rows += dense_rows()
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run)"
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
