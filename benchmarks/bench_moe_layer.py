@@ -133,6 +133,13 @@ def _graph_cells(r: dict) -> str:
     return f"{r['graph_fwd_ms']:.3f}, {r['graph_plan_in_fwd_ms']:.3f}, {100 * r['graph_plan_in_fwd_share']:.1f}%"
 
 
+def make_moe(spec: tuple, recipe: str) -> FP8MoE:
+    """The bf16 ``FP8MoE`` of a ``LAYERS`` entry ``(H, I, E, k, shared I, router config)`` on ``DEVICE``."""
+    H, I, E, k, shared, cfg = spec
+    return FP8MoE(H, I, E, k, router_config=cfg, shared_expert_hidden_size=shared, recipe=recipe, device=DEVICE,
+                  dtype=torch.bfloat16)
+
+
 def moe_rows(tokens: int, layers: dict) -> list[dict]:
     rows = []
     for name, (H, I, E, k, shared, cfg) in layers.items():
@@ -143,8 +150,7 @@ def moe_rows(tokens: int, layers: dict) -> list[dict]:
         base_ms = None
         for recipe in RECIPES:
             torch.manual_seed(0)
-            moe = FP8MoE(H, I, E, k, router_config=cfg, shared_expert_hidden_size=shared, recipe=recipe,
-                         device=DEVICE, dtype=torch.bfloat16)
+            moe = make_moe((H, I, E, k, shared, cfg), recipe)
             step = fwd_bwd(moe, x, dy)
             out = step().detach()
             ms, peak = measure(step)

@@ -19,8 +19,8 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
-from bench_moe_layer import LAYERS, _MLP, fwd_bwd, timed
-from moe_fp8 import FP8MoE, convert_to_fp8
+from bench_moe_layer import LAYERS, _MLP, fwd_bwd, make_moe, timed
+from moe_fp8 import convert_to_fp8
 
 GEMM_MARKERS = ("gemm", "cutlass", "xmma", "nvjet", "_mm_", "grouped_mm", "matmul")
 ITERS = 5
@@ -40,10 +40,8 @@ def build(layer: str, recipe: str, tokens: int):
         if recipe != "bf16":
             convert_to_fp8(module, recipe=recipe)
     else:
-        H, I, E, k, shared, router = LAYERS[layer]
-        module = FP8MoE(H, I, E, k, router_config=router, shared_expert_hidden_size=shared, recipe=recipe,
-                        device="cuda", dtype=torch.bfloat16)
-        dim = H
+        module = make_moe(LAYERS[layer], recipe)
+        dim = LAYERS[layer][0]
     x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
     return module, x, dy
