@@ -15,7 +15,8 @@ no host sync) and HBM sees each input byte once (3 bytes per element, bf16 in, f
 puts all members of a column block before its workers, so a worker only waits for programs
 launched before it, which the GPU has already placed on its multiprocessors (the forward-progress
 assumption of decoupled look-back scans); the L2 working set is one column block of all rows
-(``rows x BLOCK_C x 2`` bytes). The sequential CPU interpreter runs members first, so its workers
+(``rows x BLOCK_C x 2`` bytes), or ``LAG + 1`` of them when the workers trail their members by
+``LAG`` column blocks (``colwise_config(lag=...)``). The sequential CPU interpreter runs members first, so its workers
 never spin. Counts a worker waits for are derived from the same clamped running-max offsets the
 members use, so no offsets, however bad, leave a worker waiting forever.
 
