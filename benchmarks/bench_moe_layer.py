@@ -10,8 +10,8 @@ inputs, router included. Peak memory is ``max_memory_allocated`` over one forwar
 what was allocated before it (parameters and inputs excluded).
 
 For each MoE layer the ``rowwise`` forward alone is timed too, beside the dispatch plan
-(``make_dispatch_plan`` on the same top-k ids): the plan's share of the layer forward, eagerly
-(host time included) and from CUDA-graph replays (GPU time only).
+(``make_dispatch_plan`` on the same top-k ids): the plan's share of the layer forward in host time
+(the CPU cost of issuing the calls) and in GPU time (CUDA-graph replays); see ``plan_share``.
 
 Usage: ``python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 8192 [16384 ...]] [--layers NAME ...]
 [--quick]``
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import triton
 from torch import nn
-from timing import wall_median_ms
+from timing import host_ms, wall_median_ms
 from triton.testing import do_bench, do_bench_cudagraph
 
 import moe_fp8.layers.experts as experts_module
@@ -99,38 +99,45 @@ def measure(step) -> tuple[float, float]:
 
 
 def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
-    """The dispatch plan's cost against the layer forward (no grad, ms), eager and replayed.
+    """The dispatch plan's cost against the layer forward (no grad, ms), on the host and on the GPU.
 
-    ``plan_ms``: ``make_dispatch_plan`` alone on the layer's top-k ids (host launch time included,
-    nothing to overlap with). ``plan_in_fwd_ms``: forward time minus the forward time with the plan
-    precomputed (the layer's own call replaced by a cached result): what the plan adds to the layer.
-    ``graph_*``: the same from CUDA-graph replays (GPU time only, as a captured training step sees
-    it; None where capture is not possible).
+    ``host_*``: CPU time to issue ``make_dispatch_plan`` (on the layer's top-k ids) and the whole
+    forward, each from an idle device (``timing.host_ms``): what the plan adds where the layer is
+    host-bound. ``graph_*``: CUDA-graph replays, GPU time only: the plan alone, the forward, and the
+    forward minus the forward with the plan precomputed (the layer's own call replaced by a cached
+    result), which is what the plan's kernels add to the layer. None where capture is not possible.
     """
     with torch.no_grad():
         fwd = lambda: moe(x)  # noqa: E731
-        fwd_ms, graph_fwd_ms = timed(fwd), graph_ms(fwd)
         ids = moe.router(x).topk_ids
         E = moe.experts.num_experts
-        plan_ms = timed(lambda: make_dispatch_plan(ids, E))
-        cached = make_dispatch_plan(ids, E)
+        plan = lambda: make_dispatch_plan(ids, E)  # noqa: E731
+        cached = plan()
+        host_fwd_ms, host_plan_ms = host_ms(fwd), host_ms(plan)
+        graph_fwd_ms, graph_plan_ms = graph_ms(fwd), graph_ms(plan)
         real = experts_module.make_dispatch_plan
         experts_module.make_dispatch_plan = lambda *a, **k: cached
         try:
-            no_plan_ms, graph_no_plan_ms = timed(fwd), graph_ms(fwd)
+            graph_no_plan_ms = graph_ms(fwd)
         finally:
             experts_module.make_dispatch_plan = real
-    graph = None if graph_fwd_ms is None or graph_no_plan_ms is None else graph_fwd_ms - graph_no_plan_ms
-    return dict(fwd_ms=fwd_ms, plan_ms=plan_ms, plan_share=plan_ms / fwd_ms, plan_in_fwd_ms=fwd_ms - no_plan_ms,
-                plan_in_fwd_share=(fwd_ms - no_plan_ms) / fwd_ms, graph_fwd_ms=graph_fwd_ms,
-                graph_plan_in_fwd_ms=graph, graph_plan_in_fwd_share=None if graph is None else graph / graph_fwd_ms)
+    row = dict(host_fwd_ms=host_fwd_ms, host_plan_ms=host_plan_ms, host_plan_share=host_plan_ms / host_fwd_ms,
+               graph_fwd_ms=graph_fwd_ms, graph_plan_ms=graph_plan_ms, graph_plan_in_fwd_ms=None,
+               graph_plan_in_fwd_share=None)
+    if None not in (graph_fwd_ms, graph_plan_ms, graph_no_plan_ms):
+        row.update(graph_plan_in_fwd_ms=graph_fwd_ms - graph_no_plan_ms,
+                   graph_plan_in_fwd_share=(graph_fwd_ms - graph_no_plan_ms) / graph_fwd_ms)
+    return row
 
 
-def _graph_cells(r: dict) -> str:
-    """``replayed forward ms, plan in it ms, share`` of a ``plan_share`` row ('-' without a graph)."""
+def _plan_cells(r: dict) -> list[str]:
+    """Table cells of a ``plan_share`` row: host forward, plan, share; GPU forward, plan alone, plan
+    in the forward, share ('-' without a graph)."""
+    cells = [f"{r['host_fwd_ms']:.3f}", f"{r['host_plan_ms']:.3f}", f"{100 * r['host_plan_share']:.1f}%"]
     if r["graph_plan_in_fwd_ms"] is None:
-        return "-, -, -"
-    return f"{r['graph_fwd_ms']:.3f}, {r['graph_plan_in_fwd_ms']:.3f}, {100 * r['graph_plan_in_fwd_share']:.1f}%"
+        return cells + ["-"] * 4
+    return cells + [f"{r['graph_fwd_ms']:.3f}", f"{r['graph_plan_ms']:.3f}", f"{r['graph_plan_in_fwd_ms']:.3f}",
+                    f"{100 * r['graph_plan_in_fwd_share']:.1f}%"]
 
 
 def make_moe(spec: tuple, recipe: str) -> FP8MoE:
@@ -162,9 +169,7 @@ def moe_rows(tokens: int, layers: dict) -> list[dict]:
             if recipe == "rowwise":
                 rows[-1].update(plan_share(moe, x))
                 r = rows[-1]
-                print(f"{name:16s} rowwise forward {r['fwd_ms']:.3f} ms, plan alone {r['plan_ms']:.3f} ms "
-                      f"= {100 * r['plan_share']:.1f}%, plan in the forward {r['plan_in_fwd_ms']:.3f} ms "
-                      f"= {100 * r['plan_in_fwd_share']:.1f}%; replayed: {_graph_cells(r)}", flush=True)
+                print(f"{name:16s} rowwise forward, dispatch plan: " + " | ".join(_plan_cells(r)), flush=True)
             print(f"{name:16s} {recipe:14s} {ms:8.2f} ms {rows[-1]['speedup']:5.2f}x  peak {peak:6.2f} GiB  "
                   f"SQNR {rows[-1]['sqnr_vs_bf16']:5.1f} dB", flush=True)
             del moe, step
@@ -252,16 +257,15 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['layer']} | {r['tokens']} | {r['recipe']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
                      f"{r['speedup']:.2f}x | {r['peak_gib']:.2f} | {r['sqnr_vs_bf16']:.1f} |")
-    lines += ["", "Dispatch plan vs the `rowwise` layer forward (no grad; 'in forward' = forward time minus "
-              "forward time with the plan precomputed; eager, then CUDA-graph replay):", "",
-              "| layer | tokens | forward ms | plan alone ms | share | plan in forward ms | share "
-              "| replayed forward ms | plan in forward ms | share |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Dispatch plan vs the `rowwise` layer forward (no grad). Host: CPU time to issue the call from "
+              "an idle GPU. GPU: CUDA-graph replays; 'in forward' = forward minus the forward with the plan "
+              "precomputed.", "",
+              "| layer | tokens | host: forward ms | plan ms | share | GPU: forward ms | plan alone ms "
+              "| plan in forward ms | share |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "plan_ms" in r:
-            lines.append(f"| {r['layer']} | {r['tokens']} | {r['fwd_ms']:.3f} | {r['plan_ms']:.3f} | "
-                         f"{100 * r['plan_share']:.1f}% | {r['plan_in_fwd_ms']:.3f} | "
-                         f"{100 * r['plan_in_fwd_share']:.1f}% | {_graph_cells(r).replace(', ', ' | ')} |")
+        if "host_plan_ms" in r:
+            lines.append(f"| {r['layer']} | {r['tokens']} | " + " | ".join(_plan_cells(r)) + " |")
     (out / "moe_layer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

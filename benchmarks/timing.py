@@ -1,10 +1,13 @@
-"""Timing shared by the benchmark scripts' CPU smoke runs (on the GPU each script uses do_bench)."""
+"""Timing shared by the benchmark scripts: wall-clock for CPU smoke runs (on the GPU each script
+uses do_bench), and the host cost of issuing a call."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
 
 
 def wall_median_ms(fn: Callable[[], object], calls: int = 3) -> float:
@@ -14,4 +17,18 @@ def wall_median_ms(fn: Callable[[], object], calls: int = 3) -> float:
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def host_ms(fn: Callable[[], object], calls: int = 30) -> float:
+    """Median host milliseconds to issue one call of ``fn``, starting each from an idle device (so
+    the launches never wait for queue space): the CPU cost of a sync-free call, not its GPU time."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(calls):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    sync()
     return statistics.median(times)

@@ -214,11 +214,13 @@ def test_auto_selection_on_gpus(monkeypatch):
     assert select_backend(None, "cuda:0").name == "rocm"
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert select_backend(None, "cuda:0").name == "cuda"
+    assert select_backend(None, "cuda:0").name == "hybrid"
+    assert select_backend("cuda", "cuda:0").name == "cuda"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     assert select_backend(None, "cuda:0").name == "triton"
-    with pytest.raises(ValueError, match="sm89"):
-        select_backend("cuda", "cuda:0")
+    for name in ("cuda", "hybrid"):
+        with pytest.raises(ValueError, match="sm89"):
+            select_backend(name, "cuda:0")
 
 
 # ----------------------------------------------------------------------------- selection on CPU
@@ -244,7 +246,7 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
         select_backend("triton", "cpu")
 
 
-@pytest.mark.parametrize("name", ["cuda", "rocm"])
+@pytest.mark.parametrize("name", ["cuda", "hybrid", "rocm"])
 def test_gpu_backends_refuse_cpu_tensors(name):
     with pytest.raises(ValueError, match=name):
         select_backend(name, "cpu")

@@ -23,7 +23,7 @@ pytestmark = [
 
 FP8_RECIPES = ("rowwise", "rowwise_gw_hp", "tensorwise", "blockwise")
 RECIPES = (*FP8_RECIPES, "bf16")
-GPU_BACKENDS = ("cuda", "triton")
+GPU_BACKENDS = ("cuda", "hybrid", "triton")
 
 
 def need(backend: str) -> None:
@@ -152,7 +152,8 @@ _BF16_COMPILE_BUG = pytest.mark.xfail(
 
 @pytest.mark.parametrize(
     "backend, recipe",
-    [("cuda", "rowwise"), ("triton", "rowwise"), pytest.param("cuda", "bf16", marks=_BF16_COMPILE_BUG)],
+    [("cuda", "rowwise"), ("hybrid", "rowwise"), ("triton", "rowwise"),
+     pytest.param("cuda", "bf16", marks=_BF16_COMPILE_BUG)],
 )
 def test_compile_fullgraph(backend, recipe):
     need(backend)
@@ -222,7 +223,9 @@ def test_degenerate_routings_in_subprocess(backend):
     assert proc.stdout.count("ok") == 4 * len(RECIPES)
 
 
-@pytest.mark.parametrize("backend, recipe", [("cuda", "bf16"), ("cuda", "rowwise"), ("triton", "rowwise")])
+@pytest.mark.parametrize(
+    "backend, recipe", [("cuda", "bf16"), ("cuda", "rowwise"), ("hybrid", "rowwise"), ("triton", "rowwise")]
+)
 def test_transposed_view_weights_gpu(backend, recipe):
     """Weights stored (E, K, N) (Llama 4) and passed as a transposed view: the FP8 recipe quantizes
     to the same bytes (same bits out); bf16 runs torch._grouped_mm with the other B layout (close)."""

@@ -5,7 +5,9 @@ variable, then the platform of the input tensors:
 
 * CPU tensors: ``emulated``;
 * ROCm GPU: ``rocm`` where PyTorch's CK grouped GEMM runs (gfx942 / gfx950), else ``triton``;
-* CUDA GPU: ``cuda`` on Hopper (sm90) with ``torch._scaled_grouped_mm``, else ``triton``.
+* CUDA GPU: ``hybrid`` on Hopper (sm90) with ``torch._scaled_grouped_mm`` (our Triton kernel for
+  forward and dgrad, the op for wgrad: the faster of the two for each, see ``hybrid.py``), else
+  ``triton``.
 
 A backend asked for by name that cannot run here raises ``ValueError`` saying why.
 """
@@ -19,6 +21,7 @@ import torch
 from .base import GroupedGemmBackend
 from .cuda import CudaBackend
 from .emulated_backend import EmulatedBackend
+from .hybrid import HybridBackend
 from .rocm import RocmBackend
 from .triton_backend import TritonBackend
 
@@ -27,7 +30,7 @@ __all__ = ["BACKEND_ENV_VAR", "BACKENDS", "available_backends", "get_backend", "
 BACKEND_ENV_VAR = "MOE_FP8_BACKEND"
 
 BACKENDS: dict[str, GroupedGemmBackend] = {
-    b.name: b for b in (CudaBackend(), RocmBackend(), TritonBackend(), EmulatedBackend())
+    b.name: b for b in (CudaBackend(), HybridBackend(), RocmBackend(), TritonBackend(), EmulatedBackend())
 }
 
 
@@ -56,7 +59,7 @@ def select_backend(name: str | None, device: torch.device | str) -> GroupedGemmB
     if name is None:
         if device.type == "cpu":
             return BACKENDS["emulated"]
-        native = BACKENDS["rocm" if torch.version.hip is not None else "cuda"]
+        native = BACKENDS["rocm" if torch.version.hip is not None else "hybrid"]
         return native if native.unavailable_reason(device) is None else BACKENDS["triton"]
     try:
         backend = get_backend(name)

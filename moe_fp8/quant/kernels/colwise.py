@@ -396,6 +396,12 @@ def _colwise_kernel(
                       FP8_NEG_ZERO)
 
 
+# Workers of the jagged (wgrad) launches trail their members by 4 column blocks: +5-10% over 0 on
+# every model's wgrad dual in the H200 sweep (BENCHMARKS.md); the uniform (dgrad) launch keeps 0,
+# where a lag won on DeepSeek-V3 but lost on Llama 4 and Qwen3.
+GROUP_LAG = 4
+
+
 def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3, lag: int = 0,
                    num_warps: int = 4, maxnreg: int | None = 96) -> dict:
     """Chunk rows, tile shape, software-pipeline stages of the row loops, how many column blocks the
@@ -464,7 +470,9 @@ def launch_group_colwise(
     """Per-group column scales of ``a (M, C_A)`` (and ``b (M, C_B)``) into the given ``q``/``scale`` buffers.
 
     ``qa``/``qb`` have ``rows_out`` rows and any strides; ``sa (G, C_A)``, ``sb (G, C_B)`` contiguous.
+    Default ``LAG``: ``GROUP_LAG``.
     """
     strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
+    config = {"LAG": GROUP_LAG, **(config or {})}
     _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt, pow2,
             config, hw_cast)
