@@ -7,7 +7,7 @@ needs that; ours takes any sizes). Times are ``triton.testing.do_bench`` medians
 side by side. TFLOP/s counts ``2 M K N`` per GEMM (three GEMMs for forward+backward). SQNR (dB)
 of output, dgrad and wgrad is against the BF16 result. A second table times the FP8 GEMMs alone
 (operands quantized beforehand): cuda vs triton backend, forward (2D x 3D) and wgrad (2D x 2D).
-``rowwise / hybrid, weight cache`` serves the quantized weights from an ``Fp8WeightCache`` (the
+``rowwise / cuda, weight cache`` serves the quantized weights from an ``Fp8WeightCache`` (the
 weights do not change between timed calls: gradient accumulation between optimizer steps).
 
 Usage (H200): ``python benchmarks/bench_grouped_gemm.py --out benchmarks/results``.
@@ -182,7 +182,7 @@ def methods_for(device):
             lambda x, w, offs, r=recipe, b=backend: fp8_grouped_mm(x, w, offs, recipe=r, backend=b)
         )
     # The gradient-accumulation case: weights unchanged between calls, their FP8 copies cached.
-    cached_backend = "emulated" if device.type == "cpu" else "hybrid"
+    cached_backend = "emulated" if device.type == "cpu" else "cuda"
     if cached_backend in here:
         cache = Fp8WeightCache()
         methods[f"rowwise / {cached_backend}, weight cache"] = (

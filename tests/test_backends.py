@@ -214,8 +214,8 @@ def test_auto_selection_on_gpus(monkeypatch):
     assert select_backend(None, "cuda:0").name == "rocm"
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert select_backend(None, "cuda:0").name == "hybrid"
-    assert select_backend("cuda", "cuda:0").name == "cuda"
+    assert select_backend(None, "cuda:0").name == "cuda"
+    assert select_backend("hybrid", "cuda:0").name == "hybrid"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     assert select_backend(None, "cuda:0").name == "triton"
     for name in ("cuda", "hybrid"):

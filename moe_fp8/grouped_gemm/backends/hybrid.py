@@ -1,11 +1,16 @@
 """``hybrid``: the Triton kernel for the 2D x 3D GEMMs, ``torch._scaled_grouped_mm`` for wgrad (Hopper).
 
-On one H200 (BENCHMARKS.md, "FP8 GEMM alone") our Triton kernel ran the forward/dgrad form
-(2D x 3D, rowwise scales, fast accumulation) at 0.99-1.27x the speed of ``_scaled_grouped_mm``
-on every MoE shape measured, while its 2D x 2D wgrad form ran at only 0.53-0.69x. This backend
-takes the faster of the two for each form: ``mm_2d3d`` from the ``triton`` backend, ``mm_2d2d``
-(and so the 16-row wgrad padding, the 1023-group limit and the bf16-only output) from ``cuda``.
-It is the automatic choice on sm90 (see ``select.py``); it needs what ``cuda`` needs.
+Opt-in (``backend="hybrid"`` or ``MOE_FP8_BACKEND=hybrid``); it needs what ``cuda`` needs. Why it
+exists: on one H200 our Triton kernel ran the forward-form GEMM alone (2D x 3D, rowwise scales,
+fast accumulation) at 0.99-1.27x the speed of ``_scaled_grouped_mm`` on the MoE shapes of
+BENCHMARKS.md (two runs), while its 2D x 2D wgrad form ran at only 0.53-0.72x. This backend takes
+``mm_2d3d`` (forward and dgrad) from the ``triton`` backend and ``mm_2d2d`` (with the 16-row wgrad
+padding, the 1023-group limit and the bf16-only output) from ``cuda``.
+
+Why it is not the automatic choice: in the whole layer the gain did not hold on every shape. A/B
+on one H200, FP8MoE ``rowwise`` forward+backward at T=4096, five alternated ``do_bench`` medians:
+DeepSeek-V3 with 32 experts 11.77 ms against ``cuda``'s 12.05 ms, with 8 experts 9.89 against 9.72
+(BENCHMARKS.md, "Grouped GEMM backends in the layer").
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ variable, then the platform of the input tensors:
 
 * CPU tensors: ``emulated``;
 * ROCm GPU: ``rocm`` where PyTorch's CK grouped GEMM runs (gfx942 / gfx950), else ``triton``;
-* CUDA GPU: ``hybrid`` on Hopper (sm90) with ``torch._scaled_grouped_mm`` (our Triton kernel for
-  forward and dgrad, the op for wgrad: the faster of the two for each, see ``hybrid.py``), else
-  ``triton``.
+* CUDA GPU: ``cuda`` on Hopper (sm90) with ``torch._scaled_grouped_mm``, else ``triton``
+  (``hybrid`` is opt-in: see ``hybrid.py``).
 
 A backend asked for by name that cannot run here raises ``ValueError`` saying why.
 """
@@ -59,7 +58,7 @@ def select_backend(name: str | None, device: torch.device | str) -> GroupedGemmB
     if name is None:
         if device.type == "cpu":
             return BACKENDS["emulated"]
-        native = BACKENDS["rocm" if torch.version.hip is not None else "hybrid"]
+        native = BACKENDS["rocm" if torch.version.hip is not None else "cuda"]
         return native if native.unavailable_reason(device) is None else BACKENDS["triton"]
     try:
         backend = get_backend(name)
