@@ -1,0 +1,83 @@
+"""A/B of grouped-GEMM backends inside the FP8MoE layer: forward+backward of the ``rowwise`` recipe
+with each backend, and the ``bf16`` recipe, timed in alternation in one process.
+
+Each round times every variant once (``do_bench`` median); the table gives the median over
+``--rounds`` rounds and the range, so a difference smaller than the spread shows as one.
+
+Usage (H100/H200): ``python benchmarks/ab_layer_backends.py [--tokens 4096] [--backends cuda hybrid]
+[--layers deepseek_v3_e32 ...] [--rounds 5] [--out DIR]`` (writes ``ab_layer_backends.json`` / ``.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from bench_moe_layer import LAYERS, fwd_bwd
+from moe_fp8 import FP8MoE
+
+
+def variants(spec: tuple, backends: list[str]) -> dict[str, FP8MoE]:
+    """``{"bf16": module, backend: module, ...}``: same seed, so the same weights and router."""
+    H, I, E, k, shared, cfg = spec
+    out = {}
+    for name in ["bf16", *backends]:
+        torch.manual_seed(0)
+        out[name] = FP8MoE(H, I, E, k, router_config=cfg, shared_expert_hidden_size=shared,
+                           recipe="bf16" if name == "bf16" else "rowwise", backend=None if name == "bf16" else name,
+                           device="cuda", dtype=torch.bfloat16)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--backends", nargs="+", default=["cuda", "hybrid"])
+    ap.add_argument("--layers", nargs="+", choices=list(LAYERS), default=["deepseek_v3_e32", "deepseek_v3_e8"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    rows = []
+    for layer in args.layers:
+        H = LAYERS[layer][0]
+        torch.manual_seed(0)
+        x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
+        steps = {name: fwd_bwd(m, x, dy) for name, m in variants(LAYERS[layer], args.backends).items()}
+        for step in steps.values():
+            step()  # compile, fill the weight caches
+        times = {name: [] for name in steps}
+        for _ in range(args.rounds):
+            for name, step in steps.items():
+                times[name].append(do_bench(step, warmup=5, rep=40, return_mode="median"))
+        bf16 = statistics.median(times["bf16"])
+        for name, t in times.items():
+            med = statistics.median(t)
+            rows.append(dict(layer=layer, tokens=args.tokens, variant=name, ms=med, min_ms=min(t), max_ms=max(t),
+                             speedup_vs_bf16=bf16 / med))
+            print(f"{layer:16s} {name:8s} {med:8.3f} ms [{min(t):.3f}-{max(t):.3f}] {bf16 / med:.3f}x", flush=True)
+        del steps
+        torch.cuda.empty_cache()
+    env = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab_layer_backends.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    lines = ["# FP8MoE rowwise forward+backward per grouped-GEMM backend (`benchmarks/ab_layer_backends.py`)", "",
+             f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · "
+             f"{args.rounds} alternated rounds of `do_bench` medians", "",
+             "| layer | tokens | variant | median ms | range ms | vs bf16 recipe |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['layer']} | {r['tokens']} | {r['variant']} | {r['ms']:.3f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} "
+              f"| {r['speedup_vs_bf16']:.3f}x |" for r in rows]
+    (out / "ab_layer_backends.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
