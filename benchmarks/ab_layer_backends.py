@@ -6,6 +6,8 @@ Each round times every variant once (``do_bench`` median); the table gives the m
 
 Usage (H100/H200): ``python benchmarks/ab_layer_backends.py [--tokens 4096] [--backends cuda hybrid]
 [--layers deepseek_v3_e32 ...] [--rounds 5] [--out DIR]`` (writes ``ab_layer_backends.json`` / ``.md``).
+``--smoke`` runs a tiny layer on the CPU (``emulated`` and interpreted ``triton`` backends, wall
+clock) to check the script itself.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from pathlib import Path
 
 import torch
 import triton
+from timing import wall_median_ms
 from triton.testing import do_bench
 
-from bench_moe_layer import LAYERS, fwd_bwd
+from bench_moe_layer import LAYERS, SMOKE_LAYERS, fwd_bwd
 from moe_fp8 import FP8MoE
 
 
-def variants(spec: tuple, backends: list[str]) -> dict[str, FP8MoE]:
+def variants(spec: tuple, backends: list[str], device: str) -> dict[str, FP8MoE]:
     """``{"bf16": module, backend: module, ...}``: same seed, so the same weights and router."""
     H, I, E, k, shared, cfg = spec
     out = {}
@@ -32,7 +35,7 @@ def variants(spec: tuple, backends: list[str]) -> dict[str, FP8MoE]:
         torch.manual_seed(0)
         out[name] = FP8MoE(H, I, E, k, router_config=cfg, shared_expert_hidden_size=shared,
                            recipe="bf16" if name == "bf16" else "rowwise", backend=None if name == "bf16" else name,
-                           device="cuda", dtype=torch.bfloat16)
+                           device=device, dtype=torch.bfloat16)
     return out
 
 
@@ -43,20 +46,25 @@ def main() -> None:
     ap.add_argument("--layers", nargs="+", choices=list(LAYERS), default=["deepseek_v3_e32", "deepseek_v3_e8"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--smoke", action="store_true", help="a tiny layer on the CPU: checks the script")
     args = ap.parse_args()
+    layers, device, timer = LAYERS, "cuda", lambda f: do_bench(f, warmup=5, rep=40, return_mode="median")
+    if args.smoke:
+        layers, device, timer = SMOKE_LAYERS, "cpu", wall_median_ms
+        args.tokens, args.layers, args.backends, args.rounds = 32, ["smoke_topk"], ["emulated", "triton"], 2
     rows = []
     for layer in args.layers:
-        H = LAYERS[layer][0]
+        H = layers[layer][0]
         torch.manual_seed(0)
-        x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
-        steps = {name: fwd_bwd(m, x, dy) for name, m in variants(LAYERS[layer], args.backends).items()}
+        x = torch.randn(args.tokens, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(args.tokens, H, device=device, dtype=torch.bfloat16)
+        steps = {name: fwd_bwd(m, x, dy) for name, m in variants(layers[layer], args.backends, device).items()}
         for step in steps.values():
             step()  # compile, fill the weight caches
         times = {name: [] for name in steps}
         for _ in range(args.rounds):
             for name, step in steps.items():
-                times[name].append(do_bench(step, warmup=5, rep=40, return_mode="median"))
+                times[name].append(timer(step))
         bf16 = statistics.median(times["bf16"])
         for name, t in times.items():
             med = statistics.median(t)
@@ -64,15 +72,17 @@ def main() -> None:
                              speedup_vs_bf16=bf16 / med))
             print(f"{layer:16s} {name:8s} {med:8.3f} ms [{min(t):.3f}-{max(t):.3f}] {bf16 / med:.3f}x", flush=True)
         del steps
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     env = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+               gpu=torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)", torch=torch.__version__,
+               triton=triton.__version__)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ab_layer_backends.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     lines = ["# FP8MoE rowwise forward+backward per grouped-GEMM backend (`benchmarks/ab_layer_backends.py`)", "",
              f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · "
-             f"{args.rounds} alternated rounds of `do_bench` medians", "",
+             f"{args.rounds} alternated rounds of {'`do_bench`' if device == 'cuda' else 'wall-clock'} medians", "",
              "| layer | tokens | variant | median ms | range ms | vs bf16 recipe |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['layer']} | {r['tokens']} | {r['variant']} | {r['ms']:.3f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} "
               f"| {r['speedup_vs_bf16']:.3f}x |" for r in rows]

@@ -2,13 +2,13 @@
 # GPU tests and benchmarks in stages that each fit a 10-minute slot, results to one folder.
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
-#   STAGE: tests | quant | quant-sweep | gemm | layer | layer-sizes | routing | profile | all
+#   STAGE: tests | quant | quant-sweep | gemm | layer | layer-sizes | layer-ab | routing | profile | all
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang (e.g. a kernel that never returns) ends the stage instead of the session.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|quant|quant-sweep|gemm|layer|layer-sizes|routing|profile|all [OUT]}
+stage=${1:?usage: run_gpu.sh tests|quant|quant-sweep|gemm|layer|layer-sizes|layer-ab|routing|profile|all [OUT]}
 out=${2:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -35,6 +35,7 @@ case $stage in
   layer)   run 420 moe_layer.log python3 benchmarks/bench_moe_layer.py --out "$out" ;;
   layer-sizes) run 540 moe_layer_sizes.log python3 benchmarks/bench_moe_layer.py --tokens 4096 16384 \
                  --layers deepseek_v3_e8 deepseek_v3_e32 qwen3_30b_a3b --out "$out/sizes" ;;
+  layer-ab) run 300 ab_layer_backends.log python3 benchmarks/ab_layer_backends.py --out "$out" ;;
   routing) run 300 routing.log python3 benchmarks/bench_routing.py --out "$out" ;;
   profile) run 300 profile.log python3 benchmarks/profile_layers.py --out "$out" ;;
   all)     for s in tests quant gemm layer routing; do bash "$0" "$s" "$out"; done ;;
