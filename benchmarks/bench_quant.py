@@ -39,18 +39,20 @@ from moe_fp8.quant.kernels.rowwise import launch_rowwise, rowwise_config
 from moe_fp8.testing import random_offsets
 
 MODELS = {
-    "DeepSeek-V3": dict(tokens=32768, hidden=7168, weights=[(8, 4096, 7168), (8, 7168, 2048)]),
+    # more_groups: wgrad operands also timed over that many groups (DeepSeek-V3 with 32 local experts)
+    "DeepSeek-V3": dict(tokens=32768, hidden=7168, weights=[(8, 4096, 7168), (8, 7168, 2048)], more_groups=(32,)),
     "Llama 4": dict(tokens=16384, hidden=5120, weights=[(16, 8192, 5120)]),
     "Qwen3-30B-A3B": dict(tokens=65536, hidden=2048, weights=[(128, 1536, 2048), (128, 2048, 768)]),
 }
-SMOKE_MODELS = {"smoke": dict(tokens=64, hidden=48, weights=[(2, 32, 48)])}
+SMOKE_MODELS = {"smoke": dict(tokens=64, hidden=48, weights=[(2, 32, 48)], more_groups=(3,))}
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda"
-# Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, STAGES, LAG, num_warps, maxnreg)
-# (the first, the default, is run with and without the hardware cast) and rowwise (tile, num_warps).
-STRIP_SWEEP = [(512, 64, 64, 3, 0, 4, 96), (512, 64, 64, 3, 0, 4, None), (512, 64, 64, 3, 1, 4, 96),
-               (512, 64, 64, 3, 2, 4, 96), (512, 64, 64, 3, 4, 4, 96), (512, 64, 64, 1, 0, 4, None),
-               (512, 64, 64, 1, 2, 4, None)]
+# Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, STAGES, LAG, num_warps, maxnreg,
+# two_pass) (the first is run with and without the hardware cast) and rowwise (tile, num_warps).
+STRIP_SWEEP = [(512, 64, 64, 3, 0, 4, 96, False), (512, 64, 64, 3, 4, 4, 96, False),
+               (512, 64, 64, 3, 0, 4, None, False), (512, 64, 64, 3, 0, 4, 96, True),
+               (512, 64, 64, 3, 0, 4, None, True), (1024, 64, 64, 3, 0, 4, None, True),
+               (2048, 64, 64, 3, 0, 4, None, True)]
 ROW_SWEEP = [(4096, 4), (8192, 8)]
 
 
@@ -109,13 +111,13 @@ def _rowwise_variant(x, tile, warps, hw_cast):
                                   stride_r=x.stride(0), stride_k=1, config=cfg, hw_cast=hw_cast)
 
 
-def _strip_config(chunk, br, bc, stages, lag, warps, maxnreg):
+def _strip_config(chunk, br, bc, stages, lag, warps, maxnreg, two_pass):
     return colwise_config(chunk=chunk, block_r=br, block_c=bc, stages=stages, lag=lag, num_warps=warps,
-                          maxnreg=maxnreg)
+                          maxnreg=maxnreg, two_pass=two_pass)
 
 
 def _strip_label(v) -> str:
-    return "chunk={} {}x{} stages={} lag={} w{} maxnreg={}".format(*v)
+    return "chunk={} {}x{} stages={} lag={} w{} maxnreg={} two_pass={}".format(*v)
 
 
 def _expert_t_variant(w, cfg, hw_cast):
@@ -211,23 +213,25 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
 
             a = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
             b = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
-            offs = random_offsets(M, E, "balanced", multiple_of=16, generator=gen).to(DEVICE)
-            shape = f"{M}x({N}+{K}) E={E}"
-            nbytes = M * (N + K) * 3 + E * (N + K) * 4
-            table.add(model, "group colwise dual (wgrad)", shape, nbytes,
-                      _time_us(lambda: ops.triton_quantize_group_colwise_dual(a, b, offs, E4M3FN, True)),
-                      _time_us(lambda: ao.triton_fp8_per_group_colwise_scales_dual(a, b, offs, FP8, True))
-                      if ao else None)
-            skew = random_offsets(M, E, "skewed", multiple_of=16, generator=gen).to(DEVICE)
-            table.add(model, "group colwise dual, skewed", shape, nbytes,
-                      _time_us(lambda: ops.triton_quantize_group_colwise_dual(a, b, skew, E4M3FN, True)),
-                      group_sizes=torch.diff(skew, prepend=skew.new_zeros(1)).tolist())
-            if sweep and time.time() < deadline:
-                for v in STRIP_SWEEP:
-                    for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):
-                        sweep_row(model, "group colwise dual", shape, nbytes,
-                                  _strip_label(v) + f" hw_cast={hw}",
-                                  _group_variant(a, b, offs, _strip_config(*v), hw))
+            for G in (E, *spec.get("more_groups", ())):
+                offs = random_offsets(M, G, "balanced", multiple_of=16, generator=gen).to(DEVICE)
+                shape = f"{M}x({N}+{K}) E={G}"
+                nbytes = M * (N + K) * 3 + G * (N + K) * 4
+                table.add(model, "group colwise dual (wgrad)", shape, nbytes,
+                          _time_us(lambda: ops.triton_quantize_group_colwise_dual(a, b, offs, E4M3FN, True)),
+                          _time_us(lambda: ao.triton_fp8_per_group_colwise_scales_dual(a, b, offs, FP8, True))
+                          if ao else None)
+                if G == E:
+                    skew = random_offsets(M, E, "skewed", multiple_of=16, generator=gen).to(DEVICE)
+                    table.add(model, "group colwise dual, skewed", shape, nbytes,
+                              _time_us(lambda: ops.triton_quantize_group_colwise_dual(a, b, skew, E4M3FN, True)),
+                              group_sizes=torch.diff(skew, prepend=skew.new_zeros(1)).tolist())
+                if sweep and time.time() < deadline:
+                    for v in STRIP_SWEEP:
+                        for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):
+                            sweep_row(model, "group colwise dual", shape, nbytes,
+                                      _strip_label(v) + f" hw_cast={hw}",
+                                      _group_variant(a, b, offs, _strip_config(*v), hw))
             del a, b
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -115,13 +115,16 @@ def test_group_colwise_single_cpu(fmt):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("chunk,tickets,lag", [(16, False, 0), (32, True, 2), (256, False, 1), (16, True, 5)])
+@pytest.mark.parametrize("chunk,tickets,lag,two_pass", [(16, False, 0, False), (32, True, 2, False),
+                                                        (256, False, 1, False), (16, True, 5, False),
+                                                        (16, False, 0, True), (64, True, 3, True)])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("ends", [[37, 37, 90, 141], [0, 32, 32, 64, 150, 150], [5, 6, 7, 140]], ids=str)
-def test_group_colwise_strip_configs_cpu(chunk, tickets, lag, padded, ends):
+def test_group_colwise_strip_configs_cpu(chunk, tickets, lag, two_pass, padded, ends):
     """Small tiles: groups of several chunks and chunks of several groups (pieces, partial tiles, the
     last arriver finishing), empty groups inside and at the chunk edges; workers trailing their
-    members by ``lag`` column blocks (more than there are: 5 > 4)."""
+    members by ``lag`` column blocks (more than there are: 5 > 4); members and workers in two
+    launches (``two_pass``)."""
     a, b = hard_input((150, 40), seed=12), hard_input((150, 24), seed=13)
     offs = torch.tensor(ends, dtype=torch.int32)
     G = len(ends)
@@ -132,7 +135,8 @@ def test_group_colwise_strip_configs_cpu(chunk, tickets, lag, padded, ends):
     for t in (qa, qb, sa, sb):  # poison: every element must be written
         t.view(torch.uint8).fill_(0x55)
     launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, False,
-                         config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets, LAG=lag))
+                         config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets, LAG=lag,
+                                     TWO_PASS=two_pass))
     for q, s, x in ((qa, sa, a), (qb, sb, b)):
         if padded:
             rq, rs = _reference_padded(x, offs, padded_offs, rows_out, E4M3FN, False)

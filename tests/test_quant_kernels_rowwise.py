@@ -111,15 +111,18 @@ def test_expert_colwise_strided_and_empty_cpu():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("chunk,tickets,lag", [(16, False, 0), (32, True, 1), (64, False, 3), (128, True, 0)])
-def test_expert_colwise_t_strip_configs_cpu(chunk, tickets, lag):
+@pytest.mark.parametrize("chunk,tickets,lag,two_pass", [(16, False, 0, False), (32, True, 1, False),
+                                                        (64, False, 3, False), (128, True, 0, False),
+                                                        (32, False, 0, True)])
+def test_expert_colwise_t_strip_configs_cpu(chunk, tickets, lag, two_pass):
     """Experts of several chunks and chunks straddling experts (70 rows each), partial tiles; workers
     trailing their members by ``lag`` column blocks (3: more than the 3 column blocks there are)."""
     w = hard_input((3, 70, 40), seed=11)
     q = torch.empty((3, 40, 70), dtype=torch.float8_e4m3fn)
     s = torch.empty((3, 40))
     launch_expert_colwise_t(w, q, s, E4M3FN, False,
-                            config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets, LAG=lag))
+                            config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets, LAG=lag,
+                                        TWO_PASS=two_pass))
     rq, rs = ref.quantize_expert_colwise(w, E4M3FN, transposed=True)
     assert_same(q, rq, "q")
     assert_same(s, rs, "scale")

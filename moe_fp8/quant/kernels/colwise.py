@@ -47,6 +47,11 @@ from .common import format_constexprs, to_fp8
 
 __all__ = ["colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
 
+# What the programs of one launch do (``_colwise_kernel``'s ``ROLES``).
+ROLES_BOTH = tl.constexpr(0)
+ROLES_MEMBERS = tl.constexpr(1)
+ROLES_WORKERS = tl.constexpr(2)
+
 
 @triton.jit
 def _store_rows(
@@ -188,6 +193,7 @@ def _column_block(
     POW2: tl.constexpr,
     UNIFORM: tl.constexpr,
     PADDED: tl.constexpr,
+    NO_WAIT: tl.constexpr,
     G_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -202,7 +208,7 @@ def _column_block(
     FP8_NEG_ZERO: tl.constexpr,
 ):
     """Chunk ``c`` (rows ``[c * CHUNK, ...)``) of column block ``cb`` of one tensor: its amax
-    (member) or its quantized rows (worker).
+    (member) or its quantized rows (worker; ``NO_WAIT``: the amaxes are complete before it starts).
 
     Rows are *virtual*: ``UNIFORM`` groups hold rows ``[g * N_UNI, (g + 1) * N_UNI)``, stored at
     ``g * stride_g + (row - g * N_UNI) * stride_r``; jagged group ``g`` holds rows ``[end[g-1],
@@ -256,10 +262,11 @@ def _column_block(
         if end > start:
             if p1 > p0:
                 if is_worker:
-                    n_pieces = (end - 1) // CHUNK - start // CHUNK + 1
-                    seen = tl.atomic_add(cnt, 0, sem="acquire")
-                    while seen < n_pieces:  # members run ahead of workers: see the module docstring
+                    if not NO_WAIT:
+                        n_pieces = (end - 1) // CHUNK - start // CHUNK + 1
                         seen = tl.atomic_add(cnt, 0, sem="acquire")
+                        while seen < n_pieces:  # members run ahead of workers: see the module docstring
+                            seen = tl.atomic_add(cnt, 0, sem="acquire")
                     amax = tl.load(amax_cols, mask=col_ok, other=0, volatile=True).to(tl.float32, bitcast=True)
                     inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
                     if p0 == start:
@@ -351,6 +358,7 @@ def _colwise_kernel(
     BLOCK_C: tl.constexpr,
     STAGES: tl.constexpr,
     LAG: tl.constexpr,
+    ROLES: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -371,27 +379,35 @@ def _colwise_kernel(
     started (an atomic ticket, as rocPRIM's look-back scans do), not its program id, so the wait
     is safe even where the hardware does not start programs in id order; on NVIDIA GPUs, which
     do, the program id serves.
+
+    ``ROLES``: ``ROLES_BOTH`` (the above), or one role per launch, ``(column block, chunk)`` per
+    program: ``ROLES_MEMBERS`` (amaxes only), then ``ROLES_WORKERS`` in a second launch, which
+    waits for nothing (the two-pass form: HBM reads each byte twice, no program ever spins).
     """
     if TICKETS:
         pid = tl.atomic_add(cnt_ptr + tl.maximum(G, 1) * (NB_A + NB_B), 1, sem="relaxed")
     else:
         pid = tl.program_id(0)
-    slot = pid // n_chunks  # slots alternate: members of column block j, workers of column block j - LAG
+    slot = pid // n_chunks  # ROLES_BOTH: members of column block j, then workers of column block j - LAG
     c = pid % n_chunks
-    is_worker = slot % 2 == 1
-    cb = slot // 2 - is_worker.to(tl.int32) * LAG  # out of [0, NB_A + NB_B) in the LAG idle slots at each end
+    if ROLES == ROLES_BOTH:
+        is_worker = slot % 2 == 1
+        cb = slot // 2 - is_worker.to(tl.int32) * LAG  # out of [0, NB_A + NB_B) in the LAG idle slots at each end
+    else:
+        is_worker = (pid >= 0) == (ROLES == ROLES_WORKERS)
+        cb = slot
     amax_stride = C_A + C_B
     cnt_stride = NB_A + NB_B
     if (cb >= 0) & (cb < NB_A):
         _column_block(a_ptr, qa_ptr, sa_ptr, cb, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar,
                       stride_qac, amax_ptr, 0, amax_stride, cnt_ptr, 0, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
-                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, G_POW2, CHUNK,
+                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, ROLES == ROLES_WORKERS, G_POW2, CHUNK,
                       BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                       FP8_NEG_ZERO)
     elif HAS_B & (cb >= NB_A) & (cb < NB_A + NB_B):
         _column_block(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, stride_br, stride_bc, 0, stride_qbr, stride_qbc,
                       amax_ptr, C_A, amax_stride, cnt_ptr, NB_A, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
-                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, G_POW2, CHUNK,
+                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, ROLES == ROLES_WORKERS, G_POW2, CHUNK,
                       BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                       FP8_NEG_ZERO)
 
@@ -403,10 +419,11 @@ GROUP_LAG = 4
 
 
 def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3, lag: int = 0,
-                   num_warps: int = 4, maxnreg: int | None = 96) -> dict:
+                   num_warps: int = 4, maxnreg: int | None = 96, two_pass: bool = False) -> dict:
     """Chunk rows, tile shape, software-pipeline stages of the row loops, how many column blocks the
-    workers trail their members by (see ``_colwise_kernel``), warps and a cap on registers per thread
-    (NVIDIA only, ignored elsewhere; ``None``: no cap). Defaults: best of a sweep on one H200 (see
+    workers trail their members by (see ``_colwise_kernel``), warps, a cap on registers per thread
+    (NVIDIA only, ignored elsewhere; ``None``: no cap), and ``two_pass``: members and workers in two
+    launches (no waiting; ``lag`` unused) instead of one. Defaults: best of a sweep on one H200 (see
     BENCHMARKS.md); the cap of 96 lets 5 programs share a multiprocessor instead of 4."""
     for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
         if v < 16 or v & (v - 1):
@@ -414,7 +431,7 @@ def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, st
     if not isinstance(lag, int) or lag < 0:
         raise ValueError(f"lag: expected an int >= 0, got {lag!r}")
     return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=stages, LAG=lag, num_warps=num_warps,
-                maxnreg=maxnreg)
+                maxnreg=maxnreg, TWO_PASS=bool(two_pass))
 
 
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
@@ -437,12 +454,18 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     b_args = (b, qb, sb, c_b, b.stride(0), b.stride(1), qb.stride(0), qb.stride(1)) if b is not None else (
         a, qa, sa, 0, 0, 0, 0, 0)
     offs = cnt if uniform else offs  # any int32 pointer: UNIFORM never reads it
-    _colwise_kernel[((nb_a + nb_b + cfg["LAG"]) * 2 * n_chunks,)](
-        a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded_offs is not None else offs, amax, cnt,
-        G, n_uni, rows_in, rows_out, n_chunks, triton.cdiv(rows_out, n_chunks), nb_a, nb_b,
-        POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded_offs is not None,
-        G_POW2=triton.next_power_of_2(max(G, 1)), **cfg, **format_constexprs(fmt, dev, hw_cast),
-    )
+    if cfg.pop("TWO_PASS", False):  # no program waits: no ticket needed, no lag
+        launches = [((nb_a + nb_b) * n_chunks, ROLES_MEMBERS), ((nb_a + nb_b) * n_chunks, ROLES_WORKERS)]
+        cfg.update(TICKETS=False, LAG=0)
+    else:
+        launches = [((nb_a + nb_b + cfg["LAG"]) * 2 * n_chunks, ROLES_BOTH)]
+    for grid, roles in launches:
+        _colwise_kernel[(grid,)](
+            a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded_offs is not None else offs, amax, cnt,
+            G, n_uni, rows_in, rows_out, n_chunks, triton.cdiv(rows_out, n_chunks), nb_a, nb_b,
+            POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded_offs is not None,
+            G_POW2=triton.next_power_of_2(max(G, 1)), ROLES=roles.value, **cfg, **format_constexprs(fmt, dev, hw_cast),
+        )
 
 
 def launch_expert_colwise_t(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
