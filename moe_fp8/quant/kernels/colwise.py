@@ -16,7 +16,9 @@ puts all members of a column block before its workers, so a worker only waits fo
 launched before it, which the GPU has already placed on its multiprocessors (the forward-progress
 assumption of decoupled look-back scans); the L2 working set is one column block of all rows
 (``rows x BLOCK_C x 2`` bytes), or ``LAG + 1`` of them when the workers trail their members by
-``LAG`` column blocks (``colwise_config(lag=...)``). The sequential CPU interpreter runs members first, so its workers
+``LAG`` column blocks (``colwise_config(lag=...)``). With ``colwise_config(two_pass=True)`` the
+members run in one launch and the workers in a second one that waits for nothing (HBM then reads
+each input byte twice). The sequential CPU interpreter runs members first, so its workers
 never spin. Counts a worker waits for are derived from the same clamped running-max offsets the
 members use, so no offsets, however bad, leave a worker waiting forever.
 
