@@ -10,7 +10,7 @@ padding, the 1023-group limit and the bf16-only output) from ``cuda``.
 Why it is not the automatic choice: in the whole layer the gain did not hold on every shape. A/B
 on one H200, FP8MoE ``rowwise`` forward+backward at T=4096, five alternated ``do_bench`` medians:
 DeepSeek-V3 with 32 experts 11.77 ms against ``cuda``'s 12.05 ms, with 8 experts 9.89 against 9.72
-(BENCHMARKS.md, "Grouped GEMM backends in the layer").
+(BENCHMARKS.md, grouped GEMM section, "Mixed backends").
 """
 
 from __future__ import annotations

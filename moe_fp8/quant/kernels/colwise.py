@@ -398,20 +398,21 @@ def _colwise_kernel(
     else:
         is_worker = (pid >= 0) == (ROLES == ROLES_WORKERS)
         cb = slot
+    no_wait = ROLES == ROLES_WORKERS  # a constexpr
     amax_stride = C_A + C_B
     cnt_stride = NB_A + NB_B
     if (cb >= 0) & (cb < NB_A):
         _column_block(a_ptr, qa_ptr, sa_ptr, cb, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar,
                       stride_qac, amax_ptr, 0, amax_stride, cnt_ptr, 0, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
-                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, ROLES == ROLES_WORKERS, G_POW2, CHUNK,
-                      BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
-                      FP8_NEG_ZERO)
+                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, no_wait, G_POW2,
+                      CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                      FP8_SUB_SCALE, FP8_NEG_ZERO)
     elif HAS_B & (cb >= NB_A) & (cb < NB_A + NB_B):
         _column_block(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, stride_br, stride_bc, 0, stride_qbr, stride_qbc,
                       amax_ptr, C_A, amax_stride, cnt_ptr, NB_A, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
-                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, ROLES == ROLES_WORKERS, G_POW2, CHUNK,
-                      BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
-                      FP8_NEG_ZERO)
+                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, no_wait, G_POW2,
+                      CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                      FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
 # Workers of the jagged (wgrad) launches trail their members by 4 column blocks: +5-10% over 0 on
@@ -438,7 +439,8 @@ def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, st
 
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
             hw_cast) -> None:
-    """One launch over ``(column blocks of a and b) x 2 x chunks``; ``offs=None``: ``G`` uniform groups of ``n_uni`` rows."""
+    """One launch over ``(column blocks of a and b) x 2 x chunks`` (two launches of half that with
+    ``TWO_PASS``); ``offs=None``: ``G`` uniform groups of ``n_uni`` rows."""
     cfg = {**colwise_config(), "TICKETS": torch.version.hip is not None, **(config or {})}
     if cfg["maxnreg"] is None or not a.is_cuda or torch.version.hip is not None:
         del cfg["maxnreg"]  # a launch option of NVIDIA's compiler only (the interpreter runs on CPU tensors)
@@ -466,7 +468,8 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
             a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded_offs is not None else offs, amax, cnt,
             G, n_uni, rows_in, rows_out, n_chunks, triton.cdiv(rows_out, n_chunks), nb_a, nb_b,
             POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded_offs is not None,
-            G_POW2=triton.next_power_of_2(max(G, 1)), ROLES=roles.value, **cfg, **format_constexprs(fmt, dev, hw_cast),
+            G_POW2=triton.next_power_of_2(max(G, 1)), ROLES=roles.value, **cfg,
+            **format_constexprs(fmt, dev, hw_cast),
         )
 
 
