@@ -12,7 +12,7 @@ from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poi
 
 from moe_fp8.quant import reference as ref
 from moe_fp8.quant.formats import E4M3FN
-from moe_fp8.quant.kernels.colwise import launch_group_colwise
+from moe_fp8.quant.kernels.colwise import colwise_config, launch_group_colwise
 from moe_fp8.quant.ops import triton_quantize_group_colwise, triton_quantize_group_colwise_dual
 from moe_fp8.testing import random_offsets
 
@@ -126,17 +126,23 @@ def test_group_colwise_strip_configs_cpu(chunk, tickets, lag, two_pass, padded, 
     members by ``lag`` column blocks (more than there are: 5 > 4); members and workers in two
     launches (``two_pass``)."""
     a, b = hard_input((150, 40), seed=12), hard_input((150, 24), seed=13)
-    offs = torch.tensor(ends, dtype=torch.int32)
-    G = len(ends)
-    padded_offs, rows_out = _padded(offs) if padded else (None, 150)
-    qa = torch.empty_strided((rows_out, 40), (1, rows_out), dtype=torch.float8_e4m3fn)
-    qb = torch.empty_strided((rows_out, 24), (1, rows_out), dtype=torch.float8_e4m3fn)
-    sa, sb = torch.empty(G, 40), torch.empty(G, 24)
+    config = dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets, LAG=lag, TWO_PASS=two_pass)
+    _check_launch(a, b, torch.tensor(ends, dtype=torch.int32), padded, config)
+
+
+def _check_launch(a, b, offs, padded, config):
+    """``launch_group_colwise`` with ``config`` into poisoned column-major buffers: the reference's bytes."""
+    G, rows = offs.numel(), a.shape[0]
+    padded_offs, rows_out = _padded(offs) if padded else (None, rows)
+    if padded_offs is not None:
+        padded_offs = padded_offs.to(a.device)
+    qa = torch.empty_strided((rows_out, a.shape[1]), (1, rows_out), dtype=torch.float8_e4m3fn, device=a.device)
+    qb = torch.empty_strided((rows_out, b.shape[1]), (1, rows_out), dtype=torch.float8_e4m3fn, device=a.device)
+    sa = torch.empty(G, a.shape[1], device=a.device)
+    sb = torch.empty(G, b.shape[1], device=a.device)
     for t in (qa, qb, sa, sb):  # poison: every element must be written
         t.view(torch.uint8).fill_(0x55)
-    launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, False,
-                         config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets, LAG=lag,
-                                     TWO_PASS=two_pass))
+    launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, False, config=config)
     for q, s, x in ((qa, sa, a), (qb, sb, b)):
         if padded:
             rq, rs = _reference_padded(x, offs, padded_offs, rows_out, E4M3FN, False)
@@ -144,6 +150,15 @@ def test_group_colwise_strip_configs_cpu(chunk, tickets, lag, two_pass, padded, 
             rq, rs = ref.quantize_group_colwise(x, offs, E4M3FN)
         assert_same(q, rq, "q")
         assert_same(s, rs, "scale")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True])
+def test_group_colwise_two_pass_gpu(padded):
+    """``colwise_config(two_pass=True)`` (not the default) on large shapes over 32 skewed groups."""
+    a = hard_input((16384, 2048), seed=7, device="cuda")
+    b = hard_input((16384, 1536), seed=8, device="cuda")
+    _check_launch(a, b, _offsets(16000, 32, "skewed", seed=9, device="cuda"), padded, colwise_config(two_pass=True))
 
 
 @pytest.mark.interpreter
