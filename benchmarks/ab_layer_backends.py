@@ -23,19 +23,17 @@ import triton
 from timing import wall_median_ms
 from triton.testing import do_bench
 
-from bench_moe_layer import LAYERS, SMOKE_LAYERS, fwd_bwd
+from bench_moe_layer import LAYERS, SMOKE_LAYERS, fwd_bwd, make_moe
 from moe_fp8 import FP8MoE
 
 
 def variants(spec: tuple, backends: list[str], device: str) -> dict[str, FP8MoE]:
     """``{"bf16": module, backend: module, ...}``: same seed, so the same weights and router."""
-    H, I, E, k, shared, cfg = spec
     out = {}
     for name in ["bf16", *backends]:
         torch.manual_seed(0)
-        out[name] = FP8MoE(H, I, E, k, router_config=cfg, shared_expert_hidden_size=shared,
-                           recipe="bf16" if name == "bf16" else "rowwise", backend=None if name == "bf16" else name,
-                           device=device, dtype=torch.bfloat16)
+        out[name] = make_moe(spec, "bf16", device=device) if name == "bf16" else make_moe(
+            spec, "rowwise", backend=name, device=device)
     return out
 
 

@@ -140,11 +140,12 @@ def _plan_cells(r: dict) -> list[str]:
                     f"{100 * r['graph_plan_in_fwd_share']:.1f}%"]
 
 
-def make_moe(spec: tuple, recipe: str) -> FP8MoE:
-    """The bf16 ``FP8MoE`` of a ``LAYERS`` entry ``(H, I, E, k, shared I, router config)`` on ``DEVICE``."""
+def make_moe(spec: tuple, recipe: str, backend: str | None = None, device: str | None = None) -> FP8MoE:
+    """The bf16 ``FP8MoE`` of a ``LAYERS`` entry ``(H, I, E, k, shared I, router config)`` on ``device``
+    (default ``DEVICE``), its grouped GEMMs on ``backend`` (default: the platform's)."""
     H, I, E, k, shared, cfg = spec
-    return FP8MoE(H, I, E, k, router_config=cfg, shared_expert_hidden_size=shared, recipe=recipe, device=DEVICE,
-                  dtype=torch.bfloat16)
+    return FP8MoE(H, I, E, k, router_config=cfg, shared_expert_hidden_size=shared, recipe=recipe, backend=backend,
+                  device=device or DEVICE, dtype=torch.bfloat16)
 
 
 def moe_rows(tokens: int, layers: dict) -> list[dict]:
