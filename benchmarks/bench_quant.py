@@ -13,7 +13,8 @@ Needs a CUDA GPU (``--smoke``: tiny shapes on the CPU, kernels in the Triton int
 the script itself; its numbers mean nothing). Shapes: DeepSeek-V3 (A 32768x7168, W 8x4096x7168 and 8x7168x2048), Llama 4
 (A 16384x5120, W 16x8192x5120), Qwen3-30B-A3B (A 65536x2048, W 128x1536x2048 and 128x2048x768);
 the wgrad operands of W (E, N, K) are grad_out (M, N) and the activations (M, K) over E balanced
-groups (multiples of 16 tokens).
+groups (multiples of 16 tokens), and as the FP8MoE wgrad calls it ("padded out": groups of any size,
+written into 16-row aligned groups of a padded buffer).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import triton
 from timing import wall_median_ms
 from triton.testing import do_bench, do_bench_cudagraph
 
+from moe_fp8.grouped_gemm.padding import padded_offsets, padded_rows
 from moe_fp8.quant import ops
 from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.kernels import colwise, rowwise
@@ -226,6 +228,12 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
                     table.add(model, "group colwise dual, skewed", shape, nbytes,
                               _time_us(lambda: ops.triton_quantize_group_colwise_dual(a, b, skew, E4M3FN, True)),
                               group_sizes=torch.diff(skew, prepend=skew.new_zeros(1)).tolist())
+                # as the FP8MoE wgrad calls it: routed (unaligned) groups, written 16-row padded
+                routed = random_offsets(M, G, "balanced", generator=gen).to(DEVICE)
+                p_offs, p_rows = padded_offsets(routed), padded_rows(M, G)
+                table.add(model, "group colwise dual, padded out", shape, nbytes + (p_rows - M) * (N + K),
+                          _time_us(lambda: ops.triton_quantize_group_colwise_dual(
+                              a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows)))
                 if sweep and time.time() < deadline:
                     for v in STRIP_SWEEP:
                         for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):
