@@ -28,7 +28,8 @@ import triton
 
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
-from .plan_kernels import plan_histogram_kernel, plan_rows_kernel, plan_scan_kernel
+from ..quant.kernels.common import multiprocessor_count
+from .plan_kernels import plan_kernel
 from .reference import dispatch_plan_reference
 
 __all__ = ["DispatchPlan", "make_dispatch_plan", "padded_num_rows"]
@@ -76,12 +77,14 @@ def padded_num_rows(num_pairs: int, num_experts: int, pad_multiple: int = 1) -> 
     return num_pairs + (pad_multiple - 1) * num_experts
 
 
-_SCAN_CHUNK = 1024  # blocks per step of the per-expert scan (tests shrink it to exercise the carry)
-
-
 def _block_size(e_pow2: int) -> int:
-    """Pairs per program: keeps the (pairs x experts) one-hot tile near 8K elements."""
+    """Pairs per step of a program: keeps the (pairs x experts) one-hot tile near 8K elements."""
     return max(16, min(128, 8192 // e_pow2))
+
+
+def _sum_rows(e_pow2: int) -> int:
+    """Rows of ``part_counts`` summed per step (a tile near 8K elements; tests shrink it)."""
+    return max(1, 8192 // e_pow2)
 
 
 def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple: int = 1) -> DispatchPlan:
@@ -112,7 +115,7 @@ def _plan(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(counts, offsets, pair_to_row, row_to_pair, pad_rows)`` for contiguous ``ids (T, k)``."""
     T, k = ids.shape
-    if not use_triton(plan_rows_kernel, ids):
+    if not use_triton(plan_kernel, ids):
         return tuple(dispatch_plan_reference(ids, num_experts, pad_multiple))
 
     E, P = num_experts, pad_multiple
@@ -120,27 +123,23 @@ def _plan(
     M = padded_num_rows(N, E, P)
     e_pow2 = triton.next_power_of_2(E)
     block = _block_size(e_pow2)
-    num_blocks = triton.cdiv(N, block)
     dev = ids.device
+    # as many chunks as programs fit the GPU at once (one each), each a multiple of `block` pairs
+    chunk = triton.cdiv(triton.cdiv(max(N, 1), multiprocessor_count(dev)), block) * block
+    num_chunks = triton.cdiv(max(N, 1), chunk)
     i32 = torch.int32
-    scratch = torch.empty(E * num_blocks + N + E, dtype=i32, device=dev)  # one allocation
-    block_counts, rank, totals = scratch.split([E * num_blocks, N, E])
+    scratch = torch.zeros(3 + num_chunks * e_pow2, dtype=i32, device=dev)  # 3 work counters, part counts
     counts = torch.empty(E, dtype=i32, device=dev)
     offsets = torch.empty(E, dtype=i32, device=dev)
     pair_to_row = torch.empty(N, dtype=i32, device=dev)
-    # -1 for padding rows: written by the histogram kernel when it runs (T > 0)
-    row_to_pair = torch.empty(M, dtype=i32, device=dev) if num_blocks else torch.full((M,), -1, dtype=i32, device=dev)
+    row_to_pair = torch.empty(M, dtype=i32, device=dev)
     pad_rows = torch.empty((P - 1) * E, dtype=i32, device=dev)
     with device_guard(ids):
-        if num_blocks:
-            plan_histogram_kernel[(num_blocks,)](
-                ids, block_counts, rank, row_to_pair, N, num_blocks, M, triton.cdiv(M, num_blocks),
-                E=E, E_POW2=e_pow2, BLOCK=block,
-            )
-        plan_scan_kernel[(E,)](block_counts, totals, num_blocks, CHUNK=_SCAN_CHUNK)
-        plan_rows_kernel[(max(num_blocks, 1),)](
-            ids, rank, block_counts, totals, counts, offsets, pair_to_row, row_to_pair, pad_rows, N, num_blocks,
-            E=E, E_POW2=e_pow2, BLOCK=block, PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
+        plan_kernel[(num_chunks,)](
+            ids, scratch[3:], scratch, counts, offsets, pair_to_row, row_to_pair, pad_rows,
+            N, M, num_chunks, chunk, triton.cdiv(M, num_chunks),
+            E=E, E_POW2=e_pow2, BLOCK=block, SUM_ROWS=_sum_rows(e_pow2),
+            PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
         )
     return counts, offsets, pair_to_row, row_to_pair, pad_rows
 
