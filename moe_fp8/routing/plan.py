@@ -82,9 +82,8 @@ def _block_size(e_pow2: int) -> int:
     return max(16, min(128, 8192 // e_pow2))
 
 
-def _sum_rows(e_pow2: int) -> int:
-    """Rows of ``part_counts`` summed per step (a tile near 8K elements; tests shrink it)."""
-    return max(1, 8192 // e_pow2)
+_SCAN = 1024  # chunks per step of an expert's scan (tests shrink it to exercise the carry)
+_CHUNKS_PER_SM = 8  # chunks of pairs per multiprocessor, at most: programs enough to hide latency
 
 
 def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple: int = 1) -> DispatchPlan:
@@ -124,11 +123,13 @@ def _plan(
     e_pow2 = triton.next_power_of_2(E)
     block = _block_size(e_pow2)
     dev = ids.device
-    # as many chunks as programs fit the GPU at once (one each), each a multiple of `block` pairs
-    chunk = triton.cdiv(triton.cdiv(max(N, 1), multiprocessor_count(dev)), block) * block
+    # one chunk per program, a multiple of `block` pairs, at most _CHUNKS_PER_SM per multiprocessor
+    max_chunks = _CHUNKS_PER_SM * multiprocessor_count(dev)
+    chunk = triton.cdiv(triton.cdiv(max(N, 1), max_chunks), block) * block
     num_chunks = triton.cdiv(max(N, 1), chunk)
     i32 = torch.int32
-    scratch = torch.zeros(3 + num_chunks * e_pow2, dtype=i32, device=dev)  # 3 work counters, part counts
+    scratch = torch.zeros(5 + E * num_chunks + E, dtype=i32, device=dev)  # work counters, part counts, totals
+    sync, part_counts, totals = scratch.split([5, E * num_chunks, E])
     counts = torch.empty(E, dtype=i32, device=dev)
     offsets = torch.empty(E, dtype=i32, device=dev)
     pair_to_row = torch.empty(N, dtype=i32, device=dev)
@@ -136,9 +137,9 @@ def _plan(
     pad_rows = torch.empty((P - 1) * E, dtype=i32, device=dev)
     with device_guard(ids):
         plan_kernel[(num_chunks,)](
-            ids, scratch[3:], scratch, counts, offsets, pair_to_row, row_to_pair, pad_rows,
+            ids, part_counts, totals, sync, counts, offsets, pair_to_row, row_to_pair, pad_rows,
             N, M, num_chunks, chunk, triton.cdiv(M, num_chunks),
-            E=E, E_POW2=e_pow2, BLOCK=block, SUM_ROWS=_sum_rows(e_pow2),
+            E=E, E_POW2=e_pow2, BLOCK=block, SCAN=_SCAN,
             PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
         )
     return counts, offsets, pair_to_row, row_to_pair, pad_rows

@@ -1,20 +1,22 @@
 """Triton kernel of the dispatch plan: a stable counting sort of the (token, slot) pairs by expert.
 
 One launch, no host sync, every size static. The ``N`` pairs are cut into ``NC`` contiguous
-chunks of ``chunk`` pairs (``chunk`` a multiple of ``BLOCK``). Two phases, each handing out the
-chunks through an atomic work counter (programs claim chunks until none is left):
+chunks of ``chunk`` pairs (``chunk`` a multiple of ``BLOCK``). Three phases, each handing out its
+work items through an atomic work counter (programs claim items until none is left), each but
+the first starting once the previous one is done (a *done* counter, ``release`` after a CTA
+barrier by every finished item, read with ``acquire``):
 
-1. *count*: chunk ``c``'s per-expert counts, one row of ``part_counts (NC, E_POW2)``; the chunk's
-   share of ``row_to_pair`` is set to -1 (the value of padding rows), so no separate fill runs.
-   Each counted chunk adds 1 to a *done* counter (a ``release`` atomic after a CTA barrier).
-2. *place* (once *done* reaches ``NC``, read with ``acquire``): for chunk ``c``, the expert totals
-   (sum of all rows of ``part_counts``) give the padded group starts, the rows before ``c`` give the
-   pairs of each expert in earlier chunks; walking the chunk block by block, a pair's row is
-   ``group start + pairs of its expert before it``, written to both maps. Whoever places chunk 0
-   also writes counts, offsets and the list of padding rows.
+1. *count* (item: a chunk): chunk ``c``'s per-expert counts, column ``c`` of ``part_counts (E,
+   NC)``; the chunk's share of ``row_to_pair`` is set to -1 (the value of padding rows), so no
+   separate fill runs.
+2. *scan* (item: an expert): exclusive prefix sum of the expert's row of ``part_counts`` (in
+   place: the expert's pairs in earlier chunks) and its total.
+3. *place* (item: a chunk): the totals give the padded group starts; walking the chunk block by
+   block, a pair's row is ``group start + pairs of its expert before it``, written to both maps.
+   Whoever places chunk 0 also writes counts, offsets and the list of padding rows.
 
-The wait cannot deadlock however few programs are resident: a program waits only once every
-chunk has been claimed, so the chunks it waits for belong to programs that are already running
+A wait cannot deadlock however few programs are resident: a program waits only once every item
+of the phase has been claimed, so the items it waits for belong to programs that are running
 (the Triton interpreter, which runs programs one after another, has program 0 do all the work).
 
 Pairs whose expert id lies outside ``[0, E)`` are dropped: they get row -1 and no group.
@@ -38,9 +40,9 @@ def _load_ids(ids_ptr, pairs, num_pairs, E: tl.constexpr):
 
 
 @triton.jit
-def _count_chunk(ids_ptr, part_counts_ptr, row_to_pair_ptr, c, chunk, num_pairs, num_rows, fill_rows,
+def _count_chunk(ids_ptr, part_counts_ptr, row_to_pair_ptr, c, num_chunks, chunk, num_pairs, num_rows, fill_rows,
                  E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr):
-    """Row ``c`` of ``part_counts``: chunk ``c``'s pairs per expert; rows ``[c, c+1) * fill_rows``
+    """Column ``c`` of ``part_counts``: chunk ``c``'s pairs per expert; rows ``[c, c+1) * fill_rows``
     of ``row_to_pair`` set to -1."""
     lanes = tl.arange(0, BLOCK)
     first = c * fill_rows
@@ -54,25 +56,42 @@ def _count_chunk(ids_ptr, part_counts_ptr, row_to_pair_ptr, c, chunk, num_pairs,
     for p in range(start, start + chunk, BLOCK):
         ids, valid, in_range = _load_ids(ids_ptr, p + lanes, num_pairs, E)
         hist += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.store(part_counts_ptr + c * E_POW2 + experts, hist)
+    tl.store(part_counts_ptr + experts * num_chunks + c, hist, mask=experts < E)
 
 
 @triton.jit
-def _place_chunk(ids_ptr, part_counts_ptr, counts_ptr, offsets_ptr, pair_to_row_ptr, row_to_pair_ptr, pad_rows_ptr,
-                 c, num_chunks, chunk, num_pairs,
-                 E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr, SUM_ROWS: tl.constexpr,
-                 PAD: tl.constexpr, PAD_POW2: tl.constexpr):
+def _scan_expert(part_counts_ptr, totals_ptr, e, num_chunks, SCAN: tl.constexpr):
+    """Row ``e`` of ``part_counts`` replaced by its exclusive prefix sum; its sum to ``totals[e]``."""
+    row = part_counts_ptr + e * num_chunks
+    carry = tl.sum(tl.zeros([SCAN], dtype=tl.int32), axis=0)
+    for start in range(0, num_chunks, SCAN):
+        idx = start + tl.arange(0, SCAN)
+        m = idx < num_chunks
+        n = tl.load(row + idx, mask=m, other=0, volatile=True)
+        tl.store(row + idx, carry + tl.cumsum(n, axis=0) - n, mask=m)
+        carry += tl.sum(n, axis=0)
+    tl.store(totals_ptr + e, carry)
+
+
+@triton.jit
+def _wait_until(done_ptr, n):
+    """Spin until the counter at ``done_ptr`` reaches ``n`` (``acquire``), then sync the CTA."""
+    seen = tl.atomic_add(done_ptr, 0, sem="acquire")
+    while seen < n:
+        seen = tl.atomic_add(done_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _place_chunk(ids_ptr, part_counts_ptr, totals_ptr, counts_ptr, offsets_ptr, pair_to_row_ptr, row_to_pair_ptr,
+                 pad_rows_ptr, c, num_chunks, chunk, num_pairs,
+                 E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr, PAD: tl.constexpr,
+                 PAD_POW2: tl.constexpr):
     """Rows of chunk ``c``'s pairs (both maps); for ``c == 0`` also counts, offsets and padding rows."""
     experts = tl.arange(0, E_POW2)
     emask = experts < E
-    counts = tl.zeros([E_POW2], dtype=tl.int32)
-    earlier = tl.zeros([E_POW2], dtype=tl.int32)
-    for r in range(0, num_chunks, SUM_ROWS):  # totals, and the part before chunk c
-        rows = r + tl.arange(0, SUM_ROWS)
-        part = tl.load(part_counts_ptr + rows[:, None] * E_POW2 + experts[None, :],
-                       mask=(rows < num_chunks)[:, None], other=0, volatile=True)
-        counts += tl.sum(part, axis=0)
-        earlier += tl.sum(tl.where((rows < c)[:, None], part, 0), axis=0)
+    counts = tl.load(totals_ptr + experts, mask=emask, other=0, volatile=True)
+    earlier = tl.load(part_counts_ptr + experts * num_chunks + c, mask=emask, other=0, volatile=True)
     padded = (counts + (PAD - 1)) // PAD * PAD
     group_end = tl.cumsum(padded, axis=0)
     group_start = group_end - padded
@@ -110,29 +129,35 @@ def _place_chunk(ids_ptr, part_counts_ptr, counts_ptr, offsets_ptr, pair_to_row_
 
 @triton.jit
 def plan_kernel(
-    ids_ptr, part_counts_ptr, sync_ptr,
+    ids_ptr, part_counts_ptr, totals_ptr, sync_ptr,
     counts_ptr, offsets_ptr, pair_to_row_ptr, row_to_pair_ptr, pad_rows_ptr,
     num_pairs, num_rows, num_chunks, chunk, fill_rows,
-    E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr, SUM_ROWS: tl.constexpr,
+    E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
     PAD: tl.constexpr, PAD_POW2: tl.constexpr,
 ):
-    """The whole plan (see the module docstring). ``sync_ptr``: three int32 zeros (count claims,
-    chunks counted, place claims); ``part_counts_ptr``: ``(num_chunks, E_POW2)`` int32 scratch."""
+    """The whole plan (see the module docstring). ``sync_ptr``: five int32 zeros (count claims,
+    chunks counted, scan claims, experts scanned, place claims); scratch: ``part_counts (E,
+    num_chunks)`` and ``totals (E,)`` int32."""
     c = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     while c < num_chunks:
-        _count_chunk(ids_ptr, part_counts_ptr, row_to_pair_ptr, c, chunk, num_pairs, num_rows, fill_rows,
-                     E, E_POW2, BLOCK)
+        _count_chunk(ids_ptr, part_counts_ptr, row_to_pair_ptr, c, num_chunks, chunk, num_pairs, num_rows,
+                     fill_rows, E, E_POW2, BLOCK)
         tl.debug_barrier()  # every thread's stores before the release below
         tl.atomic_add(sync_ptr + 1, 1, sem="release")
         c = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    _wait_until(sync_ptr + 1, num_chunks)  # every chunk is claimed: the ones still counting are running
 
-    done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-    while done < num_chunks:  # every chunk is claimed: the ones still counting are running
-        done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-    tl.debug_barrier()
+    e = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed")
+    while e < E:
+        _scan_expert(part_counts_ptr, totals_ptr, e, num_chunks, SCAN)
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + 3, 1, sem="release")
+        e = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed")
+    _wait_until(sync_ptr + 3, E)
 
-    c = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed")
+    c = tl.atomic_add(sync_ptr + 4, 1, sem="relaxed")
     while c < num_chunks:
-        _place_chunk(ids_ptr, part_counts_ptr, counts_ptr, offsets_ptr, pair_to_row_ptr, row_to_pair_ptr,
-                     pad_rows_ptr, c, num_chunks, chunk, num_pairs, E, E_POW2, BLOCK, SUM_ROWS, PAD, PAD_POW2)
-        c = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed")
+        _place_chunk(ids_ptr, part_counts_ptr, totals_ptr, counts_ptr, offsets_ptr, pair_to_row_ptr,
+                     row_to_pair_ptr, pad_rows_ptr, c, num_chunks, chunk, num_pairs, E, E_POW2, BLOCK, PAD,
+                     PAD_POW2)
+        c = tl.atomic_add(sync_ptr + 4, 1, sem="relaxed")
