@@ -8,7 +8,8 @@ One scale per (group, column): the amax over the group's rows. The rows are cut 
   at the (group, column block) counter (one ``release`` atomic add);
 * a *worker* waits (an ``acquire`` atomic read, spinning) until every piece of each of its groups
   is counted, then scales, rounds and stores its chunk's rows, which it reads from L2, where its
-  member has just brought them.
+  member has just brought them. (With padded offsets, a worker's piece boundaries inside a group
+  move, by less than ``BLOCK_R`` rows, to where the output rows start a tile: see below.)
 
 Every program moves the same bytes whatever the group sizes are (no autotuning per token count,
 no host sync) and HBM sees each input byte once (3 bytes per element, bf16 in, fp8 out). The grid
@@ -147,6 +148,15 @@ def _store_strip(
 
 
 @triton.jit
+def _tile_aligned(row, start, o_start, BLOCK_R: tl.constexpr):
+    """The last row at or before ``row`` of a group starting at ``start`` whose output row
+    (``o_start + row - start``) starts a ``BLOCK_R`` tile; ``start`` if there is none. (Rows
+    before ``row``: the members of this chunk and the one before have just read them.)"""
+    o = (o_start + (row - start)) // BLOCK_R * BLOCK_R
+    return tl.maximum(start + (o - o_start), start)
+
+
+@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -273,8 +283,13 @@ def _column_block(
                     inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
                     if p0 == start:
                         tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok)
-                    z_end = tl.where(p1 == end, o_zero_end, o_start + (p1 - start))
-                    _store_strip(x_cols, q_cols, p0 - shift, p1 - shift, stride_r, o_start + (p0 - start), z_end,
+                    w0 = p0
+                    w1 = p1
+                    if PADDED:  # piece ends inside the group move to output tile starts: unmasked full tiles
+                        w0 = tl.where(p0 == start, p0, _tile_aligned(p0, start, o_start, BLOCK_R))
+                        w1 = tl.where(p1 == end, p1, _tile_aligned(p1, start, o_start, BLOCK_R))
+                    z_end = tl.where(p1 == end, o_zero_end, o_start + (w1 - start))
+                    _store_strip(x_cols, q_cols, w0 - shift, w1 - shift, stride_r, o_start + (w0 - start), z_end,
                                  o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
                                  FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
                 else:
