@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -98,12 +99,16 @@ def measure(step) -> tuple[float, float]:
     return ms, peak
 
 
+HOST_ROUNDS = 7  # alternated rounds of the plan's host-time share
+
+
 def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
     """The dispatch plan's cost against the layer forward (no grad, ms), on the host and on the GPU.
 
     ``host_*``: CPU time to issue ``make_dispatch_plan`` (on the layer's top-k ids) and the whole
     forward, each from an idle device (``timing.host_ms``): what the plan adds where the layer is
-    host-bound. ``graph_*``: CUDA-graph replays, GPU time only: the plan alone, the forward, and the
+    host-bound. Medians over ``rounds`` alternated rounds (forward, then plan, 20 calls each), the
+    share the median of the rounds' ratios, so that a drift of the host's speed hits both alike. ``graph_*``: CUDA-graph replays, GPU time only: the plan alone, the forward, and the
     forward minus the forward with the plan precomputed (the layer's own call replaced by a cached
     result), which is what the plan's kernels add to the layer. None where capture is not possible.
     """
@@ -113,7 +118,9 @@ def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
         E = moe.experts.num_experts
         plan = lambda: make_dispatch_plan(ids, E)  # noqa: E731
         cached = plan()
-        host_fwd_ms, host_plan_ms = host_ms(fwd), host_ms(plan)
+        rounds = [(host_ms(fwd, 20), host_ms(plan, 20)) for _ in range(HOST_ROUNDS)]
+        host_fwd_ms, host_plan_ms = (statistics.median(r[i] for r in rounds) for i in (0, 1))
+        host_share = statistics.median(p / f for f, p in rounds)
         graph_fwd_ms, graph_plan_ms = graph_ms(fwd), graph_ms(plan)
         real = experts_module.make_dispatch_plan
         experts_module.make_dispatch_plan = lambda *a, **k: cached
@@ -121,7 +128,7 @@ def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
             graph_no_plan_ms = graph_ms(fwd)
         finally:
             experts_module.make_dispatch_plan = real
-    row = dict(host_fwd_ms=host_fwd_ms, host_plan_ms=host_plan_ms, host_plan_share=host_plan_ms / host_fwd_ms,
+    row = dict(host_fwd_ms=host_fwd_ms, host_plan_ms=host_plan_ms, host_plan_share=host_share,
                graph_fwd_ms=graph_fwd_ms, graph_plan_ms=graph_plan_ms, graph_plan_in_fwd_ms=None,
                graph_plan_in_fwd_share=None)
     if None not in (graph_fwd_ms, graph_plan_ms, graph_no_plan_ms):
@@ -259,7 +266,7 @@ def main() -> None:
         lines.append(f"| {r['layer']} | {r['tokens']} | {r['recipe']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
                      f"{r['speedup']:.2f}x | {r['peak_gib']:.2f} | {r['sqnr_vs_bf16']:.1f} |")
     lines += ["", "Dispatch plan vs the `rowwise` layer forward (no grad). Host: CPU time to issue the call from "
-              "an idle GPU. GPU: CUDA-graph replays; 'in forward' = forward minus the forward with the plan "
+              f"an idle GPU, medians of {HOST_ROUNDS} alternated rounds (share: median of the rounds' ratios). GPU: CUDA-graph replays; 'in forward' = forward minus the forward with the plan "
               "precomputed.", "",
               "| layer | tokens | host: forward ms | plan ms | share | GPU: forward ms | plan alone ms "
               "| plan in forward ms | share |",
