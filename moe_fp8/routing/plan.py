@@ -83,8 +83,7 @@ def _block_size(e_pow2: int) -> int:
 
 
 _SCAN = 1024  # chunks per step of an expert's scan (tests shrink it to exercise the carry)
-_CHUNKS_PER_SM = 8  # chunks of pairs per multiprocessor, at most
-_PROGRAMS_PER_SM = 8  # programs per multiprocessor, at most (each claims chunks until none is left)
+_CHUNKS_PER_SM = 8  # chunks of pairs per multiprocessor, at most: programs enough to hide latency
 
 
 def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple: int = 1) -> DispatchPlan:
@@ -124,9 +123,9 @@ def _plan(
     e_pow2 = triton.next_power_of_2(E)
     block = _block_size(e_pow2)
     dev = ids.device
-    # chunks of a multiple of `block` pairs, at most _CHUNKS_PER_SM per multiprocessor, claimed by the programs
-    sms = multiprocessor_count(dev)
-    chunk = triton.cdiv(triton.cdiv(max(N, 1), _CHUNKS_PER_SM * sms), block) * block
+    # one chunk per program, a multiple of `block` pairs, at most _CHUNKS_PER_SM per multiprocessor
+    max_chunks = _CHUNKS_PER_SM * multiprocessor_count(dev)
+    chunk = triton.cdiv(triton.cdiv(max(N, 1), max_chunks), block) * block
     num_chunks = triton.cdiv(max(N, 1), chunk)
     i32 = torch.int32
     scratch = torch.zeros(5 + E * num_chunks + E, dtype=i32, device=dev)  # work counters, part counts, totals
@@ -137,7 +136,7 @@ def _plan(
     row_to_pair = torch.empty(M, dtype=i32, device=dev)
     pad_rows = torch.empty((P - 1) * E, dtype=i32, device=dev)
     with device_guard(ids):
-        plan_kernel[(min(num_chunks, _PROGRAMS_PER_SM * sms),)](
+        plan_kernel[(num_chunks,)](
             ids, part_counts, totals, sync, counts, offsets, pair_to_row, row_to_pair, pad_rows,
             N, M, num_chunks, chunk, triton.cdiv(M, num_chunks),
             E=E, E_POW2=e_pow2, BLOCK=block, SCAN=_SCAN,

@@ -75,13 +75,10 @@ def _scan_expert(part_counts_ptr, totals_ptr, e, num_chunks, SCAN: tl.constexpr)
 
 @triton.jit
 def _wait_until(done_ptr, n):
-    """Wait until the counter at ``done_ptr`` reaches ``n``, then sync the CTA. The spin reads
-    (volatile loads) leave the counter's atomic unit to the programs still adding to it; one
-    ``acquire`` atomic read then orders what follows after their releases."""
-    seen = tl.load(done_ptr, volatile=True)
+    """Spin until the counter at ``done_ptr`` reaches ``n`` (``acquire``), then sync the CTA."""
+    seen = tl.atomic_add(done_ptr, 0, sem="acquire")
     while seen < n:
-        seen = tl.load(done_ptr, volatile=True)
-    tl.atomic_add(done_ptr, 0, sem="acquire")
+        seen = tl.atomic_add(done_ptr, 0, sem="acquire")
     tl.debug_barrier()
 
 
