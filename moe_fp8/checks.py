@@ -67,11 +67,13 @@ def check_multiple_of(name: str, value: int, multiple: int) -> None:
 def check_offsets(offs, *, num_groups: int | None = None, device: torch.device | None = None) -> torch.Tensor:
     """Check the metadata of a token-group offsets tensor.
 
-    ``offs`` must be a 1-D int32 tensor of cumulative END offsets, one per group (``offs[-1]`` =
-    rows used). Monotonicity and ``offs[-1] <= rows`` depend on device data: check them with
+    ``offs`` must be a contiguous 1-D int32 tensor of cumulative END offsets, one per group
+    (``offs[-1]`` = rows used). Monotonicity and ``offs[-1] <= rows`` depend on device data: check them with
     :func:`check_offsets_values` where a host sync is acceptable (tests, reference code).
     """
     check_tensor("offs", offs, dtypes=(torch.int32,), ndim=1)
+    if offs.numel() > 1 and offs.stride(0) != 1:  # kernels index offs[g] as base + g
+        raise ValueError(f"offs: expected a contiguous tensor, got stride {offs.stride(0)} (call .contiguous())")
     if num_groups is not None and offs.numel() != num_groups:
         raise ValueError(f"offs: expected length {num_groups} (one end offset per group), got {offs.numel()}")
     if device is not None and offs.device != device:

@@ -264,6 +264,7 @@ def _good():
         (lambda x, w, o: (x, w, o.float()), TypeError, "offs"),
         (lambda x, w, o: (x, w, o[None]), ValueError, "offs"),
         (lambda x, w, o: (x, w, o[:1]), ValueError, "offs"),
+        (lambda x, w, o: (x, w, torch.stack([o, o], 1)[:, 0]), ValueError, "contiguous"),
         (lambda x, w, o: (x, w, [10, 32]), TypeError, "offs"),
         (lambda x, w, o: (x, w, torch.tensor([20, 10], dtype=torch.int32)), ValueError, "offs"),
         (lambda x, w, o: (x, w, torch.tensor([10, 33], dtype=torch.int32)), ValueError, "offs"),

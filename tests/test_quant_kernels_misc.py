@@ -155,6 +155,8 @@ BAD = [
     (lambda: triton_quantize_group_colwise_dual(_X, _X[:3], _OFFS), ValueError, "b"),
     (lambda: triton_quantize_group_colwise_dual(_X, _X, _OFFS.long()), TypeError, "offs"),
     (lambda: triton_quantize_group_colwise_dual(_X, _X, _OFFS[None]), ValueError, "offs"),
+    (lambda: triton_quantize_group_colwise_dual(_X, _X, torch.tensor([2, 0, 4, 0], dtype=torch.int32)[::2]),
+     ValueError, "offs"),  # not contiguous
     (lambda: triton_quantize_group_colwise_dual(_X, _X, _OFFS, padded_offs=_OFFS), ValueError, "padded"),
     (lambda: triton_quantize_group_colwise_dual(_X, _X, _OFFS, padded_offs=_OFFS[:1], padded_rows=32),
      ValueError, "padded_offs"),
