@@ -112,6 +112,23 @@ def test_triton_backend_matches_emulated(recipe):
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+@pytest.mark.parametrize("junk", [float("nan"), 1e30])
+def test_rows_past_the_groups_never_reach_a_result(recipe, backend, junk):
+    """Rows at or past ``offs[-1]`` (of x and of grad_out) may hold anything: the used rows of the
+    output and of dx, and dw, equal those of a run with zeros there (tensorwise: one scale)."""
+    x, w, g, offs = make_inputs(32, 32, 16, 2, 24, "balanced", seed=9)
+    clean = run(x, w, g, offs, recipe=recipe, backend=backend)
+    with torch.no_grad():
+        x[24:] = junk
+    dirty_g = g.clone()
+    dirty_g[24:] = junk
+    dirty = run(x, w, dirty_g, offs, recipe=recipe, backend=backend)
+    for name, a, b, n in zip(("out", "dgrad", "wgrad"), dirty, clean, (24, 24, None)):
+        assert torch.equal(a[:n], b[:n]), name
+
+
 @pytest.mark.parametrize("recipe", [*FP8_RECIPES, "bf16"])
 def test_no_rows(recipe):
     x = torch.zeros(0, 32, dtype=torch.bfloat16, requires_grad=True)

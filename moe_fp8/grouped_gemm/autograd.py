@@ -12,7 +12,9 @@
 
 The weights are quantized once per call in both layouts (or come from an ``Fp8WeightCache``)
 and only their FP8 copies are saved for backward, with ``x`` (the wgrad operand) and ``offs``.
-Nothing here syncs with the host; the backends say which layouts they take.
+Nothing here syncs with the host; the backends say which layouts they take. Rows at or past
+``offs[-1]`` belong to no group and never reach a result: with one scale per tensor
+(``tensorwise``) they are zeroed before the amax (they may hold anything, even NaN).
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ from .padding import padded_offsets, padded_rows
 __all__ = ["FP8GroupedMM"]
 
 _NONES = (None,) * 9  # gradients of the non-tensor arguments of ``apply``
+
+
+def _group_rows_only(t: torch.Tensor, offs: torch.Tensor, scaling: str | None) -> torch.Tensor:
+    """``t (M, C)`` with its rows at or past ``offs[-1]`` zeroed, for a ``tensorwise`` amax (on
+    device, no sync); ``t`` itself for every other recipe (their scales are per row or group)."""
+    if scaling != "tensorwise":
+        return t
+    rows = torch.arange(t.shape[0], device=t.device)
+    return torch.where((rows < offs[-1])[:, None], t, t.new_zeros(()))
 
 
 class FP8GroupedMM(torch.autograd.Function):
@@ -54,7 +65,7 @@ class FP8GroupedMM(torch.autograd.Function):
         if x_quant is not None:
             xq, xs = x_quant
         else:
-            xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused)
+            xq, xs = lib.quantize_activation(_group_rows_only(x, offs, scaling), scaling, fmt, pow2, fused)
         out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
         ctx.save_for_backward(x, offs, q_bwd, s_bwd)
         return out
@@ -78,7 +89,8 @@ class FP8GroupedMM(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             fused = get_backend(ctx.backend).fused_quant
-            gq, gs = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused)
+            g = _group_rows_only(grad_out, offs, ctx.scaling)
+            gq, gs = lib.quantize_activation(g, ctx.scaling, ctx.fmt, ctx.pow2, fused)
             dx = lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, x.dtype)
         if need_dw:
             dw = _wgrad(ctx, grad_out, x, offs)
@@ -96,6 +108,7 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> 
     else:
         p_offs, rows = None, 0
     qa, sa, qb, sb = lib.quantize_wgrad_operands(
-        grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows
+        _group_rows_only(grad_out, offs, ctx.scaling), _group_rows_only(x, offs, ctx.scaling), offs,
+        ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows
     )
     return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs if p_offs is None else p_offs, ctx.w_dtype)
