@@ -327,6 +327,31 @@ def test_nan_logits_are_never_selected_and_all_nan_rows_weigh_zero(cfg):
     assert torch.equal(clean.topk_ids, out.topk_ids[[1, 3, 5]])
 
 
+@pytest.mark.parametrize("cfg", [RouterConfig(8, 2, renormalize=True), RouterConfig(8, 2)], ids=["renorm", "raw"])
+def test_inf_logit_takes_the_softmax_weight(cfg):
+    """Softmax: a +inf logit wins its token with weight 1, two +inf share it; other tokens unaffected."""
+    logits = _logits(4, 8, seed=22)
+    logits[0, 3] = float("inf")
+    logits[1, 2] = logits[1, 6] = float("inf")
+    out = route(logits, cfg)
+    w = out.topk_weights
+    assert int(out.topk_ids[0, 0]) == 3 and float(w[0, 0]) == 1.0 and float(w[0, 1]) == 0.0
+    assert set(out.topk_ids[1].tolist()) == {2, 6} and w[1].tolist() == [0.5, 0.5]
+    clean = route(logits[[2, 3]], cfg)
+    assert torch.equal(clean.topk_ids, out.topk_ids[[2, 3]]) and torch.equal(clean.topk_weights, w[[2, 3]])
+
+
+@pytest.mark.parametrize("cfg", [RouterConfig.llama4(8), RouterConfig.deepseek_v3(8, 2, 4, 2)], ids=["llama4", "dsv3"])
+def test_inf_logit_under_sigmoid_is_a_huge_logit(cfg):
+    logits = _logits(4, 8, seed=23)
+    logits[0, 3] = logits[1, 2] = logits[1, 6] = float("inf")
+    bias = torch.zeros(8) if cfg.use_correction_bias else None
+    out, huge = route(logits, cfg, bias), route(logits.nan_to_num(posinf=1e4), cfg, bias)
+    assert torch.equal(out.topk_ids, huge.topk_ids)
+    for a, b in ((out.topk_weights, huge.topk_weights), (out.input_scales, huge.input_scales)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("T", [0, 1])
 def test_zero_and_one_token(T):
     for cfg in (RouterConfig.qwen3_moe(16, 4, aux_loss_coef=0.1, z_loss_coef=0.1), RouterConfig.deepseek_v3(32, 4, 4, 2)):

@@ -17,7 +17,10 @@ Ids come best first (``sorted=True``), so the slot order is deterministic.
 NaN logits (defined behaviour, no host sync): a NaN logit is treated as ``-inf``: that expert
 is never selected while a finite one is available and its weight is 0. A token whose logits
 are all NaN still gets k distinct valid ids, all with weight 0, so it contributes nothing.
-``RouterOutput.nan_count`` counts the NaN logits for monitoring.
+``RouterOutput.nan_count`` counts the NaN logits for monitoring. A ``+inf`` logit is clamped to
+the largest finite fp32 value: under softmax its expert takes the token's whole weight (shared
+equally by several ``+inf`` experts of one token) instead of softmax's NaN dropping the token;
+sigmoid scoring saturates the same way as for any huge logit.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def route(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor
 
     k = cfg.top_k
     nan = torch.isnan(logits)
-    clean = logits.float().masked_fill(nan, float("-inf"))
+    clean = logits.float().masked_fill(nan, float("-inf")).clamp(max=torch.finfo(torch.float32).max)
     if cfg.scoring == "softmax":
         density = torch.softmax(clean, dim=-1).nan_to_num(nan=0.0)  # all -inf rows -> 0
         weights, ids = density.topk(k, dim=-1)
