@@ -58,8 +58,9 @@ def quantize_weight(
         w: ``(E, N, K)`` (``nn.Linear`` layout per expert), any strides.
     Returns:
         ``q_fwd (E, N, K)`` contiguous with ``s_fwd``, and ``q_bwd (E, K, N)`` contiguous with
-        ``s_bwd``. Scales: rowwise ``(E, N)`` (amax over K) and ``(E, K)`` (amax over N), one
-        dual kernel reading ``w`` once; tensorwise ``(E,)`` both; blockwise
+        ``s_bwd``. Scales: rowwise ``(E, N)`` (amax over K) and ``(E, K)`` (amax over N), one op
+        of two launches that each read ``w`` (see ``triton_quantize_expert_colwise_dual``);
+        tensorwise ``(E,)`` both; blockwise
         ``(E, ceil(N/128), ceil(K/128))`` and its transpose (128 x 128 blocks: transposing
         commutes with quantizing).
     """
