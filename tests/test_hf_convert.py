@@ -123,10 +123,47 @@ class DeepseekV3MoE4(nn.Module):
         return (out.to(x.dtype) + self.shared_experts(x)).view(shape)
 
 
+class _Llama4Experts4(nn.Module):
+    """Llama4TextExperts: fused in/out weights (E, H, 2I) / (E, I, H), input expert-major (E*T, H)."""
+
+    def __init__(self, E):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
+        self.down_proj = nn.Parameter(torch.empty(E, I, H))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        gate, up = torch.bmm(x.view(self.gate_up_proj.shape[0], -1, H), self.gate_up_proj).chunk(2, dim=-1)
+        return torch.bmm(up * self.act_fn(gate), self.down_proj).view(-1, H)
+
+
+class Llama4TextMoe4(nn.Module):
+    """transformers 4.51-4.53: the router is a plain nn.Linear, the block picks the top-k and returns
+    (out (T, H), scores (E, T)): sigmoid of the top-k logits, 0 for the other experts."""
+
+    def __init__(self, E=4, k=2):
+        super().__init__()
+        self.top_k, self.hidden_dim, self.num_experts = k, H, E
+        self.experts = _Llama4Experts4(E)
+        self.router = nn.Linear(H, E, bias=False)
+        self.shared_expert = _MLP()
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, H)
+        logits = self.router(x)
+        top, ids = torch.topk(logits, self.top_k, dim=1)
+        scores = torch.full_like(logits, float("-inf")).scatter_(1, ids, top).t()
+        scores = torch.sigmoid(scores.float()).to(x.dtype)
+        routed = self.experts(x.repeat(self.num_experts, 1) * scores.reshape(-1, 1))
+        return self.shared_expert(x) + routed.view(self.num_experts, -1, H).sum(dim=0), scores
+
+
 MixtralSparseMoeBlock4.__name__ = "MixtralSparseMoeBlock"
 Qwen3MoeSparseMoeBlock4.__name__ = "Qwen3MoeSparseMoeBlock"
 DeepseekV3MoE4.__name__ = "DeepseekV3MoE"
-V4_BLOCKS = {"mixtral": MixtralSparseMoeBlock4, "qwen3_moe": Qwen3MoeSparseMoeBlock4, "deepseek_v3": DeepseekV3MoE4}
+Llama4TextMoe4.__name__ = "Llama4TextMoe"
+V4_BLOCKS = {"mixtral": MixtralSparseMoeBlock4, "qwen3_moe": Qwen3MoeSparseMoeBlock4, "deepseek_v3": DeepseekV3MoE4,
+             "llama4": Llama4TextMoe4}
 
 
 def _random(block: nn.Module) -> nn.Module:
@@ -148,7 +185,9 @@ def _check(block: nn.Module, recipe: str):
     hf.convert(model, recipe=recipe)
     out = model[0](x)
     assert type(out) is type(ref) and _first(out).shape == _first(ref).shape
+    assert _first(out).dtype == _first(ref).dtype
     if isinstance(ref, tuple):
+        assert out[1].dtype == ref[1].dtype
         assert torch.equal(out[1], ref[1])  # router logits / scores come back unchanged
     floor = BF16_FLOOR if recipe == "bf16" else FP8_FLOOR
     assert sqnr(_first(ref).float(), _first(out).float()) >= floor
@@ -163,6 +202,7 @@ def test_transformers_v5_blocks(family, recipe):
     new = _check(block, recipe)
     if family == "llama4":
         assert isinstance(new, FP8Llama4TextMoe) and type(new.router) is type(block.router)
+        assert not new.linear_router
     else:
         assert isinstance(new.experts, FP8GroupedExperts)
         assert type(new.gate) is type(block.gate)  # the original router module stays
@@ -206,7 +246,10 @@ def test_llama4_layout_weight_cache_hits():
 @pytest.mark.parametrize("family", sorted(V4_BLOCKS))
 def test_transformers_v4_blocks(family, recipe):
     new = _check(_random(V4_BLOCKS[family]()), recipe)
-    assert isinstance(new, FP8HFMoEBlock)
+    if family == "llama4":
+        assert isinstance(new, FP8Llama4TextMoe) and new.linear_router and type(new.router) is nn.Linear
+    else:
+        assert isinstance(new, FP8HFMoEBlock)
 
 
 @pytest.mark.interpreter

@@ -66,14 +66,19 @@ class FP8HFMoEBlock(nn.Module):
 class FP8Llama4TextMoe(nn.Module):
     """Llama 4's MoE block: sigmoid top-k router score scales the expert INPUT, plus a shared expert.
 
-    Keeps the original ``router`` (an ``nn.Linear`` subclass returning ``(scores, logits)``) and
-    ``shared_expert`` modules; ``experts`` shares the original fused weights (in/out layout).
-    Returns ``(out (T, H), second)`` where ``second`` is the router logits (transformers >= 4.54)
-    or the router scores (older 4.x), as the replaced block did.
+    Keeps the original ``router`` and ``shared_expert`` modules; ``experts`` shares the original
+    fused weights (in/out layout). Two router layouts, each returning what its block returned:
+
+    * transformers >= 4.54: ``router`` is a ``Llama4Router`` returning ``(scores, logits)``, both
+      ``(T, E)``; the block returns ``(out (T, H), logits (T, E))``.
+    * transformers 4.51-4.53 (``linear_router=True``): ``router`` is a plain ``nn.Linear`` returning
+      the logits ``(T, E)``; the block picks the top-k itself and returns ``(out (T, H), scores
+      (E, T))``, the scores being ``sigmoid`` of the top-k logits (0 for the other experts) in the
+      input dtype.
     """
 
     def __init__(self, router: nn.Module, experts: FP8GroupedExperts, shared_expert: nn.Module, *,
-                 top_k: int, returns_scores: bool = False) -> None:
+                 top_k: int, linear_router: bool = False) -> None:
         super().__init__()
         self.router = router
         self.experts = experts
@@ -81,12 +86,18 @@ class FP8Llama4TextMoe(nn.Module):
         self.top_k = top_k
         self.hidden_dim = experts.hidden_size
         self.num_experts = experts.num_experts
-        self.returns_scores = returns_scores
+        self.linear_router = linear_router
 
-    def forward(self, hidden_states: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, self.hidden_dim)
-        router_scores, router_logits = self.router(x)
-        ids = torch.topk(router_logits, self.top_k, dim=1).indices
-        scales = router_scores.gather(1, ids)
-        out = self.shared_expert(x) + self.experts(x, ids, None, input_scales=scales)
-        return out, (router_scores if self.returns_scores else router_logits)
+        if self.linear_router:
+            router_logits = self.router(x)
+            top, ids = torch.topk(router_logits, self.top_k, dim=1)
+            scales = torch.sigmoid(top.float()).to(x.dtype)
+            # (E, T): the old block's sigmoid over -inf-filled top-k logits, i.e. 0 off the top-k
+            second = torch.zeros_like(router_logits, dtype=x.dtype).scatter_(1, ids, scales).t()
+        else:
+            router_scores, second = self.router(x)
+            ids = torch.topk(second, self.top_k, dim=1).indices
+            scales = router_scores.gather(1, ids)
+        return self.shared_expert(x) + self.experts(x, ids, None, input_scales=scales), second

@@ -7,11 +7,11 @@ Supported blocks and what replaces what:
 | ``MixtralSparseMoeBlock`` | ``block.experts`` -> ``FP8GroupedExperts`` sharing the weights | whole block -> ``FP8HFMoEBlock`` (stacked weights, returns ``(out, logits)``) |
 | ``Qwen3MoeSparseMoeBlock`` | same | same, ``norm_topk_prob`` honoured |
 | ``DeepseekV3MoE`` | same (router, shared experts untouched) | whole block -> ``FP8HFMoEBlock`` (returns ``out``) |
-| ``Llama4TextMoe`` | whole block -> ``FP8Llama4TextMoe`` sharing router, shared expert and weights | same |
+| ``Llama4TextMoe`` | whole block -> ``FP8Llama4TextMoe`` sharing router, shared expert and weights, returns ``(out, logits)`` | same; before 4.54 (``nn.Linear`` router): ``(out, scores (E, T))`` |
 
 In 5.x the original router module stays and is called, so ``output_router_logits`` recording
-and aux losses keep working. Needs the optional dependency ``transformers`` only to read its
-version (for Llama 4's return convention).
+and aux losses keep working. Blocks are recognised by class name: ``transformers`` itself is
+never imported.
 """
 
 from __future__ import annotations
@@ -120,13 +120,7 @@ def _v4_block(block: nn.Module, kind: str, opts: dict) -> FP8HFMoEBlock:
 
 def _llama4(block: nn.Module, opts: dict) -> FP8Llama4TextMoe:
     experts = _share_3d_experts(block.experts, opts, in_out=True)
+    # transformers < 4.54 used a plain nn.Linear router and routed (and returned scores) in the block
+    linear_router = not any(c.__name__ == "Llama4Router" for c in type(block.router).__mro__)
     return FP8Llama4TextMoe(block.router, experts, block.shared_expert, top_k=block.top_k,
-                            returns_scores=_llama4_returns_scores())
-
-
-def _llama4_returns_scores() -> bool:
-    """transformers < 4.54 returned the router scores as the second output, later the logits."""
-    import transformers
-
-    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
-    return (major, minor) < (4, 54)
+                            linear_router=linear_router)
