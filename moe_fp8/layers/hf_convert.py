@@ -11,7 +11,10 @@ Supported blocks and what replaces what:
 
 In 5.x the original router module stays and is called, so ``output_router_logits`` recording
 and aux losses keep working. Blocks are recognised by class name: ``transformers`` itself is
-never imported.
+never imported. Llama 4 in transformers from 4.54.0 until an upstream fix (around 4.56)
+multiplied the expert input by the router scores without transposing them; the converted block
+computes the fixed forward, so on those versions its output differs from the unconverted model's
+(checked on 4.54.0 only; the router logits are identical).
 """
 
 from __future__ import annotations
