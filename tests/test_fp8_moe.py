@@ -182,6 +182,40 @@ def test_weight_cache_hits_and_invalidates():
     assert torch.equal(fresh(x), second)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("autocast", [True, False])
+def test_weight_cache_hits_for_fp32_parameters(autocast):
+    """fp32 parameters cast for the GEMMs (bf16 under autocast; the down GEMM's bf16 input without)
+    hit the cache keyed on the parameter; an in-place update misses and uses the new values."""
+    torch.manual_seed(6)
+    moe = FP8MoE(H, I, E, K)  # fp32 parameters
+    fresh = FP8MoE(H, I, E, K, cache_weights=False)
+    x = torch.randn(16, H)
+    dy = torch.randn(16, H)
+
+    def run(m):
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = m(x)
+        out.backward(dy.to(out.dtype))
+        return out, {n: p.grad for n, p in m.named_parameters()}
+
+    caches = moe.experts._caches
+    for _ in range(3):
+        out, grads = run(moe)
+    assert all(c.hits >= 2 and c.misses == 1 for c in caches), caches
+    with torch.no_grad():
+        moe.experts.gate_up_proj.add_(0.01)
+        moe.experts.down_proj.mul_(-1)
+    fresh.load_state_dict(moe.state_dict())
+    out, grads = run(moe)
+    assert all(c.misses == 2 for c in caches), caches
+    want, want_grads = run(fresh)
+    assert torch.equal(out, want)
+    for name, g in grads.items():
+        assert g.dtype == torch.float32 and torch.equal(g, want_grads[name]), name
+
+
 def test_state_dict_names_and_bad_input():
     moe = _moe()
     keys = set(moe.state_dict())

@@ -14,9 +14,12 @@ to the same tensor in the same state:
   under ``no_grad``.
 
 Limitations: writes through ``p.data`` (a separate version counter, by PyTorch's design) are
-invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`. A
-weight cast anew on every call (fp32 parameters under ``torch.autocast``: ``p.to(bfloat16)`` is a
-new tensor, not a view) never hits: it is quantized on every call.
+invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`.
+
+Weights cast for the GEMM (fp32 parameters under ``torch.autocast``, or on a backend that takes
+bf16 only): ``p.to(bfloat16)`` would be a new tensor on every call and never hit. Pass
+``cache.stand_in(p, torch.bfloat16)`` instead: the entry is keyed on ``p`` itself (with the
+target dtype) and the cast happens inside the quantization, on a miss only, so a hit never casts.
 The cached FP8 copies take as much memory as one BF16 copy of the weights.
 """
 
@@ -39,6 +42,20 @@ class _Entry:
     data_ptr: int
     version: int
     value: Quantized
+
+
+class _StandIn(torch.autograd.Function):
+    """``apply(w, dtype)``: an UNINITIALISED tensor of ``w``'s shape and strides in ``dtype``, whose
+    gradient flows back to ``w`` cast to ``w``'s dtype (see :meth:`Fp8WeightCache.stand_in`)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.w_dtype = w.dtype
+        return torch.empty_strided(w.shape, w.stride(), dtype=dtype, device=w.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.w_dtype), None
 
 
 def _dropper(cache_ref: weakref.ref, slot: tuple) -> Callable:
@@ -64,10 +81,33 @@ class Fp8WeightCache:
         self.hits = 0
         self.misses = 0
 
+    def stand_in(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``w`` in ``dtype`` for ``fp8_grouped_mm(..., weight_cache=self)`` with an FP8 recipe,
+        without casting it.
+
+        Returns a differentiable stand-in of ``w``'s shape and strides (an allocation, never
+        written): :meth:`get` quantizes ``w.to(dtype)`` (on a miss only) and keys the entry on
+        ``w``, whose version counter invalidates it; gradients flow back to ``w`` in ``w``'s
+        dtype. Its VALUES are garbage: pass it only where the weight is read through this cache
+        (``fp8_grouped_mm`` with an FP8 recipe), not to the ``bf16`` recipe or without the cache.
+        Returns ``w`` itself when it already has ``dtype``.
+        """
+        if w.dtype == dtype:
+            return w
+        out = _StandIn.apply(w, dtype)
+        out._fp8_cache_source = w
+        return out
+
     def get(self, w: torch.Tensor, key: Hashable, quantize: Callable[[torch.Tensor], Quantized]) -> Quantized:
-        """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``."""
+        """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``.
+
+        For a :meth:`stand_in` of ``src``: the entry of ``src`` in ``w``'s dtype, else
+        ``quantize(src.to(w.dtype))``.
+        """
+        dtype = w.dtype
+        w = getattr(w, "_fp8_cache_source", w)
         anchor = w if w._base is None else w._base
-        slot = (id(anchor), w.dtype, tuple(w.shape), w.stride(), w.storage_offset(), key)
+        slot = (id(anchor), dtype, tuple(w.shape), w.stride(), w.storage_offset(), key)
         entry = self._entries.get(slot)
         if (
             entry is not None
@@ -79,7 +119,7 @@ class Fp8WeightCache:
             return entry.value
         self.misses += 1
         with torch.no_grad():
-            value = tuple(quantize(w.detach()))
+            value = tuple(quantize(w.detach().to(dtype)))
         ref = weakref.ref(anchor, _dropper(weakref.ref(self), slot))
         self._entries[slot] = _Entry(ref, w.data_ptr(), w._version, value)
         return value

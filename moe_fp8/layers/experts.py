@@ -43,9 +43,10 @@ class FP8GroupedExperts(nn.Module):
         fmt: FP8 format (``None``: detected per device).
         in_out_layout: store the weights as Llama 4 does, ``(E, H, 2I)`` and ``(E, I, H)``.
         cache_weights: reuse the FP8 copies of the weights while they are unchanged (across
-            gradient-accumulation micro-batches; invalidated by the parameters' version
-            counters, never stale). Costs one BF16-sized copy of the weights; off under
-            ``torch.compile``.
+            gradient-accumulation micro-batches; keyed on the parameters and invalidated by their
+            version counters, never stale). fp32 parameters cast to bf16 (under autocast) hit
+            too: the cast happens with the quantization, on a miss only. Costs one BF16-sized
+            copy of the weights; off under ``torch.compile``.
     """
 
     def __init__(
@@ -114,12 +115,8 @@ class FP8GroupedExperts(nn.Module):
         if input_scales is not None:
             check_tensor("input_scales", input_scales, shape=tuple(top_k_index.shape))
         x = hidden_states
-        w1, w2 = self._weights()
         if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
-        elif w1.dtype != x.dtype:
-            w1, w2 = w1.to(x.dtype), w2.to(x.dtype)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         plan = make_dispatch_plan(top_k_index, self.num_experts)
         recipe, fp8_rows = self.recipe, self.recipe.scaling == "rowwise"
         fmt = formats.resolve_format(self.fmt, x.device)
@@ -134,7 +131,11 @@ class FP8GroupedExperts(nn.Module):
         elif fp8_rows:
             x_fp8 = permute_quantize(x, plan, fmt, pow2=pow2)
         gemm = dict(recipe=recipe, backend=self.backend)
-        cache = self._caches if self._caches is not None and not torch.compiler.is_compiling() else (None, None)
+        # FP8 recipes read cached weights only through the cache: a weight cast happens there, on a miss.
+        cached = self._caches is not None and recipe.is_fp8 and not torch.compiler.is_compiling()
+        cache = self._caches if cached else (None, None)
+        w1, w2 = self._weights()
+        w1 = _cast(w1, x.dtype, cache[0])
         h = fp8_grouped_mm(x_perm, w1, plan.offsets, weight_cache=cache[0], x_fp8=x_fp8, **gemm)
         if fp8_rows:
             a, a_q, a_scale = SwiGLUQuantize.apply(h, fmt, pow2)
@@ -143,12 +144,22 @@ class FP8GroupedExperts(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             a, a_fp8 = nn.functional.silu(gate) * up, None
         # The grouped GEMMs write bf16; fp32 modules (no autocast) get their dtype back at the end.
-        y = fp8_grouped_mm(a, w2.to(a.dtype), plan.offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
+        w2 = _cast(w2, a.dtype, cache[1])
+        y = fp8_grouped_mm(a, w2, plan.offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
         return combine(y, plan, top_k_weights).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "
                 f"recipe={self.recipe.name}, in_out_layout={self.in_out_layout}")
+
+
+def _cast(w: torch.Tensor, dtype: torch.dtype, cache: Fp8WeightCache | None) -> torch.Tensor:
+    """Weight ``w`` (``(E, N, K)``, any float dtype) for a grouped GEMM on ``dtype`` activations:
+    ``w`` itself if it has ``dtype``; else the cache's stand-in (cast inside the quantization, on a
+    miss only), or without a cache ``w.to(dtype)``."""
+    if w.dtype == dtype:
+        return w
+    return w.to(dtype) if cache is None else cache.stand_in(w, dtype)
 
 
 def _row_scales(input_scales: torch.Tensor, plan) -> torch.Tensor:
