@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from moe_fp8 import FP8GroupedExperts, FP8MoE
+from moe_fp8 import FP8GroupedExperts, FP8MoE, fp8_grouped_mm
 from moe_fp8.routing import RouterConfig
 from moe_fp8.testing import reference_moe_forward, sqnr
+from test_backends import fake_cuda  # noqa: F401  (fixture: the cuda backend faked on the CPU)
 
 T, H, I, E, K = 40, 64, 32, 4, 2
 
@@ -214,6 +215,34 @@ def test_weight_cache_hits_for_fp32_parameters(autocast):
     assert torch.equal(out, want)
     for name, g in grads.items():
         assert g.dtype == torch.float32 and torch.equal(g, want_grads[name]), name
+
+
+@pytest.mark.interpreter
+def test_fp32_module_on_bf16_only_backend(fake_cuda, monkeypatch):
+    """fp32 parameters and input, no autocast, on the ``cuda`` backend (faked on the CPU: takes
+    bf16 only): the grouped GEMMs get bf16, the module returns fp32, the cache still hits."""
+    import moe_fp8.layers.experts as experts_mod
+
+    seen = []
+
+    def recording(x, w, offs, **kw):
+        seen.append((x.dtype, w.dtype))
+        return fp8_grouped_mm(x, w, offs, **kw)
+
+    monkeypatch.setattr(experts_mod, "fp8_grouped_mm", recording)
+    torch.manual_seed(7)
+    moe = FP8MoE(H, I, E, K, backend="cuda")  # fp32 parameters
+    x, dy = torch.randn(T, H), torch.randn(T, H)
+    for _ in range(2):
+        out, gx, grads = _grads(moe, x, dy)
+    assert out.dtype == gx.dtype == torch.float32
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * 4
+    assert len(fake_cuda) == 12  # forward, dgrad, wgrad of both GEMMs, twice
+    assert all(c.hits == 1 for c in moe.experts._caches)
+    ref, _, ref_w1, ref_w2 = _reference(moe, x, dy)
+    assert sqnr(ref, out) >= OUT_SQNR
+    assert grads["experts.gate_up_proj"].dtype == torch.float32
+    assert sqnr(ref_w1, grads["experts.gate_up_proj"]) >= 20 and sqnr(ref_w2, grads["experts.down_proj"]) >= 20
 
 
 def test_state_dict_names_and_bad_input():

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..checks import check_multiple_of, check_tensor
-from ..grouped_gemm import Fp8WeightCache, fp8_grouped_mm
+from ..grouped_gemm import Fp8WeightCache, fp8_grouped_mm, select_backend
 from ..quant import formats, quantize_rowwise
 from ..quant.recipes import get_recipe
 from ..quant.swiglu import SwiGLUQuantize
@@ -108,7 +108,9 @@ class FP8GroupedExperts(nn.Module):
             input_scales: ``(T, k)`` factors applied to each expert's INPUT row (Llama 4), or ``None``.
         Returns:
             ``(T, H)`` in ``hidden_states``' dtype (the autocast dtype under autocast); the
-            GEMMs themselves write bf16.
+            GEMMs themselves write bf16. The GEMMs run on ``hidden_states`` (weights cast to
+            match), or on bf16 copies where the backend takes bf16 only (``cuda``, ``hybrid``,
+            ``rocm``: fp32 modules without autocast).
         """
         check_tensor("hidden_states", hidden_states, ndim=2, shape=(None, self.hidden_size))
         check_tensor("top_k_index", top_k_index, ndim=2, shape=(hidden_states.shape[0], None))
@@ -117,6 +119,9 @@ class FP8GroupedExperts(nn.Module):
         x = hidden_states
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        out_dtype = x.dtype
+        if x.dtype not in select_backend(self.backend, x.device).out_dtypes:  # cuda: bf16 only
+            x = x.to(torch.bfloat16)
         plan = make_dispatch_plan(top_k_index, self.num_experts)
         recipe, fp8_rows = self.recipe, self.recipe.scaling == "rowwise"
         fmt = formats.resolve_format(self.fmt, x.device)
@@ -146,7 +151,7 @@ class FP8GroupedExperts(nn.Module):
         # The grouped GEMMs write bf16; fp32 modules (no autocast) get their dtype back at the end.
         w2 = _cast(w2, a.dtype, cache[1])
         y = fp8_grouped_mm(a, w2, plan.offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
-        return combine(y, plan, top_k_weights).to(x.dtype)
+        return combine(y, plan, top_k_weights).to(out_dtype)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "
