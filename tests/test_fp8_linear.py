@@ -146,6 +146,15 @@ def test_bad_input():
         fp8_linear(torch.randn(4, 32), torch.randn(16, 16))
 
 
+def test_meta_weights_and_device_mismatch():
+    meta = FP8Linear(32, 16, device="meta")
+    for x in (torch.randn(4, 32), torch.randn(4, 32, device="meta")):
+        with pytest.raises(ValueError, match=r"weight: the weights are on the meta device .*to_empty"):
+            meta(x)
+    with pytest.raises(ValueError, match=r"x: expected device cpu \(that of parameter weight\), got meta"):
+        FP8Linear(32, 16)(torch.randn(4, 32, device="meta"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise"])
 def test_fp8_linear_gpu(recipe):

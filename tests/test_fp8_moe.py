@@ -259,6 +259,20 @@ def test_state_dict_names_and_bad_input():
         moe(torch.randn(3, 32, dtype=torch.bfloat16))
 
 
+def test_meta_parameters_and_device_mismatch():
+    meta = FP8MoE(H, I, E, K, device="meta")
+    for x in (torch.randn(T, H), torch.randn(T, H, device="meta")):
+        with pytest.raises(ValueError, match=r"router.weight: the weights are on the meta device .*to_empty"):
+            meta(x)
+    ids = torch.zeros(T, K, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"gate_up_proj: the weights are on the meta device"):
+        meta.experts(torch.randn(T, H), ids, None)
+    with pytest.raises(ValueError, match=r"x: expected device cpu \(that of parameter router.weight\), got meta"):
+        _moe()(torch.randn(T, H, device="meta", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"hidden_states: expected device cpu .*gate_up_proj.*got meta"):
+        _moe().experts(torch.randn(T, H, device="meta", dtype=torch.bfloat16), ids, None)
+
+
 @pytest.mark.interpreter
 def test_empty_and_one_expert_routing():
     experts = FP8GroupedExperts(E, H, I).to(torch.bfloat16)

@@ -26,6 +26,7 @@ from ..quant import formats, quantize_rowwise
 from ..quant.recipes import get_recipe
 from ..quant.swiglu import SwiGLUQuantize
 from ..routing import combine, make_dispatch_plan, permute, permute_quantize
+from .param_checks import check_parameters
 
 __all__ = ["FP8GroupedExperts"]
 
@@ -116,6 +117,7 @@ class FP8GroupedExperts(nn.Module):
         check_tensor("top_k_index", top_k_index, ndim=2, shape=(hidden_states.shape[0], None))
         if input_scales is not None:
             check_tensor("input_scales", input_scales, shape=tuple(top_k_index.shape))
+        check_parameters(self, hidden_states, "hidden_states")
         x = hidden_states
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))

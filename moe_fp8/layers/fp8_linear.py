@@ -28,6 +28,7 @@ from torch import nn
 from ..checks import check_multiple_of
 from ..quant import formats, quantize_expert_colwise, quantize_rowwise, quantize_tensorwise
 from ..quant.recipes import Float8Recipe, get_recipe
+from .param_checks import check_parameters
 
 __all__ = ["FP8Linear", "DENSE_RECIPES", "fp8_linear"]
 
@@ -146,7 +147,8 @@ class FP8Linear(nn.Linear):
 
     Parameters and ``state_dict`` are those of ``nn.Linear``, so checkpoints load either way.
     Under ``torch.autocast`` the input and weight are cast to the autocast dtype first.
-    ``in_features`` and ``out_features`` must be multiples of 16.
+    ``in_features`` and ``out_features`` must be multiples of 16. Weights still on the meta device,
+    or on another device than the input, raise ``ValueError``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe="rowwise",
@@ -171,6 +173,7 @@ class FP8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_parameters(self, x)
         weight, bias = self.weight, self.bias
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)

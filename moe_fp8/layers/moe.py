@@ -8,6 +8,7 @@ from torch import nn
 from ..routing import Router, RouterConfig, RouterOutput
 from .experts import FP8GroupedExperts
 from .mlp import SwiGLUMLP
+from .param_checks import check_parameters
 
 __all__ = ["FP8MoE"]
 
@@ -34,7 +35,9 @@ class FP8MoE(nn.Module):
         return_router_output: make ``forward`` return ``(out, RouterOutput)`` (logits, aux loss,
             expert load, ...) instead of ``out``.
 
-    ``forward(x (..., H)) -> (..., H)`` in ``x``'s dtype (or the autocast dtype).
+    ``forward(x (..., H)) -> (..., H)`` in ``x``'s dtype (or the autocast dtype). Parameters still
+    on the meta device (build there, then ``to_empty`` and load or ``reset_parameters``), or on
+    another device than ``x``, raise ``ValueError``.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class FP8MoE(nn.Module):
         shape = x.shape
         if not shape or shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {tuple(shape)}")
+        check_parameters(self, x)
         tokens = x.reshape(-1, self.hidden_size)
         r = self.router(tokens)
         out = self.experts(tokens, r.topk_ids, r.topk_weights, input_scales=r.input_scales)
