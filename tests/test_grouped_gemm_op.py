@@ -232,6 +232,15 @@ def test_weight_cache_data_writes_need_invalidate():
     assert cache.misses == 2 and torch.equal(after, fp8_grouped_mm(x, w, offs, backend="emulated"))
 
 
+@pytest.mark.parametrize("recipe, with_cache", [("rowwise", False), ("bf16", True)])
+def test_weight_cache_stand_in_needs_its_cache_and_an_fp8_recipe(recipe, with_cache):
+    x, w, _, offs = make_inputs(32, 32, 16, 2, 32, "balanced", seed=12)
+    cache = Fp8WeightCache()
+    stand_in = cache.stand_in(w.detach().float(), torch.bfloat16)
+    with pytest.raises(ValueError, match="stand_in"):
+        fp8_grouped_mm(x, stand_in, offs, recipe=recipe, backend="emulated", weight_cache=cache if with_cache else None)
+
+
 def test_weight_cache_never_serves_another_tensor():
     x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "balanced", seed=14)
     cache = Fp8WeightCache()

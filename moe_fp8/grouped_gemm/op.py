@@ -83,6 +83,9 @@ def fp8_grouped_mm(
     check_multiple_of("N (w.shape[1])", N, 16)
     if weight_cache is not None and not isinstance(weight_cache, Fp8WeightCache):
         raise TypeError(f"weight_cache: expected Fp8WeightCache or None, got {type(weight_cache).__name__}")
+    if hasattr(w, "_fp8_cache_source") and (weight_cache is None or not rec.is_fp8):
+        raise ValueError("w: a Fp8WeightCache.stand_in holds no values; pass it only with weight_cache and an "
+                         "FP8 recipe (the weights are then read through the cache)")
     be = select_backend(backend, x.device)
     dtypes = be.out_dtypes if rec.is_fp8 else _FLOAT_DTYPES
     if out_dtype not in dtypes:
