@@ -274,6 +274,11 @@ def test_state_dict_names_and_bad_input():
         FP8MoE(H, I, E, K, router_config=RouterConfig(8, 2))
     with pytest.raises(ValueError, match="x: expected last dim 64"):
         moe(torch.randn(3, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="return_router_output: must be True"):  # the loss would be dropped
+        FP8MoE(H, I, E, K, router_config=RouterConfig(E, K, aux_loss_coef=0.01))
+    moe = FP8MoE(H, I, E, K, router_config=RouterConfig(E, K, z_loss_coef=1e-3), return_router_output=True)
+    out, r = moe(torch.randn(3, H))
+    assert out.shape == (3, H) and r.aux_loss is not None and r.aux_loss.ndim == 0
 
 
 def test_meta_parameters_and_device_mismatch():

@@ -33,7 +33,8 @@ class FP8MoE(nn.Module):
             (the exact BF16 baseline of the same module).
         backend, fmt, cache_weights: see :class:`FP8GroupedExperts`.
         return_router_output: make ``forward`` return ``(out, RouterOutput)`` (logits, aux loss,
-            expert load, ...) instead of ``out``.
+            expert load, ...) instead of ``out``. Required when the router config has an aux or
+            z-loss coefficient (the loss would be computed and dropped otherwise: ``ValueError``).
 
     ``forward(x (..., H)) -> (..., H)`` in ``x``'s dtype (or the autocast dtype). Parameters still
     on the meta device (build there, then ``to_empty`` and load or ``reset_parameters``), or on
@@ -64,6 +65,11 @@ class FP8MoE(nn.Module):
             raise ValueError(
                 f"router_config: expected num_experts={num_experts}, top_k={top_k}, "
                 f"got {router_config.num_experts}, {router_config.top_k}"
+            )
+        if not return_router_output and (router_config.aux_loss_coef > 0 or router_config.z_loss_coef > 0):
+            raise ValueError(
+                "return_router_output: must be True when router_config has aux_loss_coef or z_loss_coef > 0 "
+                "(the loss is returned in RouterOutput.aux_loss; without it the loss would be dropped)"
             )
         kw = dict(device=device, dtype=dtype)
         self.hidden_size = hidden_size
