@@ -359,6 +359,35 @@ def test_fp8_moe_gpu_peak_memory_not_above_bf16():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [True, False])
+def test_fp8_moe_gpu_fp32_parameters(autocast):
+    """fp32 parameters on the default backend (``cuda``: bf16 GEMMs), under autocast and without:
+    the weight cache hits from the second step and gives what an uncached module gives."""
+    mods = []
+    for cache_weights in (True, False):
+        torch.manual_seed(0)
+        mods.append(FP8MoE(2048, 768, 32, 8, device="cuda", cache_weights=cache_weights))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1024, 2048, device="cuda", generator=g)
+    dy = torch.randn(1024, 2048, device="cuda", generator=g)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = m(x)
+        out.backward(dy.to(out.dtype))
+        return out, {n: p.grad for n, p in m.named_parameters()}
+
+    for _ in range(3):
+        out, grads = step(mods[0])
+    assert all(c.hits >= 2 and c.misses == 1 for c in mods[0].experts._caches)
+    want, want_grads = step(mods[1])
+    assert out.dtype == (torch.bfloat16 if autocast else torch.float32) and torch.equal(out, want)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32 and sqnr(want_grads[name], grad) >= 60, name
+
+
+@pytest.mark.gpu
 def test_fp8_moe_gpu_compile_fullgraph():
     mods, x, dy = _gpu_pair(T=1024)
     moe = mods["rowwise"]
