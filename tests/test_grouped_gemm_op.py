@@ -6,6 +6,8 @@ interpreter (TRITON_INTERPRET=1), so its shapes stay small.
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -66,7 +68,7 @@ SQNR_FLOORS = {
 @pytest.mark.parametrize("recipe", [*FP8_RECIPES, "bf16"])
 def test_sqnr_against_fp64(recipe, kind):
     # 250 of 272 rows used (tail rows), group sizes not multiples of 16; K > 128 so blockwise has 2 blocks.
-    x, w, g, offs = make_inputs(272, 192, 64, 5, 250, kind, seed=hash((recipe, kind)) % 1000)
+    x, w, g, offs = make_inputs(272, 192, 64, 5, 250, kind, seed=zlib.crc32(f"{recipe}-{kind}".encode()) % 1000)  # the same seed in every process
     y, dx, dw = run(x, w, g, offs, recipe=recipe, backend="emulated")
     ry, rdx, rdw = fp64_reference(x, w, g, offs)
     floors = SQNR_FLOORS[recipe]
@@ -191,7 +193,7 @@ def test_weight_cache_hits_and_matches_uncached():
     assert cache.misses == 2 and len(cache) == 2  # separate entry per quantization settings
 
 
-@pytest.mark.parametrize("backend", ["emulated", "triton"])
+@pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=needs_interpreter)])
 @pytest.mark.parametrize("recipe", ["bf16", "rowwise"])
 def test_transposed_view_weights_match_contiguous(recipe, backend):
     """w given as the transposed view of (E, K, N) storage (Llama 4's layout): same bits as the
