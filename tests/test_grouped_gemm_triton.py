@@ -255,6 +255,85 @@ def test_2d2d_tensorwise_and_degenerate(poisoned_empty):
     assert zeros.shape == (3, 32, 16) and bool((zeros == 0).all())
 
 
+# ---- CPU: explicit tiles larger than the 16-alignment of N, K and the wgrad row body ---------
+# The interpreter's default tiles (16 wide) divide every legal N and K, so their column / K masks
+# are always all-true there, and the wgrad body loop's row mask (BK = 16 rows) never cuts a block.
+# Here N = 48 and K = 80 are multiples of 16 but not of the 32 / 64 tiles: the last column tile,
+# the last K slice and the last body block of a group are partial.
+_WIDE_TILES = [GemmConfig(32, 32, 32, 2, 1, 1), GemmConfig(64, 64, 64, 2, 1, 1)]
+_WIDE_IDS = ["tile32", "tile64"]
+
+
+def _offs_from_sizes(sizes):
+    return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("cfg", _WIDE_TILES, ids=_WIDE_IDS)
+@pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
+def test_2d3d_partial_tiles(cfg, mode, poisoned_empty):
+    # 139 of 150 rows routed; empty groups and groups of 37, 5, 64, 33 rows (not tile multiples).
+    M, K, N = 150, 80, 48
+    offs = _offs_from_sizes([0, 37, 5, 64, 0, 33])
+    gen = torch.Generator().manual_seed(11)
+    x, w = torch.randn(M, K, generator=gen) * 3, torch.randn(6, N, K, generator=gen) / K**0.5
+    a, sa, b, sb = _quantize_2d3d(x, w, mode, "e4m3fn")
+    for dtype in (torch.bfloat16, torch.float32):
+        out = triton_grouped_mm_2d3d(a, sa, b, sb, offs, dtype, config=cfg)
+        assert_matches_reference(out, emulated_grouped_mm_2d3d(a, sa, b, sb, offs, dtype))
+        assert bool((out[139:] == 0).all())
+    assert sqnr(reference_grouped_mm(x, w, offs), out) >= (28 if mode == "rowwise" else 25)
+
+
+@needs_cpu_kernel
+def test_2d3d_blockwise_partial_tiles(poisoned_empty):
+    # K = 208, N = 176: partial 128-deep K slice and partial 128x128 scale blocks, 32-wide tiles.
+    M, K, N = 90, 208, 176
+    offs = _offs_from_sizes([37, 0, 5, 41])
+    gen = torch.Generator().manual_seed(12)
+    x, w = torch.randn(M, K, generator=gen) * 3, torch.randn(4, N, K, generator=gen) / K**0.5
+    x[:, 128:] *= 50  # a misapplied scale slice would show
+    a, sa, b, sb = _quantize_2d3d(x, w, "blockwise", "e4m3fn")
+    out = triton_grouped_mm_2d3d(a, sa, b, sb, offs, torch.float32, config=GemmConfig(32, 32, 128, 2, 1, 1))
+    assert_matches_reference(out, emulated_grouped_mm_2d3d(a, sa, b, sb, offs, torch.float32))
+    assert bool((out[83:] == 0).all())
+    assert sqnr(reference_grouped_mm(x, w, offs), out) >= 28
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("cfg", _WIDE_TILES, ids=_WIDE_IDS)
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_2d2d_partial_tiles(cfg, layout, poisoned_empty):
+    # Group bodies (16-aligned row ranges) of 32, 80 and 16 rows: with BK = 32 / 64 the last body
+    # block of a group runs past body_end into the group's tail rows and the next group's rows,
+    # which the row mask must cut. Empty groups, a group inside one 16-row block, 8 tail rows.
+    sizes = [0, 37, 5, 90, 0, 16, 51, 33]
+    offs = _offs_from_sizes(sizes)
+    M, N, K = 240, 48, 80
+    gen = torch.Generator().manual_seed(13)
+    dy, x = torch.randn(M, N, generator=gen), torch.randn(M, K, generator=gen) * 2
+    (a, sa), (b, sb) = quantize_group_colwise(dy, offs), quantize_group_colwise(x, offs)
+    if layout == "col":
+        a, b = _col_major(a), _col_major(b)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = triton_grouped_mm_2d2d(a, sa, b, sb, offs, dtype, config=cfg)
+        assert_matches_reference(out, emulated_grouped_mm_2d2d(a, sa, b, sb, offs, dtype))
+    empty = torch.tensor(sizes) == 0
+    assert bool((out[empty] == 0).all())
+    assert sqnr(_reference_wgrad(dy, x, offs)[~empty], out[~empty]) >= 25
+
+
+@needs_cpu_kernel
+def test_2d2d_tensorwise_partial_tiles(poisoned_empty):
+    offs = _offs_from_sizes([19, 0, 61, 28])  # 4 tail rows
+    gen = torch.Generator().manual_seed(14)
+    dy, x = torch.randn(112, 48, generator=gen), torch.randn(112, 80, generator=gen)
+    (a, sa), (b, sb) = quantize_tensorwise(dy), quantize_tensorwise(x)
+    out = triton_grouped_mm_2d2d(a, sa, b, sb, offs, torch.float32, config=GemmConfig(32, 32, 32, 2, 1, 1))
+    assert_matches_reference(out, emulated_grouped_mm_2d2d(a, sa, b, sb, offs, torch.float32))
+    assert bool((out[1] == 0).all())
+
+
 # Bad input: each case names the argument it must blame.
 def _bad_2d3d_cases():
     a = torch.zeros(8, 32, dtype=torch.float8_e4m3fn)
