@@ -167,10 +167,15 @@ V4_BLOCKS = {"mixtral": MixtralSparseMoeBlock4, "qwen3_moe": Qwen3MoeSparseMoeBl
 
 
 def _random(block: nn.Module) -> nn.Module:
+    """Random parameters, and random bias buffers (DeepSeek-V3's selection-only
+    ``e_score_correction_bias``, zero as built, which would leave the bias path untested)."""
     torch.manual_seed(0)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.1)
+        for name, b in block.named_buffers():
+            if name.endswith("bias") and b.is_floating_point():
+                b.uniform_(-0.3, 0.3)
     return block.to(torch.bfloat16)
 
 
@@ -199,6 +204,8 @@ def _check(block: nn.Module, recipe: str):
 @pytest.mark.parametrize("family", sorted(V5_BLOCKS))
 def test_transformers_v5_blocks(family, recipe):
     block = _random(V5_BLOCKS[family]())
+    if family == "deepseek_v3":  # a random selection bias: ignoring or negating it fails (< 4 dB)
+        assert block.gate.e_score_correction_bias.abs().min() > 0
     new = _check(block, recipe)
     if family == "llama4":
         assert isinstance(new, FP8Llama4TextMoe) and type(new.router) is type(block.router)
@@ -245,7 +252,10 @@ def test_llama4_layout_weight_cache_hits():
 @pytest.mark.parametrize("recipe", ["bf16", "rowwise"])
 @pytest.mark.parametrize("family", sorted(V4_BLOCKS))
 def test_transformers_v4_blocks(family, recipe):
-    new = _check(_random(V4_BLOCKS[family]()), recipe)
+    block = _random(V4_BLOCKS[family]())
+    if family == "deepseek_v3":  # a random selection bias: ignoring or negating it fails (< 4 dB)
+        assert block.gate.e_score_correction_bias.abs().min() > 0
+    new = _check(block, recipe)
     if family == "llama4":
         assert isinstance(new, FP8Llama4TextMoe) and new.linear_router and type(new.router) is nn.Linear
     else:
