@@ -46,34 +46,55 @@ def _grads(moe: FP8MoE, x: torch.Tensor, dy: torch.Tensor):
     return out, x.grad, {n: p.grad for n, p in moe.named_parameters()}
 
 
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")
+
+
+def _swiglu64(x64: torch.Tensor, mlp: nn.Module | dict, prefix: str = "") -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` in fp64 from a SwiGLU MLP's weights (a module, or a dict of
+    fp64 parameters keyed ``{prefix}{gate,up,down}_proj.weight``), never through its FP8 linears."""
+    if isinstance(mlp, nn.Module):
+        mlp = {f"{prefix}{n}.weight": getattr(mlp, n).weight.detach().double() for n in _SWIGLU}
+    gate, up, down = (mlp[f"{prefix}{n}.weight"] for n in _SWIGLU)
+    return (nn.functional.silu(x64 @ gate.T) * (x64 @ up.T)) @ down.T
+
+
 def _reference(moe: FP8MoE, x: torch.Tensor, dy: torch.Tensor, *, router_grad: bool = True):
     """fp64 forward and gradients of ``x`` and of every parameter, with the module's routing ids.
 
-    The combine weights are differentiable fp64: softmax of the fp64 router logits over the top-k
-    ids, renormalised (the default router); ``router_grad=False`` takes the module's weights as
-    constants instead. Shared experts (if any) in fp64 too.
-    Returns ``(out (T, H), grad of x (T, H), {parameter name: gradient})``, all fp64.
+    The routing weights are differentiable fp64 functions of the fp64 router logits over the
+    top-k ids: softmax, renormalised (the default router), combining the expert outputs; or, for
+    Llama 4 (``weights_on_input``), sigmoid scaling the expert INPUTS (unit combine weights).
+    ``router_grad=False`` takes the module's weights as constants instead. Shared experts (if
+    any) in fp64 too. Returns ``(out (T, H), grad of x (T, H), {parameter name: gradient})``, all fp64.
     """
     cfg = moe.router.config
-    assert (cfg.scoring, cfg.renormalize, cfg.use_correction_bias) == ("softmax", True, False)
+    on_input = cfg.weights_on_input
+    if on_input:
+        assert (cfg.scoring, cfg.grouped, cfg.use_correction_bias) == ("sigmoid", False, False)
+    else:
+        assert (cfg.scoring, cfg.renormalize, cfg.use_correction_bias) == ("softmax", True, False)
     r = moe.router(x)
     params = {n: p.detach().double().requires_grad_() for n, p in moe.named_parameters()}
     x64 = x.detach().double().requires_grad_()
     if router_grad:
-        probs = torch.softmax(x64 @ params["router.weight"].T, dim=-1).gather(1, r.topk_ids)
-        weights = probs / probs.sum(-1, keepdim=True)
+        logits = x64 @ params["router.weight"].T
+        if on_input:
+            weights = torch.sigmoid(logits.gather(1, r.topk_ids))
+        else:
+            probs = torch.softmax(logits, dim=-1).gather(1, r.topk_ids)
+            weights = probs / probs.sum(-1, keepdim=True)
     else:
-        weights = r.topk_weights.detach().double()
+        weights = (r.input_scales if on_input else r.topk_weights).detach().double()
     w1, w2 = params["experts.gate_up_proj"], params["experts.down_proj"]
     out = torch.zeros_like(x64)
     for e in range(E):
         tok, slot = torch.nonzero(r.topk_ids == e, as_tuple=True)
-        gate, up = (x64[tok] @ w1[e].T).chunk(2, dim=-1)
+        w = weights[tok, slot, None]
+        gate, up = ((x64[tok] * w if on_input else x64[tok]) @ w1[e].T).chunk(2, dim=-1)
         y = (nn.functional.silu(gate) * up) @ w2[e].T
-        out = out.index_add(0, tok, y * weights[tok, slot, None])
+        out = out.index_add(0, tok, y if on_input else y * w)
     if moe.shared_experts is not None:
-        gate, up, down = (params[f"shared_experts.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj"))
-        out = out + (nn.functional.silu(x64 @ gate.T) * (x64 @ up.T)) @ down.T
+        out = out + _swiglu64(x64, params, "shared_experts.")
     out.backward(dy.double())
     return out, x64.grad, {n: p.grad for n, p in params.items()}
 
@@ -159,9 +180,12 @@ def test_bf16_recipe_equals_plain_pytorch_moe():
 
 @pytest.mark.interpreter
 def test_shared_expert_llama4_and_deepseek_routing():
-    for cfg, shared in ((RouterConfig.llama4(num_experts=E, top_k=1), I), (RouterConfig.deepseek_v3(E, K, n_group=2, topk_group=1), I)):
+    """The routed part alone (the module's experts on its routing) and the whole block, each against
+    fp64; the shared expert of the reference is fp64 from its weights, not the module's FP8 one
+    (which would compare the shared path with itself)."""
+    for cfg in (RouterConfig.llama4(num_experts=E, top_k=1), RouterConfig.deepseek_v3(E, K, n_group=2, topk_group=1)):
         torch.manual_seed(4)
-        moe = FP8MoE(H, I, E, cfg.top_k, router_config=cfg, shared_expert_hidden_size=shared,
+        moe = FP8MoE(H, I, E, cfg.top_k, router_config=cfg, shared_expert_hidden_size=I,
                      return_router_output=True).to(torch.bfloat16)
         x = torch.randn(3, 5, H).to(torch.bfloat16)
         out, r = moe(x)
@@ -178,8 +202,10 @@ def test_shared_expert_llama4_and_deepseek_routing():
         else:
             routed = reference_moe_forward(tokens, r.topk_ids, r.topk_weights, moe.experts.gate_up_proj,
                                            moe.experts.down_proj)
-        ref = routed + moe.shared_experts(tokens).double()
-        assert sqnr(ref, out.reshape(-1, H)) >= OUT_SQNR
+        routed_fp8 = moe.experts(tokens, r.topk_ids, r.topk_weights, input_scales=r.input_scales)
+        assert sqnr(routed, routed_fp8) >= OUT_SQNR, cfg
+        ref = routed + _swiglu64(tokens.double(), moe.shared_experts)
+        assert sqnr(ref, out.reshape(-1, H)) >= OUT_SQNR, cfg
 
 
 @pytest.mark.interpreter
@@ -308,6 +334,51 @@ def test_empty_and_one_expert_routing():
     assert experts(x[:0], ids[:0], w[:0]).shape == (0, H)
 
 
+@pytest.mark.interpreter
+def test_empty_experts_backward_vs_fp64():
+    """Experts 1 and 3 (one between used experts, one last) get no token: a large first input
+    feature and router rows of opposite signs on it send every token to experts 0 and 2. Output,
+    x's and every parameter's gradient against fp64; the empty experts' weight gradients are 0."""
+    moe = _moe("rowwise", seed=8)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(24, H, generator=g)
+    x[:, 0] = 4.0
+    x = x.to(torch.bfloat16)
+    dy = torch.randn(24, H, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        moe.router.weight[:, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    assert moe.router(x).expert_counts.tolist() == [24, 0, 24, 0]
+    out, gx, grads = _grads(moe, x, dy)
+    ref, ref_gx, ref_grads = _reference(moe, x, dy)
+    assert sqnr(ref, out) >= OUT_SQNR
+    assert sqnr(ref_gx, gx) >= 20
+    for name, grad in grads.items():
+        assert sqnr(ref_grads[name], grad) >= 20, name
+    for name in ("experts.gate_up_proj", "experts.down_proj"):
+        assert not grads[name][[1, 3]].any(), name
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_input_scales_backward_vs_fp64(top_k):
+    """Llama 4 routing (sigmoid of the top-k logits scales the expert INPUT, unit combine weights)
+    with a shared expert: output, x's and every parameter's gradient (the router's through the
+    input scales) against fp64."""
+    cfg = RouterConfig.llama4(num_experts=E, top_k=top_k)
+    torch.manual_seed(10)
+    moe = FP8MoE(H, I, E, top_k, router_config=cfg, shared_expert_hidden_size=I).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    dy = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    out, gx, grads = _grads(moe, x, dy)
+    ref, ref_gx, ref_grads = _reference(moe, x, dy)
+    assert sqnr(ref, out) >= OUT_SQNR
+    assert sqnr(ref_gx, gx) >= 20
+    assert set(grads) == set(ref_grads) and grads["router.weight"].abs().max() > 0
+    for name, grad in grads.items():
+        assert sqnr(ref_grads[name], grad) >= 20, name
+
+
 def _gpu_pair(H=2048, I=768, E=32, k=8, T=4096, **kw):
     mods = {}
     for recipe in ("bf16", "rowwise"):
@@ -321,6 +392,9 @@ def _gpu_pair(H=2048, I=768, E=32, k=8, T=4096, **kw):
 
 @pytest.mark.gpu
 def test_fp8_moe_gpu_vs_bf16_recipe_no_sync():
+    """No host sync in forward + backward; FP8 against the bf16 recipe (output and gradients), and
+    both outputs against an fp64 reference on the module's routing (the two recipes share the
+    router, permute and combine kernels, so comparing them alone could cancel a bug there)."""
     mods, x, dy = _gpu_pair()
     results = {}
     for recipe, moe in mods.items():
@@ -337,6 +411,12 @@ def test_fp8_moe_gpu_vs_bf16_recipe_no_sync():
     assert sqnr(ref[0], fp8[0]) >= OUT_SQNR
     for r, f in zip(ref[1:], fp8[1:]):
         assert sqnr(r, f) >= 20
+    moe = mods["rowwise"]  # both modules hold the same weights (same seed)
+    with torch.no_grad():
+        r = moe.router(x)
+        exact = reference_moe_forward(x, r.topk_ids, r.topk_weights, moe.experts.gate_up_proj, moe.experts.down_proj)
+    assert sqnr(exact, fp8[0]) >= OUT_SQNR
+    assert sqnr(exact, ref[0]) >= 40  # the bf16 recipe: ~47 dB
 
 
 @pytest.mark.gpu
@@ -389,14 +469,20 @@ def test_fp8_moe_gpu_fp32_parameters(autocast):
 
 @pytest.mark.gpu
 def test_fp8_moe_gpu_compile_fullgraph():
+    """Inductor, whole graph: output, x's and every parameter's gradient against eager."""
     mods, x, dy = _gpu_pair(T=1024)
     moe = mods["rowwise"]
-    eager = moe(x)
+    eager, eager_gx, eager_grads = _grads(moe, x, dy)
     compiled = torch.compile(moe, fullgraph=True)
+    moe.zero_grad()
     xr = x.clone().requires_grad_()
     out = compiled(xr)
     out.backward(dy)
-    assert sqnr(eager, out) >= 40 and torch.isfinite(xr.grad).all()
+    assert sqnr(eager, out) >= 40
+    assert sqnr(eager_gx, xr.grad) >= 40
+    assert set(eager_grads) == {n for n, _ in moe.named_parameters()}
+    for name, p in moe.named_parameters():
+        assert p.grad is not None and sqnr(eager_grads[name], p.grad) >= 40, name
 
 
 @pytest.mark.interpreter
