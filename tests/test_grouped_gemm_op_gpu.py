@@ -56,23 +56,40 @@ def large_case():
     return x, w, g, offs
 
 
+# N and K multiples of 16 but not of 128: the last column tile, the last K slice (1104 = 8*128 + 80,
+# 1040 = 8*128 + 16 for dgrad) and the last 128x128 scale block of every GEMM are partial.
+ODD = dict(M=2000, K=1104, N=1040, E=8, used=1900)
+
+
 @pytest.fixture(scope="module")
-def emulated_results(large_case):
-    return {r: fwd_bwd(*large_case, recipe=r, backend="emulated") for r in FP8_RECIPES}
+def odd_case():
+    return inputs(**ODD, kind="empty", seed=8)  # 2 empty experts
 
 
+@pytest.fixture(scope="module")
+def emulated_results(large_case, odd_case):
+    """The emulated backend's ``(out, dgrad, wgrad)`` per case and FP8 recipe (computed once)."""
+    return {(case, r): fwd_bwd(*data, recipe=r, backend="emulated")
+            for case, data in (("large", large_case), ("odd", odd_case)) for r in FP8_RECIPES}
+
+
+@pytest.mark.parametrize("case", ["large", "odd"])
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_matches_emulated_on_large_shapes(backend, recipe, large_case, emulated_results):
+def test_matches_emulated(backend, recipe, case, large_case, odd_case, emulated_results):
+    """Every GPU backend against the emulated one (same FP8 operands: only accumulation, fast on
+    cuda, and summation order differ): >= 40 dB on out, dgrad and wgrad; rows past the groups 0;
+    empty experts' dw 0. Cases: large ragged shapes, and partial tiles (``ODD``)."""
     need(backend)
-    got = fwd_bwd(*large_case, recipe=recipe, backend=backend)
-    want = emulated_results[recipe]
-    for name, a, b in zip(("out", "dgrad", "wgrad"), got, want):
+    data, used = (large_case, LARGE["used"]) if case == "large" else (odd_case, ODD["used"])
+    got = fwd_bwd(*data, recipe=recipe, backend=backend)
+    for name, a, b in zip(("out", "dgrad", "wgrad"), got, emulated_results[case, recipe]):
         assert a.shape == b.shape and a.dtype == b.dtype
-        # Same FP8 operands: only accumulation (fast accum on cuda) and summation order differ.
         assert sqnr(b, a) >= 40, f"{name}: {sqnr(b, a):.1f} dB against the emulated reference"
-    used = LARGE["used"]
     assert torch.all(got[0][used:] == 0) and torch.all(got[1][used:] == 0)
+    offs = data[3]
+    empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+    assert bool(empty.any()) and bool((got[2][empty] == 0).all())
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -244,34 +261,6 @@ def test_degenerate_routings_in_subprocess(backend):
     assert proc.stdout.count("ok") == 4 * len(RECIPES)
 
 
-# N and K multiples of 16 but not of 128: the last column tile, the last K slice (1104 = 8*128 + 80,
-# 1040 = 8*128 + 16 for dgrad) and the last 128x128 scale block of every GEMM are partial.
-ODD = dict(M=2000, K=1104, N=1040, E=8, used=1900)
-
-
-@pytest.fixture(scope="module")
-def odd_case():
-    return inputs(**ODD, kind="empty", seed=8)  # 2 empty experts
-
-
-@pytest.fixture(scope="module")
-def odd_emulated(odd_case):
-    return {r: fwd_bwd(*odd_case, recipe=r, backend="emulated") for r in FP8_RECIPES}
-
-
-@pytest.mark.parametrize("recipe", FP8_RECIPES)
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_matches_emulated_on_partial_tiles(backend, recipe, odd_case, odd_emulated):
-    need(backend)
-    got = fwd_bwd(*odd_case, recipe=recipe, backend=backend)
-    for name, a, b in zip(("out", "dgrad", "wgrad"), got, odd_emulated[recipe]):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        assert sqnr(b, a) >= 40, f"{name}: {sqnr(b, a):.1f} dB against the emulated reference"
-    used = ODD["used"]
-    assert torch.all(got[0][used:] == 0) and torch.all(got[1][used:] == 0)
-    offs = odd_case[3]
-    empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-    assert bool(empty.any()) and bool((got[2][empty] == 0).all())  # empty experts: dw = 0
 
 
 @pytest.mark.parametrize(
