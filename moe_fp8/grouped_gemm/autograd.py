@@ -31,8 +31,10 @@ _NONES = (None,) * 9  # gradients of the non-tensor arguments of ``apply``
 
 
 def _group_rows_only(t: torch.Tensor, offs: torch.Tensor, scaling: str | None) -> torch.Tensor:
-    """``t (M, C)`` with its rows at or past ``offs[-1]`` zeroed, for a ``tensorwise`` amax (on
-    device, no sync); ``t`` itself for every other recipe (their scales are per row or group)."""
+    """``t (M, C)`` with its rows at or past ``offs[-1]`` zeroed, for a ``tensorwise`` amax: a copy
+    in one pass on device, no sync (``t`` is the caller's: ``tail.zero_rows_past_end`` would zero
+    it in place); ``t`` itself for every other recipe (their scales are per row or group). Made
+    once for x in forward (saved for wgrad in place of x) and once for grad_out in backward."""
     if scaling != "tensorwise":
         return t
     rows = torch.arange(t.shape[0], device=t.device)
@@ -62,10 +64,11 @@ class FP8GroupedMM(torch.autograd.Function):
         if w_quant is None:
             w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
         q_fwd, s_fwd, q_bwd, s_bwd = w_quant
+        x = _group_rows_only(x, offs, scaling)  # tensorwise: also the wgrad operand saved below
         if x_quant is not None:
             xq, xs = x_quant
         else:
-            xq, xs = lib.quantize_activation(_group_rows_only(x, offs, scaling), scaling, fmt, pow2, fused)
+            xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused)
         out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
         ctx.save_for_backward(x, offs, q_bwd, s_bwd)
         return out
@@ -86,11 +89,11 @@ class FP8GroupedMM(torch.autograd.Function):
             dw = lib.bf16_mm_2d2d(ctx.backend, g, x, offs) if need_dw else None
             return dx, dw, *_NONES
         x, offs, q_bwd, s_bwd = ctx.saved_tensors
+        grad_out = _group_rows_only(grad_out, offs, ctx.scaling)  # once, for dgrad and wgrad
         dx = dw = None
         if need_dx:
             fused = get_backend(ctx.backend).fused_quant
-            g = _group_rows_only(grad_out, offs, ctx.scaling)
-            gq, gs = lib.quantize_activation(g, ctx.scaling, ctx.fmt, ctx.pow2, fused)
+            gq, gs = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused)
             dx = lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, x.dtype)
         if need_dw:
             dw = _wgrad(ctx, grad_out, x, offs)
@@ -108,7 +111,6 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> 
     else:
         p_offs, rows = None, 0
     qa, sa, qb, sb = lib.quantize_wgrad_operands(
-        _group_rows_only(grad_out, offs, ctx.scaling), _group_rows_only(x, offs, ctx.scaling), offs,
-        ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows
+        grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows
     )
     return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs if p_offs is None else p_offs, ctx.w_dtype)

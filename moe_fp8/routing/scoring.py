@@ -73,7 +73,8 @@ def route(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor
 
     k = cfg.top_k
     nan = torch.isnan(logits)
-    clean = logits.float().masked_fill(nan, float("-inf")).clamp(max=torch.finfo(torch.float32).max)
+    ninf = float("-inf")  # NaN -> -inf, +inf -> the largest finite fp32, in one pass
+    clean = torch.nan_to_num(logits.float(), nan=ninf, posinf=torch.finfo(torch.float32).max, neginf=ninf)
     if cfg.scoring == "softmax":
         density = torch.softmax(clean, dim=-1).nan_to_num(nan=0.0)  # all -inf rows -> 0
         weights, ids = density.topk(k, dim=-1)
