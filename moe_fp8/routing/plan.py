@@ -146,7 +146,7 @@ def _plan(
 
 
 # Under torch.compile the plan is a custom op (with a fake kernel): one opaque node with static
-# output shapes instead of the Triton launches; eagerly a plain call.
+# output shapes instead of the Triton launch; eagerly a plain call.
 _plan_op = torch.library.custom_op("moe_fp8::routing_dispatch_plan", _plan, mutates_args=())
 _build_plan = eager_or_custom_op(_plan_op, _plan)
 
