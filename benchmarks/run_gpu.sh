@@ -28,7 +28,7 @@ run() {  # run LIMIT_SECONDS LOG command...
 }
 
 case $stage in
-  tests)   run 420 gpu_tests.log python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 ;;
+  tests)   run 570 gpu_tests.log python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 ;;
   quant)   run 420 quant.log python3 benchmarks/bench_quant.py --out "$out" ;;
   quant-sweep) run 540 quant_sweep.log python3 benchmarks/bench_quant.py --sweep --budget-s 400 --out "$out/sweep" ;;
   gemm)    run 540 grouped_gemm.log python3 benchmarks/bench_grouped_gemm.py --out "$out" ;;
