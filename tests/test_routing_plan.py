@@ -47,8 +47,8 @@ def check_plan_invariants(plan: DispatchPlan, ids: torch.Tensor, E: int, P: int)
     N, M = T * k, padded_num_rows(T * k, E, P)
     flat = ids.reshape(-1).long()
     valid = (flat >= 0) & (flat < E)
-    for t in plan[:5]:
-        assert t.dtype == torch.int32
+    for t in plan[:5]:  # views of one buffer, each 16-byte aligned (the grouped GEMMs take offsets)
+        assert t.dtype == torch.int32 and t.is_contiguous() and t.data_ptr() % 16 == 0
     assert plan.num_rows == M and plan.pad_rows.numel() == (P - 1) * E and plan.top_k == k
     counts = torch.bincount(flat[valid], minlength=E)
     assert torch.equal(plan.counts.long(), counts)
@@ -132,6 +132,28 @@ def test_zero_and_one_token(T, P):
     plan = make_dispatch_plan(ids, 4, pad_multiple=P)
     check_plan_invariants(plan, ids, 4, P)
     assert plan.num_rows == 2 * T + 4 * (P - 1)
+
+
+def test_reference_fallback_packs_the_same_layout(monkeypatch):
+    """Without a Triton device (no interpreter) the reference's tensors go into the same packed
+    buffer: same values, same alignment."""
+    ids = random_topk_ids(33, 5, 3, "skewed", seed=5)
+    want = make_dispatch_plan(ids, 5, pad_multiple=4)
+    monkeypatch.setattr(plan_mod, "use_triton", lambda kernel, t: False)
+    got = make_dispatch_plan(ids, 5, pad_multiple=4)
+    check_plan_invariants(got, ids, 5, 4)
+    for name, a, b in zip(DispatchPlan._fields[:5], got, want):
+        assert torch.equal(a, b), name
+
+
+def test_traces_under_torch_compile():
+    """One opaque custom-op node whose fake kernel has the packed buffer's shape; the views are
+    split off outside it."""
+    ids = random_topk_ids(29, 6, 2, "empty", seed=2)
+    compiled = torch.compile(lambda i: tuple(make_dispatch_plan(i, 6, pad_multiple=16)[:5]), backend="aot_eager",
+                             fullgraph=True)
+    for name, a, b in zip(DispatchPlan._fields, compiled(ids), make_dispatch_plan(ids, 6, pad_multiple=16)):
+        assert torch.equal(a, b), name
 
 
 def test_single_expert_everything_to_it():

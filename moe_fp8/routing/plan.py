@@ -29,10 +29,10 @@ import triton
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
 from ..quant.kernels.common import multiprocessor_count
-from .plan_kernels import plan_kernel
+from .plan_kernels import SYNC_SLOTS, plan_kernel
 from .reference import dispatch_plan_reference
 
-__all__ = ["DispatchPlan", "make_dispatch_plan", "padded_num_rows"]
+__all__ = ["DispatchPlan", "make_dispatch_plan", "packed_sizes", "padded_num_rows"]
 
 
 class DispatchPlan(NamedTuple):
@@ -95,7 +95,8 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
         num_experts: ``E``.
         pad_multiple: ``P``: pad each group to a multiple of ``P`` rows (1: no padding).
     Returns:
-        the plan; ``plan.num_rows == T*k + (P-1)*E``.
+        the plan; ``plan.num_rows == T*k + (P-1)*E``. Its five tensors are views of one int32
+        buffer (one allocation), each starting 16-byte aligned.
     """
     check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), ndim=2)
     if not isinstance(num_experts, int) or num_experts < 1:
@@ -105,19 +106,32 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
     T, k = topk_ids.shape
     if k < 1 or k > num_experts:
         raise ValueError(f"topk_ids: expected 1 <= k <= num_experts={num_experts} columns, got shape {(T, k)}")
-    ids = topk_ids.contiguous()
-    return DispatchPlan(*_build_plan(ids, num_experts, pad_multiple), k, pad_multiple)
+    packed = _build_plan(topk_ids.contiguous(), num_experts, pad_multiple)
+    offsets, _, counts, _, pair_to_row, _, row_to_pair, _, pad_rows, _ = packed.split(
+        packed_sizes(num_experts, T * k, pad_multiple))
+    return DispatchPlan(counts, offsets, pair_to_row, row_to_pair, pad_rows, k, pad_multiple)
 
 
-def _plan(
-    ids: torch.Tensor, num_experts: int, pad_multiple: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(counts, offsets, pair_to_row, row_to_pair, pad_rows)`` for contiguous ``ids (T, k)``."""
+def packed_sizes(num_experts: int, num_pairs: int, pad_multiple: int) -> list[int]:
+    """Lengths of the pieces of the packed plan buffer, each output followed by the gap that makes
+    the next one start at a multiple of 4 int32 (16 bytes): ``offsets (E)``, ``counts (E)``,
+    ``pair_to_row (N)``, ``row_to_pair (M)``, ``pad_rows ((P-1)*E)``, with ``N = T*k`` and ``M``
+    the padded row count."""
+    pieces = (num_experts, num_experts, num_pairs, padded_num_rows(num_pairs, num_experts, pad_multiple),
+              (pad_multiple - 1) * num_experts)
+    return [n for piece in pieces for n in (piece, -piece % 4)]
+
+
+def _plan(ids: torch.Tensor, num_experts: int, pad_multiple: int) -> torch.Tensor:
+    """The packed int32 plan buffer (see :func:`packed_sizes`) for contiguous ``ids (T, k)``."""
     T, k = ids.shape
-    if not use_triton(plan_kernel, ids):
-        return tuple(dispatch_plan_reference(ids, num_experts, pad_multiple))
-
     E, P = num_experts, pad_multiple
+    sizes = packed_sizes(E, T * k, P)
+    if not use_triton(plan_kernel, ids):
+        counts, offsets, pair_to_row, row_to_pair, pad_rows = dispatch_plan_reference(ids, E, P)
+        pieces = (offsets, counts, pair_to_row, row_to_pair, pad_rows)
+        return torch.cat([t for piece, gap in zip(pieces, sizes[1::2]) for t in (piece, piece.new_zeros(gap))])
+
     N = T * k
     M = padded_num_rows(N, E, P)
     e_pow2 = triton.next_power_of_2(E)
@@ -127,38 +141,24 @@ def _plan(
     max_chunks = _CHUNKS_PER_SM * multiprocessor_count(dev)
     chunk = triton.cdiv(triton.cdiv(max(N, 1), max_chunks), block) * block
     num_chunks = triton.cdiv(max(N, 1), chunk)
-    i32 = torch.int32
-    scratch = torch.zeros(5 + E * num_chunks + E, dtype=i32, device=dev)  # work counters, part counts, totals
-    sync, part_counts, totals = scratch.split([5, E * num_chunks, E])
-    counts = torch.empty(E, dtype=i32, device=dev)
-    offsets = torch.empty(E, dtype=i32, device=dev)
-    pair_to_row = torch.empty(N, dtype=i32, device=dev)
-    row_to_pair = torch.empty(M, dtype=i32, device=dev)
-    pad_rows = torch.empty((P - 1) * E, dtype=i32, device=dev)
+    scratch = torch.zeros(SYNC_SLOTS.value + E * num_chunks + E, dtype=torch.int32, device=dev)
+    packed = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
     with device_guard(ids):
         plan_kernel[(num_chunks,)](
-            ids, part_counts, totals, sync, counts, offsets, pair_to_row, row_to_pair, pad_rows,
-            N, M, num_chunks, chunk, triton.cdiv(M, num_chunks),
+            ids, scratch, packed, N, M, num_chunks, chunk, triton.cdiv(M, num_chunks),
             E=E, E_POW2=e_pow2, BLOCK=block, SCAN=_SCAN,
             PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
         )
-    return counts, offsets, pair_to_row, row_to_pair, pad_rows
+    return packed
 
 
-# Under torch.compile the plan is a custom op (with a fake kernel): one opaque node with static
-# output shapes instead of the Triton launch; eagerly a plain call.
+# Under torch.compile the plan is a custom op (with a fake kernel): one opaque node with a static
+# output shape instead of the Triton launch; eagerly a plain call. It returns the one packed buffer
+# (a custom op's outputs may not alias each other), which make_dispatch_plan splits into views.
 _plan_op = torch.library.custom_op("moe_fp8::routing_dispatch_plan", _plan, mutates_args=())
 _build_plan = eager_or_custom_op(_plan_op, _plan)
 
 
 @_plan_op.register_fake
 def _(ids, num_experts, pad_multiple):
-    N = ids.shape[0] * ids.shape[1]
-    i32 = dict(dtype=torch.int32)
-    return (
-        ids.new_empty(num_experts, **i32),
-        ids.new_empty(num_experts, **i32),
-        ids.new_empty(N, **i32),
-        ids.new_empty(padded_num_rows(N, num_experts, pad_multiple), **i32),
-        ids.new_empty((pad_multiple - 1) * num_experts, **i32),
-    )
+    return ids.new_empty(sum(packed_sizes(num_experts, ids.shape[0] * ids.shape[1], pad_multiple)), dtype=torch.int32)

@@ -27,7 +27,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["plan_kernel"]
+__all__ = ["SYNC_SLOTS", "plan_kernel"]
+
+# int32 counters at the head of the scratch (five used; eight keep part_counts 16-byte aligned)
+SYNC_SLOTS = tl.constexpr(8)
 
 
 @triton.jit
@@ -129,15 +132,29 @@ def _place_chunk(ids_ptr, part_counts_ptr, totals_ptr, counts_ptr, offsets_ptr, 
 
 @triton.jit
 def plan_kernel(
-    ids_ptr, part_counts_ptr, totals_ptr, sync_ptr,
-    counts_ptr, offsets_ptr, pair_to_row_ptr, row_to_pair_ptr, pad_rows_ptr,
+    ids_ptr, scratch_ptr, out_ptr,
     num_pairs, num_rows, num_chunks, chunk, fill_rows,
     E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
     PAD: tl.constexpr, PAD_POW2: tl.constexpr,
 ):
-    """The whole plan (see the module docstring). ``sync_ptr``: five int32 zeros (count claims,
-    chunks counted, scan claims, experts scanned, place claims); scratch: ``part_counts (E,
-    num_chunks)`` and ``totals (E,)`` int32."""
+    """The whole plan (see the module docstring).
+
+    ``scratch_ptr``: int32 zeros, ``SYNC_SLOTS`` work / done counters (count claims, chunks
+    counted, scan claims, experts scanned, place claims), then ``part_counts (E, num_chunks)`` and
+    ``totals (E,)``. ``out_ptr``: the packed int32 outputs, each piece starting at a multiple of 4
+    elements (16 bytes): ``offsets (E)``, ``counts (E)``, ``pair_to_row (num_pairs)``,
+    ``row_to_pair (num_rows)``, ``pad_rows ((PAD-1)*E)`` (see ``plan.packed_sizes``).
+    """
+    sync_ptr = scratch_ptr
+    part_counts_ptr = scratch_ptr + SYNC_SLOTS
+    totals_ptr = part_counts_ptr + E * num_chunks
+    e4: tl.constexpr = (E + 3) // 4 * 4
+    offsets_ptr = out_ptr
+    counts_ptr = out_ptr + e4
+    pair_to_row_ptr = out_ptr + 2 * e4
+    row_to_pair_ptr = pair_to_row_ptr + tl.multiple_of((num_pairs + 3) // 4 * 4, 4)
+    pad_rows_ptr = row_to_pair_ptr + tl.multiple_of((num_rows + 3) // 4 * 4, 4)
+
     c = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     while c < num_chunks:
         _count_chunk(ids_ptr, part_counts_ptr, row_to_pair_ptr, c, num_chunks, chunk, num_pairs, num_rows,
