@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_math import cdiv, next_power_of_2
+
 __all__ = ["gather_rows_padded_kernel", "launch_gather_rows_padded"]
 
 # Integer types of each element size: the kernel copies bits.
@@ -119,9 +121,9 @@ def launch_gather_rows_padded(
         return
     bits = _BITS_DTYPES[x.element_size()]
     block_c = max(block_bytes // x.element_size(), 1)
-    grid = (triton.cdiv(R, block_r),)
+    grid = (cdiv(R, block_r),)
     gather_rows_padded_kernel[grid](
         x.view(bits), out.view(bits), offs, padded_offs, M, C, R, x.stride(0) if M > 1 else C, E,
-        G_BLOCK=min(triton.next_power_of_2(max(E, 1)), group_block), BLOCK_R=block_r, BLOCK_C=block_c,
+        G_BLOCK=min(next_power_of_2(max(E, 1)), group_block), BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=num_warps,
     )

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_math import cdiv
+
 __all__ = ["launch_zero_rows_kernel", "zero_rows_past_end"]
 
 
@@ -51,7 +53,7 @@ def launch_zero_rows_kernel(out: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     if out.stride(1) != 1:
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
     block_m = 32
-    _zero_rows_past_end_kernel[(triton.cdiv(M, block_m),)](
+    _zero_rows_past_end_kernel[(cdiv(M, block_m),)](
         out, offs, offs.numel(), M, N, out.stride(0), BLOCK_M=block_m, BLOCK_N=128
     )
     return out

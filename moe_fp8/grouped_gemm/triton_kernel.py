@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ..checks import check_multiple_of, check_offsets, check_same_device, check_tensor
 from ..kernel_backend import interpreter_enabled
+from ..launch_math import cdiv, next_power_of_2
 from .emulated import FP8_DTYPES
 from .triton_configs import (
     BLOCKWISE_BLOCK,
@@ -301,9 +302,9 @@ def triton_grouped_mm_2d3d(
         check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, N))
     else:
         mode = SCALE_BLOCKWISE
-        kb = triton.cdiv(K, BLOCKWISE_BLOCK)
+        kb = cdiv(K, BLOCKWISE_BLOCK)
         check_tensor("scale_a", scale_a, shape=(M, kb))
-        check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, triton.cdiv(N, BLOCKWISE_BLOCK), kb))
+        check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, cdiv(N, BLOCKWISE_BLOCK), kb))
     check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, offs=offs)
     _check_can_launch(a)
 
@@ -317,7 +318,7 @@ def triton_grouped_mm_2d3d(
     sa_strides = (scale_a.stride(0), scale_a.stride(1)) if mode == SCALE_BLOCKWISE else (
         (scale_a.stride(0), 0) if mode == SCALE_ROWWISE else (0, 0))  # fmt: skip
     sb_strides = tuple(scale_b.stride()) + (0,) * (3 - scale_b.dim())
-    grid = ((triton.cdiv(M, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n),)
+    grid = ((cdiv(M, cfg.block_m) + E) * cdiv(N, cfg.block_n),)
     _grouped_mm_2d3d_kernel[grid](
         a, b, out, scale_a, scale_b, offs,
         M, N, K, E,
@@ -328,7 +329,7 @@ def triton_grouped_mm_2d3d(
         *sb_strides,
         SCALE_MODE=mode,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        BLOCK_E=triton.next_power_of_2(E + 1), EVEN_K=K % cfg.block_k == 0,
+        BLOCK_E=next_power_of_2(E + 1), EVEN_K=K % cfg.block_k == 0,
         MAX_IMPRECISE=_max_imprecise(cfg, a.device), OUT_BF16=out_dtype == torch.bfloat16,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
@@ -386,7 +387,7 @@ def triton_grouped_mm_2d2d(
     out = torch.empty((E, N, K), dtype=out_dtype, device=a.device)
     cfg = config or config_2d2d(N, K, E, mode, a.device)
     max_imprecise = _max_imprecise(cfg, a.device)  # the head/tail slice is only 32 rows deep
-    grid = (E * triton.cdiv(N, cfg.block_m) * triton.cdiv(K, cfg.block_n),)
+    grid = (E * cdiv(N, cfg.block_m) * cdiv(K, cfg.block_n),)
     _grouped_mm_2d2d_kernel[grid](
         a, b, out, scale_a, scale_b, offs,
         M, N, K,

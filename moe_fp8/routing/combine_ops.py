@@ -19,11 +19,11 @@ Exposed as the torch custom ops ``moe_fp8::routing_combine`` (autograd registere
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..checks import check_same_device, check_tensor
 from ..quant.reference import HIGH_PRECISION_DTYPES
 from ..kernel_backend import device_guard, use_triton
+from ..launch_math import cdiv, next_power_of_2
 from .combine_kernels import combine_backward_kernel, combine_kernel
 from .permute_ops import _permute_op
 from .plan import DispatchPlan
@@ -53,9 +53,9 @@ def _combine_op(
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
     if T == 0 or H == 0:
         return out
-    block = min(triton.next_power_of_2(H), _FWD_BLOCK_H)
+    block = min(next_power_of_2(H), _FWD_BLOCK_H)
     with device_guard(y):
-        combine_kernel[(T, triton.cdiv(H, block))](
+        combine_kernel[(T, cdiv(H, block))](
             y, weights if weights is not None else y, out, pair_to_row, H,
             TOPK=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=block, num_warps=_FWD_WARPS,
         )
@@ -78,13 +78,13 @@ def _combine_backward_op(
     grad_y = torch.empty_like(y)
     grad_w = torch.empty_like(weights)
     num_pad = pad_rows.numel()
-    grid = T + triton.cdiv(num_pad, _PAD_ROWS_PER_PROGRAM)
+    grid = T + cdiv(num_pad, _PAD_ROWS_PER_PROGRAM)
     if H == 0:
         return grad_y, grad_w.zero_()
     if grid == 0:
         return grad_y, grad_w
-    k_pow2 = triton.next_power_of_2(k)
-    block = min(triton.next_power_of_2(H), max(128, _BWD_TILE // k_pow2))
+    k_pow2 = next_power_of_2(k)
+    block = min(next_power_of_2(H), max(128, _BWD_TILE // k_pow2))
     with device_guard(y):
         combine_backward_kernel[(grid,)](
             grad_out, y, weights, grad_y, grad_w, pair_to_row, pad_rows, T, H, num_pad,

@@ -9,13 +9,13 @@ outputs non-differentiable (FP8 codes feed a GEMM whose autograd op owns the bac
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..checks import check_tensor
 from ..quant.formats import Float8Format, resolve_format
 from ..quant.reference import HIGH_PRECISION_DTYPES
 from ..quant.kernels.common import format_constexprs
 from ..kernel_backend import device_guard, use_triton
+from ..launch_math import cdiv, next_power_of_2
 from .permute_kernels import permute_rows_kernel
 from .plan import DispatchPlan
 from .reference import padding_scale, permute_quantize_reference, permute_reference
@@ -33,10 +33,10 @@ def _num_warps(block: int) -> int:
 
 def _row_blocking(H: int) -> tuple[int, int]:
     """``(BLOCK_H, NUM_CHUNKS)`` for rows of ``H`` elements (module constants: tests shrink them)."""
-    block = triton.next_power_of_2(max(H, 1))
+    block = next_power_of_2(max(H, 1))
     if block <= _MAX_SINGLE_BLOCK:
         return block, 1
-    return _CHUNK, triton.cdiv(H, _CHUNK)
+    return _CHUNK, cdiv(H, _CHUNK)
 
 
 def launch_permute(
@@ -54,7 +54,7 @@ def launch_permute(
     out = torch.empty(num_rows, H, dtype=fmt.torch_dtype if quantize else x.dtype, device=x.device)
     scale = torch.empty(num_rows, dtype=torch.float32, device=x.device) if quantize else None
     num_pad = pad_rows.numel()
-    grid = T + triton.cdiv(num_pad, _PAD_ROWS_PER_PROGRAM)
+    grid = T + cdiv(num_pad, _PAD_ROWS_PER_PROGRAM)
     if grid == 0 or H == 0:
         if quantize and num_rows:
             scale.fill_(padding_scale(fmt, pow2))

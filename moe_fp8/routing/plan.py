@@ -24,10 +24,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
+from ..launch_math import cdiv, next_power_of_2
 from ..quant.kernels.common import multiprocessor_count
 from .plan_kernels import SYNC_SLOTS, plan_kernel
 from .reference import dispatch_plan_reference
@@ -107,7 +107,7 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
     if k < 1 or k > num_experts:
         raise ValueError(f"topk_ids: expected 1 <= k <= num_experts={num_experts} columns, got shape {(T, k)}")
     packed = _build_plan(topk_ids.contiguous(), num_experts, pad_multiple)
-    offsets, _, counts, _, pair_to_row, _, row_to_pair, _, pad_rows, _ = packed.split(
+    offsets, _, counts, _, pair_to_row, _, row_to_pair, _, pad_rows, _ = packed.split_with_sizes(
         packed_sizes(num_experts, T * k, pad_multiple))
     return DispatchPlan(counts, offsets, pair_to_row, row_to_pair, pad_rows, k, pad_multiple)
 
@@ -134,20 +134,20 @@ def _plan(ids: torch.Tensor, num_experts: int, pad_multiple: int) -> torch.Tenso
 
     N = T * k
     M = padded_num_rows(N, E, P)
-    e_pow2 = triton.next_power_of_2(E)
+    e_pow2 = next_power_of_2(E)
     block = _block_size(e_pow2)
     dev = ids.device
     # one chunk per program, a multiple of `block` pairs, at most _CHUNKS_PER_SM per multiprocessor
     max_chunks = _CHUNKS_PER_SM * multiprocessor_count(dev)
-    chunk = triton.cdiv(triton.cdiv(max(N, 1), max_chunks), block) * block
-    num_chunks = triton.cdiv(max(N, 1), chunk)
+    chunk = cdiv(cdiv(max(N, 1), max_chunks), block) * block
+    num_chunks = cdiv(max(N, 1), chunk)
     scratch = torch.zeros(SYNC_SLOTS.value + E * num_chunks + E, dtype=torch.int32, device=dev)
     packed = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
     with device_guard(ids):
         plan_kernel[(num_chunks,)](
-            ids, scratch, packed, N, M, num_chunks, chunk, triton.cdiv(M, num_chunks),
+            ids, scratch, packed, N, M, num_chunks, chunk, cdiv(M, num_chunks),
             E=E, E_POW2=e_pow2, BLOCK=block, SCAN=_SCAN,
-            PAD=P, PAD_POW2=triton.next_power_of_2(max(P - 1, 1)),
+            PAD=P, PAD_POW2=next_power_of_2(max(P - 1, 1)),
         )
     return packed
 

@@ -11,9 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .common import format_constexprs, next_power_of_2, to_fp8
+from .common import format_constexprs, to_fp8
 
 __all__ = ["MAX_BLOCK_ELEMENTS", "supported_block", "launch_blockwise"]
 
@@ -87,10 +88,10 @@ def launch_blockwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt:
     if B * R * C == 0:  # no elements, hence no blocks and no scales
         return
     tile_r = br if br > 1 else max(1, min(_ROW_TILE_ELEMENTS // bc, next_power_of_2(R)))
-    n_row_tiles, n_col_blocks = triton.cdiv(R, tile_r), triton.cdiv(C, bc)
+    n_row_tiles, n_col_blocks = cdiv(R, tile_r), cdiv(C, bc)
     grid = (B * n_row_tiles * n_col_blocks,)
     _blockwise_kernel[grid](
-        x3, q, scale, R, C, n_row_tiles, n_col_blocks, triton.cdiv(R, br), x3.stride(0), x3.stride(1), x3.stride(2),
+        x3, q, scale, R, C, n_row_tiles, n_col_blocks, cdiv(R, br), x3.stride(0), x3.stride(1), x3.stride(2),
         POW2=bool(pow2), TILE_R=tile_r, ROW_SCALES=br == 1, BLOCK_C=bc,
         num_warps=8 if tile_r * bc >= 8192 else 4, **format_constexprs(fmt, x.device, hw_cast),
     )

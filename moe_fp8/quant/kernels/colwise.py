@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
 from .common import format_constexprs, to_fp8
@@ -461,11 +462,11 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
         del cfg["maxnreg"]  # a launch option of NVIDIA's compiler only (the interpreter runs on CPU tensors)
     c_a = sa.shape[1]
     c_b = sb.shape[1] if b is not None else 0
-    nb_a, nb_b = triton.cdiv(c_a, cfg["BLOCK_C"]), triton.cdiv(c_b, cfg["BLOCK_C"])
+    nb_a, nb_b = cdiv(c_a, cfg["BLOCK_C"]), cdiv(c_b, cfg["BLOCK_C"])
     uniform = offs is None
     if (uniform and G == 0) or nb_a + nb_b == 0:
         return
-    n_chunks = max(triton.cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
+    n_chunks = max(cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
     dev = a.device
     g1 = max(G, 1)
     work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
@@ -481,9 +482,9 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     for grid, roles in launches:
         _colwise_kernel[(grid,)](
             a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded_offs is not None else offs, amax, cnt,
-            G, n_uni, rows_in, rows_out, n_chunks, triton.cdiv(rows_out, n_chunks), nb_a, nb_b,
+            G, n_uni, rows_in, rows_out, n_chunks, cdiv(rows_out, n_chunks), nb_a, nb_b,
             POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded_offs is not None,
-            G_POW2=triton.next_power_of_2(max(G, 1)), ROLES=roles.value, **cfg,
+            G_POW2=next_power_of_2(max(G, 1)), ROLES=roles.value, **cfg,
             **format_constexprs(fmt, dev, hw_cast),
         )
 

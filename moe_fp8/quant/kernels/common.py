@@ -23,7 +23,7 @@ import triton.language as tl
 from ..formats import Float8Format
 from ..triton_helpers import fp8_constexprs, fp8_quantize
 
-__all__ = ["to_fp8", "hardware_cast_is_exact", "format_constexprs", "multiprocessor_count", "next_power_of_2"]
+__all__ = ["to_fp8", "hardware_cast_is_exact", "format_constexprs", "multiprocessor_count"]
 
 # Programs a persistent launch gets per multiprocessor in the CPU interpreter (no device to ask).
 _INTERPRETER_SMS = 4
@@ -87,6 +87,3 @@ def multiprocessor_count(device: torch.device) -> int:
         return _INTERPRETER_SMS
     return _sm_count(_index(device))
 
-
-def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))

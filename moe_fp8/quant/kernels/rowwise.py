@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .common import format_constexprs, next_power_of_2, to_fp8
+from .common import format_constexprs, to_fp8
 
 __all__ = ["rowwise_block", "rowwise_config", "launch_rowwise"]
 
@@ -148,7 +149,7 @@ def launch_rowwise(
     if M == 0:
         return
     cfg = config or rowwise_config(M, K)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
+    grid = (cdiv(M, cfg["BLOCK_M"]),)
     _rowwise_kernel[grid](
         x, q, scale, M, K, max(rows_per_group, 1), stride_g, stride_r, stride_k,
         POW2=bool(pow2), **cfg, **format_constexprs(fmt, x.device, hw_cast),

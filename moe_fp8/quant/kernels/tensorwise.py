@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .common import format_constexprs, multiprocessor_count, next_power_of_2, to_fp8
+from .common import format_constexprs, multiprocessor_count, to_fp8
 
 __all__ = ["launch_tensorwise", "launch_expert_tensorwise"]
 
@@ -75,7 +76,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, groups: int, 
             hw_cast: bool | None) -> None:
     numel = x.numel() // groups if groups else 0
     per_group = max(1, multiprocessor_count(x.device) * _PROGRAMS_PER_SM // groups)
-    programs = max(1, min(triton.cdiv(numel, _BLOCK), per_group))
+    programs = max(1, min(cdiv(numel, _BLOCK), per_group))
     partial = torch.empty((groups, programs), dtype=torch.float32, device=x.device)
     _partial_amax_kernel[(programs, groups)](x, partial, numel, BLOCK=_BLOCK, num_warps=8)
     _tensorwise_cast_kernel[(programs, groups)](
