@@ -160,17 +160,9 @@ def test_cuda_graph_capture_and_replay(backend, recipe):
 
 
 # Inductor compiles take ~10 s each: the recipes' paths are traced on the CPU (aot_eager) for all.
-_BF16_COMPILE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="open bug: on the H200 (torch 2.11, Inductor) the compiled bf16-recipe dgrad differs from eager "
-    "on every used row (eager equals torch's autograd exactly; not reproduced with Inductor on the CPU)",
-)
-
-
 @pytest.mark.parametrize(
     "backend, recipe",
-    [("cuda", "rowwise"), ("hybrid", "rowwise"), ("triton", "rowwise"),
-     pytest.param("cuda", "bf16", marks=_BF16_COMPILE_BUG)],
+    [("cuda", "rowwise"), ("hybrid", "rowwise"), ("triton", "rowwise"), ("cuda", "bf16")],
 )
 def test_compile_fullgraph(backend, recipe):
     need(backend)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..autograd_outputs import same_or_cast
 from . import library as lib
 from .backends import get_backend
 from .padding import padded_offsets, padded_rows
@@ -59,7 +60,7 @@ class FP8GroupedMM(torch.autograd.Function):
             return x.new_zeros(0, w.shape[1], dtype=out_dtype)
         if scaling is None:
             ctx.save_for_backward(x, w, offs)
-            return lib.bf16_mm_2d3d(backend, x, w, offs, True).to(out_dtype)
+            return same_or_cast(lib.bf16_mm_2d3d(backend, x, w, offs, True), out_dtype)
         fused = get_backend(backend).fused_quant
         if w_quant is None:
             w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..autograd_outputs import same_or_cast
 from ..checks import check_multiple_of
 from ..quant import formats, quantize_expert_colwise, quantize_rowwise, quantize_tensorwise
 from ..quant.recipes import Float8Recipe, get_recipe
@@ -73,7 +74,7 @@ def _scaled_mm(a_q, a_s, b_q_t, b_s_t, out_dtype) -> torch.Tensor:
     """
     b_scale = b_s_t if b_s_t.dim() == 0 else b_s_t.reshape(1, -1)
     out = torch._scaled_mm(a_q, b_q_t.t(), a_s, b_scale, out_dtype=torch.bfloat16, use_fast_accum=True)
-    return out.to(out_dtype)
+    return same_or_cast(out, out_dtype)  # the forward's return: no alias (see autograd_outputs)
 
 
 class _FP8LinearFn(torch.autograd.Function):
