@@ -55,7 +55,7 @@ def assert_same(got, want, what: str = "") -> None:
         bad = got.view(torch.uint8) != want.view(torch.uint8)
         assert not bad.any(), (
             f"{what}: {int(bad.sum())} of {bad.numel()} bytes differ, first at {bad.nonzero()[0].tolist()}: "
-            f"{got[bad][:4].float().tolist()} vs {want[bad][:4].float().tolist()}"
+            f"{got.float()[bad][:4].tolist()} vs {want.float()[bad][:4].tolist()}"
         )
     else:
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..autograd_outputs import same_or_cast
 from ..checks import check_multiple_of
 from ..quant import formats, quantize_expert_colwise, quantize_rowwise, quantize_tensorwise
 from ..quant.recipes import Float8Recipe, get_recipe
 from .param_checks import check_parameters
+from .scaled_mm import scaled_mm
 
 __all__ = ["FP8Linear", "DENSE_RECIPES", "fp8_linear"]
 
@@ -67,16 +67,6 @@ def _quantize_t(t: torch.Tensor, recipe: Float8Recipe, fmt) -> tuple[torch.Tenso
     return q[0], scale[0][:, None]
 
 
-def _scaled_mm(a_q, a_s, b_q_t, b_s_t, out_dtype) -> torch.Tensor:
-    """``a (M, K) @ b (K, N)`` where ``b_q_t`` is ``b.T`` quantized row-major ``(N, K)``.
-
-    The FP8 GEMM writes bf16 (the only output every rowwise backend takes), then casts.
-    """
-    b_scale = b_s_t if b_s_t.dim() == 0 else b_s_t.reshape(1, -1)
-    out = torch._scaled_mm(a_q, b_q_t.t(), a_s, b_scale, out_dtype=torch.bfloat16, use_fast_accum=True)
-    return same_or_cast(out, out_dtype)  # the forward's return: no alias (see autograd_outputs)
-
-
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe, fmt, grad_fmt):
@@ -84,7 +74,7 @@ class _FP8LinearFn(torch.autograd.Function):
         w_q, w_s = _quantize(weight, recipe, fmt)
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.fmt, ctx.grad_fmt = recipe, fmt, grad_fmt
-        return _scaled_mm(x_q, x_s, w_q, w_s, x.dtype)
+        return scaled_mm(x_q, x_s, w_q, w_s, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -98,7 +88,7 @@ class _FP8LinearFn(torch.autograd.Function):
             g_q, g_s = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N), or tensorwise
         if need_dx:
             wt_q, wt_s = _quantize_t(weight, recipe, fmt)  # per input column of W (over N)
-            grad_x = _scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype)
+            grad_x = scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype)
         if need_dw:
             if recipe.fp8_wgrad:
                 if tensorwise_wgrad:  # one scale either way: transpose the codes made for dgrad
@@ -106,7 +96,7 @@ class _FP8LinearFn(torch.autograd.Function):
                 else:
                     gt_q, gt_s = _quantize_t(grad_out, recipe, grad_fmt)  # (N, M_pad)
                 xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
-                grad_w = _scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype)
+                grad_w = scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype)
             else:
                 grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
         return grad_x, grad_w, None, None, None

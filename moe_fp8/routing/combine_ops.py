@@ -132,9 +132,12 @@ def combine(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | None = 
     check_tensor("y", y, dtypes=HIGH_PRECISION_DTYPES, ndim=2)
     if not isinstance(plan, DispatchPlan):
         raise TypeError(f"plan: expected DispatchPlan, got {type(plan).__name__}")
-    if y.shape[0] != plan.num_rows:
-        raise ValueError(f"y: expected {plan.num_rows} rows (plan.num_rows), got shape {tuple(y.shape)}")
-    T, k = plan.num_tokens, plan.top_k
+    # shapes read off the plan's tensors, not its properties: Dynamo in torch 2.9 cannot evaluate
+    # a NamedTuple property (fullgraph compile fails there)
+    M, k = plan.row_to_pair.shape[0], plan.top_k
+    if y.shape[0] != M:
+        raise ValueError(f"y: expected {M} rows (plan.num_rows), got shape {tuple(y.shape)}")
+    T = plan.pair_to_row.shape[0] // k
     if weights is not None:
         check_tensor("weights", weights, dtypes=HIGH_PRECISION_DTYPES, shape=(T, k))
         check_same_device(y=y, weights=weights, plan=plan.pair_to_row)
