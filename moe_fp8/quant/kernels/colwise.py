@@ -280,6 +280,7 @@ def _column_block(
                         seen = tl.atomic_add(cnt, 0, sem="acquire")
                         while seen < n_pieces:  # members run ahead of workers: see the module docstring
                             seen = tl.atomic_add(cnt, 0, sem="acquire")
+                        tl.debug_barrier()  # the acquire (one thread's) before every thread's amax loads
                     amax = tl.load(amax_cols, mask=col_ok, other=0, volatile=True).to(tl.float32, bitcast=True)
                     inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
                     if p0 == start:
@@ -302,6 +303,10 @@ def _column_block(
                         acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
                     bits = tl.max(acc, axis=0).to(tl.int32, bitcast=True)  # >= 0: ordered like the floats
                     tl.atomic_max(amax_cols, bits, mask=col_ok, sem="relaxed")
+                    # Several warps issue the atomic_max (threads 0-63 for 64 columns on sm_90), one
+                    # thread the release below: without a CTA barrier between them the release does
+                    # not order the other warps' maxima (a worker could read a partial amax).
+                    tl.debug_barrier()
                     tl.atomic_add(cnt, 1, sem="release")
         elif is_worker:  # an empty group belongs to the chunk holding its start (the last chunk: start == n_rows)
             if tl.minimum(start // CHUNK, n_chunks - 1) == c:
