@@ -163,6 +163,20 @@ def fake_rocm(monkeypatch, arch: str, fp8_dtype: torch.dtype, build="USE_ROCM=ON
     return calls
 
 
+@pytest.mark.parametrize("arch, usable", [("gfx942", True), ("gfx950", False)])
+def test_rocm_fbgemm_genai_builds_serve_gfx942_only(monkeypatch, arch, usable):
+    """torch 2.9 / 2.10 ROCm builds (FBGEMM-GenAI, no MSLK) have the grouped GEMM for gfx942 only:
+    on gfx950 the automatic choice falls back to triton, and asking for rocm says why."""
+    fake_rocm(monkeypatch, arch, torch.float8_e4m3fnuz, build="USE_ROCM=ON, USE_FBGEMM_GENAI=ON")
+    monkeypatch.setattr(CudaBackend, "device_type", "cuda")
+    if usable:
+        assert select_backend(None, "cuda:0").name == "rocm" and select_backend("rocm", "cuda:0").name == "rocm"
+    else:
+        assert select_backend(None, "cuda:0").name == "triton"
+        with pytest.raises(ValueError, match="gfx950 needs a PyTorch build with USE_MSLK"):
+            select_backend("rocm", "cuda:0")
+
+
 @needs_interpreter  # the wgrad runs on the Triton kernel
 @pytest.mark.parametrize("arch, fmt", [("gfx942", "e4m3fnuz"), ("gfx950", "e4m3fn")])
 def test_rocm_plan(monkeypatch, arch, fmt):

@@ -5,7 +5,14 @@ row-major, B column-major, rowwise scales ``(M,)`` / ``(E, N)``, tensorwise expa
 blockwise on the Triton kernel. Differences:
 
 * FP8 format by architecture: gfx942 (MI300X/MI325X) takes ``float8_e4m3fnuz`` (max 240),
-  gfx950 (MI350X/MI355X) ``float8_e4m3fn`` (max 448) (PyTorch's GroupedBlas, MSLK era).
+  gfx950 (MI350X/MI355X) ``float8_e4m3fn`` (max 448) (PyTorch's GroupedBlas, MSLK era). Builds
+  with FBGEMM-GenAI instead of MSLK (torch 2.9 / 2.10) carry the kernel for gfx942 only, so on
+  gfx950 with those the backend is unavailable and the automatic choice is ``triton``.
+* BF16 grouped GEMMs (the ``bf16`` recipe, the BF16 wgrad of ``rowwise_gw_hp`` / ``blockwise``)
+  go through ``torch._grouped_mm`` on every backend. On ROCm, per PyTorch's GroupedBlas source
+  (not run here), that is a CK kernel only in builds with ``USE_ROCM_CK_GEMM`` and with
+  ``ROCM_ALLOW_GROUP_GEMM_CK=1`` set; otherwise a per-group loop over offsets copied to the host:
+  a host sync, so those recipes are not CUDA-graph capturable there.
 * wgrad (2D x 2D) runs on the Triton kernel: the CK path does not cover that form on every
   PyTorch version (pytorch#161366), and Primus-Turbo measured CK's FP8 backward ~8x slower than
   Triton on DeepSeek-V3 shapes. So no group padding is needed.
@@ -55,6 +62,9 @@ class RocmBackend(CudaBackend):
         config = torch.__config__.show()
         if not any(flag in config for flag in _BUILD_FLAGS):
             return f"this PyTorch build has neither {' nor '.join(_BUILD_FLAGS)} (no CK grouped GEMM)"
+        if arch == "gfx950" and "USE_MSLK" not in config:
+            return ("gfx950 needs a PyTorch build with USE_MSLK (torch >= 2.11): the FBGEMM-GenAI grouped GEMM of "
+                    "torch 2.9 / 2.10 is built for gfx942 only and takes e4m3fnuz")
         return None
 
     def fp8_format(self, device: torch.device) -> Float8Format:
