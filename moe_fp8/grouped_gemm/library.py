@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..kernel_backend import eager_or_custom_op
+from ..launch_math import cdiv
 from ..quant.formats import resolve_format
 from . import quant_seam
 from .backends import get_backend
@@ -27,10 +28,6 @@ __all__ = [
     "quantize_weight",
     "quantize_wgrad_operands",
 ]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _fp8(fmt: str) -> torch.dtype:
@@ -112,7 +109,7 @@ def _scale_shape(shape, scaling: str) -> tuple:
         return tuple(shape[:-1])
     if scaling == "tensorwise":
         return ()
-    return (*shape[:-1], _cdiv(shape[-1], quant_seam.BLOCK))
+    return (*shape[:-1], cdiv(shape[-1], quant_seam.BLOCK))
 
 
 @_op_quantize_activation.register_fake
@@ -129,7 +126,7 @@ def _(w, scaling, fmt, pow2, fused):
         return q_fwd, w.new_empty(E, N, dtype=f32), q_bwd, w.new_empty(E, K, dtype=f32)
     if scaling == "tensorwise":
         return q_fwd, w.new_empty(E, dtype=f32), q_bwd, w.new_empty(E, dtype=f32)
-    nb, kb = _cdiv(N, quant_seam.BLOCK), _cdiv(K, quant_seam.BLOCK)
+    nb, kb = cdiv(N, quant_seam.BLOCK), cdiv(K, quant_seam.BLOCK)
     return q_fwd, w.new_empty(E, nb, kb, dtype=f32), q_bwd, w.new_empty(E, kb, nb, dtype=f32)
 
 
