@@ -4,10 +4,11 @@ One scale per (group, column): the amax over the group's rows. The rows are cut 
 *chunks* of ``CHUNK`` rows; per column block of ``BLOCK_C`` columns, each chunk gets two programs:
 
 * a *member* reduces the column amax of each group piece in its chunk, merges it into the group's
-  amax (a relaxed ``atomic_max`` on the fp32 bits, ``BLOCK_C`` per piece) and counts the piece in
-  at the (group, column block) counter (one ``release`` atomic add);
-* a *worker* waits (an ``acquire`` atomic read, spinning) until every piece of each of its groups
-  is counted, then scales, rounds and stores its chunk's rows, which it reads from L2, where its
+  amax (a relaxed ``atomic_max`` on the fp32 bits, ``BLOCK_C`` per piece) and, after a CTA barrier
+  (the maxima come from several warps), counts the piece in at the (group, column block) counter
+  (one ``release`` atomic add);
+* a *worker* waits (an ``acquire`` atomic read, spinning, then a CTA barrier) until every piece of
+  each of its groups is counted, then scales, rounds and stores its chunk's rows, which it reads from L2, where its
   member has just brought them. (With padded offsets, a worker's piece boundaries inside a group
   move, by less than ``BLOCK_R`` rows, to where the output rows start a tile: see below.)
 
