@@ -8,8 +8,8 @@ One scale per (group, column): the amax over the group's rows. The rows are cut 
   (the maxima come from several warps), counts the piece in at the (group, column block) counter
   (one ``release`` atomic add);
 * a *worker* waits (an ``acquire`` atomic read, spinning, then a CTA barrier) until every piece of
-  each of its groups is counted, then scales, rounds and stores its chunk's rows, which it reads from L2, where its
-  member has just brought them. (With padded offsets, a worker's piece boundaries inside a group
+  each of its groups is counted, then scales, rounds and stores its chunk's rows, which it reads
+  from L2, where its member has just brought them. (With padded offsets, a worker's piece boundaries inside a group
   move, by less than ``BLOCK_R`` rows, to where the output rows start a tile: see below.)
 
 Every program moves the same bytes whatever the group sizes are (no autotuning per token count,
