@@ -198,6 +198,32 @@ def test_rocm_plan(monkeypatch, arch, fmt):
     close(got[2], want[2])
 
 
+def test_rocm_bf16_grouped_mm_warns_about_the_host_loop(monkeypatch):
+    """Once per process, on ROCm GPUs only, unless ROCM_ALLOW_GROUP_GEMM_CK asks for PyTorch's CK kernel."""
+    import warnings
+
+    import moe_fp8.grouped_gemm.backends.base as base
+
+    gpu = torch.device("cuda", 0)
+    base._warn_once.cache_clear()
+    monkeypatch.delenv("ROCM_ALLOW_GROUP_GEMM_CK", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monkeypatch.setattr(torch.version, "hip", None)
+        base.warn_rocm_bf16_host_loop(gpu)  # CUDA
+        monkeypatch.setattr(torch.version, "hip", "6.4.0")
+        base.warn_rocm_bf16_host_loop(torch.device("cpu"))
+        monkeypatch.setenv("ROCM_ALLOW_GROUP_GEMM_CK", "1")
+        base.warn_rocm_bf16_host_loop(gpu)
+    monkeypatch.delenv("ROCM_ALLOW_GROUP_GEMM_CK")
+    with pytest.warns(UserWarning, match="ROCM_ALLOW_GROUP_GEMM_CK=1"):
+        base.warn_rocm_bf16_host_loop(gpu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        base.warn_rocm_bf16_host_loop(gpu)  # once
+    base._warn_once.cache_clear()
+
+
 def test_rocm_unsupported_arch_falls_back_to_triton(monkeypatch):
     fake_rocm(monkeypatch, "gfx90a", torch.float8_e4m3fnuz)
     x, w, _, offs = inputs()

@@ -13,10 +13,16 @@ recipe; the op does the quantization (``quant_seam``) and the bookkeeping. Opera
   ``pads_wgrad_groups`` is set, the op hands over groups padded to 16 rows (``padding.py``)
   and the padded offsets.
 
-Every output row at or past ``offs[-1]`` is zero, and no method syncs with the host.
+Every output row at or past ``offs[-1]`` is zero, and no method syncs with the host, except the
+BF16 GEMMs on ROCm where PyTorch's grouped GEMM falls back to a host loop (see
+:func:`warn_rocm_bf16_host_loop`).
 """
 
 from __future__ import annotations
+
+import functools
+import os
+import warnings
 
 import torch
 
@@ -24,7 +30,31 @@ from ...quant.formats import Float8Format, detect_format
 from ..padding import gather_rows_padded, padded_offsets, padded_rows
 from ..tail import zero_rows_past_end
 
-__all__ = ["GroupedGemmBackend"]
+__all__ = ["GroupedGemmBackend", "warn_rocm_bf16_host_loop"]
+
+_CK_ENV_VAR = "ROCM_ALLOW_GROUP_GEMM_CK"
+
+
+def warn_rocm_bf16_host_loop(device: torch.device) -> None:
+    """Warn (once per process) when ``torch._grouped_mm`` is about to run on a ROCm GPU without
+    ``ROCM_ALLOW_GROUP_GEMM_CK`` set: PyTorch then loops over the groups on the host, after copying
+    the offsets to the CPU (per its GroupedBlas source; not run here: no AMD GPU)."""
+    if torch.version.hip is None or device.type != "cuda":
+        return
+    if os.environ.get(_CK_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on", "y"):
+        return
+    _warn_once()
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once() -> None:
+    warnings.warn(
+        "BF16 grouped GEMM on ROCm (the bf16 recipe, or the BF16 wgrad of rowwise_gw_hp / blockwise): "
+        f"torch._grouped_mm runs PyTorch's CK kernel only in builds with USE_ROCM_CK_GEMM and with {_CK_ENV_VAR}=1; "
+        "otherwise it loops over the groups on the host after copying the offsets to the CPU: a host sync "
+        "on every call, and not CUDA-graph capturable.",
+        stacklevel=3,
+    )
 
 
 class GroupedGemmBackend:
@@ -61,6 +91,7 @@ class GroupedGemmBackend:
         """For ``w (E, N, K)``: ``a[rows of g] @ w[g].T`` (``transpose_w``: forward, ``a (M, K)``
         -> ``(M, N)``) or ``a[rows of g] @ w[g]`` (dgrad, ``a (M, N)`` -> ``(M, K)``).
         """
+        warn_rocm_bf16_host_loop(a.device)
         out = torch._grouped_mm(a, w.transpose(-2, -1) if transpose_w else w, offs=offs)
         return zero_rows_past_end(out, offs)
 
@@ -70,6 +101,7 @@ class GroupedGemmBackend:
         On the GPU, PyTorch's kernel needs groups of a multiple of 8 rows: the rows are copied
         into 16-row-aligned groups first (on device, static size, one Triton launch per operand).
         """
+        warn_rocm_bf16_host_loop(a.device)
         if a.is_cuda:
             p_offs = padded_offsets(offs)
             rows = padded_rows(a.shape[0], offs.numel())
