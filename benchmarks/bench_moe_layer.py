@@ -107,10 +107,11 @@ def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
 
     ``host_*``: CPU time to issue ``make_dispatch_plan`` (on the layer's top-k ids) and the whole
     forward, each from an idle device (``timing.host_ms``): what the plan adds where the layer is
-    host-bound. Medians over ``rounds`` alternated rounds (forward, then plan, 20 calls each), the
-    share the median of the rounds' ratios, so that a drift of the host's speed hits both alike. ``graph_*``: CUDA-graph replays, GPU time only: the plan alone, the forward, and the
-    forward minus the forward with the plan precomputed (the layer's own call replaced by a cached
-    result), which is what the plan's kernels add to the layer. None where capture is not possible.
+    host-bound. Medians over ``HOST_ROUNDS`` alternated rounds (forward, then plan, 20 calls each),
+    the share the median of the rounds' ratios, so that a drift of the host's speed hits both alike.
+    ``graph_*``: CUDA-graph replays, GPU time only: the plan alone, the forward, and the forward minus
+    the forward with the plan precomputed (the layer's own call replaced by a cached result), which
+    is what the plan's kernels add to the layer. None where capture is not possible.
     """
     with torch.no_grad():
         fwd = lambda: moe(x)  # noqa: E731
@@ -257,7 +258,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_layer.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"# MoE layer forward+backward (`benchmarks/bench_moe_layer.py`)", "",
+    lines = ["# MoE layer forward+backward (`benchmarks/bench_moe_layer.py`)", "",
              f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · eager, "
              "do_bench medians, router included", "",
              "| layer | tokens | recipe | ms | TFLOP/s | speedup vs bf16 | peak GiB | SQNR vs bf16 (dB) |",
@@ -266,7 +267,8 @@ def main() -> None:
         lines.append(f"| {r['layer']} | {r['tokens']} | {r['recipe']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
                      f"{r['speedup']:.2f}x | {r['peak_gib']:.2f} | {r['sqnr_vs_bf16']:.1f} |")
     lines += ["", "Dispatch plan vs the `rowwise` layer forward (no grad). Host: CPU time to issue the call from "
-              f"an idle GPU, medians of {HOST_ROUNDS} alternated rounds (share: median of the rounds' ratios). GPU: CUDA-graph replays; 'in forward' = forward minus the forward with the plan "
+              f"an idle GPU, medians of {HOST_ROUNDS} alternated rounds (share: median of the rounds' ratios). "
+              "GPU: CUDA-graph replays; 'in forward' = forward minus the forward with the plan "
               "precomputed.", "",
               "| layer | tokens | host: forward ms | plan ms | share | GPU: forward ms | plan alone ms "
               "| plan in forward ms | share |",

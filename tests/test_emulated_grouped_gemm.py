@@ -108,7 +108,8 @@ def test_2d2d_tensorwise():
     assert (dw[1] == 0).all()
 
 
-@pytest.mark.skipif(not cpu_kernel_takes_row_scales(), reason="this torch's CPU torch._scaled_mm takes per-tensor scales only")
+@pytest.mark.skipif(not cpu_kernel_takes_row_scales(),
+                    reason="this torch's CPU torch._scaled_mm takes per-tensor scales only")
 def test_matches_scaled_mm_per_group():
     """Each group equals torch._scaled_mm on the same FP8 operands (CPU kernel), to bf16 rounding."""
     g = torch.Generator().manual_seed(15)

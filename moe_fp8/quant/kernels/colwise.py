@@ -9,8 +9,9 @@ One scale per (group, column): the amax over the group's rows. The rows are cut 
   (one ``release`` atomic add);
 * a *worker* waits (an ``acquire`` atomic read, spinning, then a CTA barrier) until every piece of
   each of its groups is counted, then scales, rounds and stores its chunk's rows, which it reads
-  from L2, where its member has just brought them. (With padded offsets, a worker's piece boundaries inside a group
-  move, by less than ``BLOCK_R`` rows, to where the output rows start a tile: see below.)
+  from L2, where its member has just brought them. (With padded offsets, a worker's piece
+  boundaries inside a group move, by less than ``BLOCK_R`` rows, to where the output rows start a
+  tile: see below.)
 
 Every program moves the same bytes whatever the group sizes are (no autotuning per token count,
 no host sync) and HBM sees each input byte once (3 bytes per element, bf16 in, fp8 out). The grid
