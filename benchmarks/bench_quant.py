@@ -50,13 +50,11 @@ SMOKE_MODELS = {"smoke": dict(tokens=64, hidden=48, weights=[(2, 32, 48)], more_
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda"
 # Kernel configurations timed with --sweep: colwise (CHUNK, BLOCK_R, BLOCK_C, STAGES, LAG, num_warps, maxnreg,
-# two_pass, resident) (the first is run with and without the hardware cast) and rowwise (tile, num_warps).
-# The first two are the defaults of the dgrad (lag 0) and wgrad (lag 4) launches; the resident rows hold a
-# chunk of CHUNK x BLOCK_C in registers (colwise_config(resident=True)).
-STRIP_SWEEP = [(512, 64, 64, 3, 0, 4, 96, False, False), (512, 64, 64, 3, 4, 4, 96, False, False),
-               (64, 64, 64, 3, 0, 4, None, False, True), (128, 64, 64, 3, 0, 8, None, False, True),
-               (128, 64, 32, 3, 0, 4, None, False, True), (64, 64, 32, 3, 0, 4, None, False, True),
-               (128, 64, 128, 3, 0, 8, None, False, True)]
+# two_pass) (the first is run with and without the hardware cast) and rowwise (tile, num_warps).
+STRIP_SWEEP = [(512, 64, 64, 3, 0, 4, 96, False), (512, 64, 64, 3, 4, 4, 96, False),
+               (512, 64, 64, 3, 0, 4, None, False), (512, 64, 64, 3, 0, 4, 96, True),
+               (512, 64, 64, 3, 0, 4, None, True), (1024, 64, 64, 3, 0, 4, None, True),
+               (2048, 64, 64, 3, 0, 4, None, True)]
 ROW_SWEEP = [(4096, 4), (8192, 8)]
 
 
@@ -115,13 +113,13 @@ def _rowwise_variant(x, tile, warps, hw_cast):
                                   stride_r=x.stride(0), stride_k=1, config=cfg, hw_cast=hw_cast)
 
 
-def _strip_config(chunk, br, bc, stages, lag, warps, maxnreg, two_pass, resident):
+def _strip_config(chunk, br, bc, stages, lag, warps, maxnreg, two_pass):
     return colwise_config(chunk=chunk, block_r=br, block_c=bc, stages=stages, lag=lag, num_warps=warps,
-                          maxnreg=maxnreg, two_pass=two_pass, resident=resident)
+                          maxnreg=maxnreg, two_pass=two_pass)
 
 
 def _strip_label(v) -> str:
-    return "chunk={} {}x{} stages={} lag={} w{} maxnreg={} two_pass={} resident={}".format(*v)
+    return "chunk={} {}x{} stages={} lag={} w{} maxnreg={} two_pass={}".format(*v)
 
 
 def _expert_t_variant(w, cfg, hw_cast):
@@ -130,15 +128,13 @@ def _expert_t_variant(w, cfg, hw_cast):
     return lambda: launch_expert_colwise_t(w, q, s, E4M3FN, True, config=cfg, hw_cast=hw_cast)
 
 
-def _group_variant(a, b, offs, cfg, hw_cast, padded_offs=None, rows_out=None):
-    """The wgrad dual launch; with ``padded_offs``, into ``rows_out`` rows at 16-row aligned group starts."""
-    rows = rows_out or a.shape[0]
-    qa = torch.empty_strided((rows, a.shape[1]), (1, rows), dtype=FP8, device=a.device)
-    qb = torch.empty_strided((rows, b.shape[1]), (1, rows), dtype=FP8, device=a.device)
+def _group_variant(a, b, offs, cfg, hw_cast):
+    M = a.shape[0]
+    qa = torch.empty_strided((M, a.shape[1]), (1, M), dtype=FP8, device=a.device)
+    qb = torch.empty_strided((M, b.shape[1]), (1, M), dtype=FP8, device=a.device)
     sa = torch.empty((offs.numel(), a.shape[1]), device=a.device)
     sb = torch.empty((offs.numel(), b.shape[1]), device=a.device)
-    return lambda: launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, True, config=cfg,
-                                        hw_cast=hw_cast)
+    return lambda: launch_group_colwise(a, qa, sa, b, qb, sb, offs, None, E4M3FN, True, config=cfg, hw_cast=hw_cast)
 
 
 def _compiled(jit_fn) -> dict:
@@ -244,9 +240,6 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
                             sweep_row(model, "group colwise dual", shape, nbytes,
                                       _strip_label(v) + f" hw_cast={hw}",
                                       _group_variant(a, b, offs, _strip_config(*v), hw))
-                    for v in STRIP_SWEEP[1:]:
-                        sweep_row(model, "group colwise dual, padded out", shape, nbytes + (p_rows - M) * (N + K),
-                                  _strip_label(v), _group_variant(a, b, routed, _strip_config(*v), True, p_offs, p_rows))
             del a, b
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -8,12 +8,10 @@ with the GPU machine's Triton (3.6: ``pip install --no-deps --target DIR triton=
 ``PYTHONPATH=DIR``). It uses Triton internals (``ASTSource``, ``native_specialize_impl``) present
 in triton 3.4-3.9.
 
-Usage: ``python benchmarks/colwise_registers.py [--maxnreg 96] [--lag 4] [--chunk 512] [--block-c 64]
-[--warps 4] [--two-pass | --resident]``.
+Usage: ``python benchmarks/colwise_registers.py [--maxnreg 96] [--lag 4] [--chunk 512] [--two-pass]``.
 Cases: the dgrad weight layout of DeepSeek-V3 W1 (8x4096x7168), the wgrad dual over 8 and 32
 groups (32768 rows, 4096 + 7168 columns) and over 128 groups (Qwen3, 65536 rows, 1536 + 2048);
-each with the launch's roles (both in one launch; members then workers with ``--two-pass``; the
-register-resident chunks, then the late chunks, with ``--resident``).
+each with the launch's roles (both in one launch, or members then workers with ``--two-pass``).
 """
 
 from __future__ import annotations
@@ -31,20 +29,19 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 from moe_fp8.quant.formats import resolve_format
-from moe_fp8.quant.kernels.colwise import (ROLES_BOTH, ROLES_LATE, ROLES_MEMBERS, ROLES_RESIDENT, ROLES_WORKERS,
-                                           _colwise_kernel, colwise_config)
+from moe_fp8.quant.kernels.colwise import (ROLES_BOTH, ROLES_MEMBERS, ROLES_WORKERS, _colwise_kernel,
+                                           colwise_config)
 from moe_fp8.quant.kernels.common import format_constexprs
 
 POINTERS = {"a_ptr": "*bf16", "qa_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*bf16", "qb_ptr": "*fp8e4nv",
-            "sb_ptr": "*fp32", "offs_ptr": "*i32", "poffs_ptr": "*i32", "amax_ptr": "*i32", "cnt_ptr": "*i32",
-            "late_ptr": "*i32"}
+            "sb_ptr": "*fp32", "offs_ptr": "*i32", "poffs_ptr": "*i32", "amax_ptr": "*i32", "cnt_ptr": "*i32"}
 
 
 def expert_dgrad_case(E: int, N: int, K: int, chunk: int, block_c: int) -> tuple[dict, dict]:
     """Integer arguments and flags of ``launch_expert_colwise_t`` on ``w (E, N, K)``."""
     return dict(C_A=K, stride_ag=N * K, stride_ar=K, stride_ac=1, stride_qag=K * N, stride_qar=1, stride_qac=N,
                 C_B=0, stride_br=0, stride_bc=0, stride_qbr=0, stride_qbc=0, G=E, N_UNI=N, rows_in=N, rows_out=N,
-                n_chunks=E * N // chunk, tail_per_chunk=1, NB_A=triton.cdiv(K, block_c), NB_B=0, max_polls=4096), dict(
+                n_chunks=E * N // chunk, tail_per_chunk=1, NB_A=triton.cdiv(K, block_c), NB_B=0), dict(
         UNIFORM=True, HAS_B=False, PADDED=False, G_POW2=triton.next_power_of_2(E))
 
 
@@ -54,14 +51,14 @@ def wgrad_case(M: int, G: int, c_a: int, c_b: int, chunk: int, block_c: int) -> 
     return dict(C_A=c_a, stride_ag=0, stride_ar=c_a, stride_ac=1, stride_qag=0, stride_qar=1, stride_qac=rows,
                 C_B=c_b, stride_br=c_b, stride_bc=1, stride_qbr=1, stride_qbc=rows, G=G, N_UNI=1, rows_in=M,
                 rows_out=rows, n_chunks=M // chunk, tail_per_chunk=triton.cdiv(rows, M // chunk),
-                NB_A=c_a // block_c, NB_B=c_b // block_c, max_polls=4096), dict(UNIFORM=False, HAS_B=True, PADDED=True,
+                NB_A=c_a // block_c, NB_B=c_b // block_c), dict(UNIFORM=False, HAS_B=True, PADDED=True,
                                                                  G_POW2=triton.next_power_of_2(G))
 
 
 def registers(ints: dict, flags: dict, cfg: dict, roles: int) -> tuple[int, int]:
     """(registers per thread, spill-store bytes) of one compiled variant, from ``ptxas -v``."""
     fn = _colwise_kernel
-    launch_opts = ("num_warps", "maxnreg", "TWO_PASS", "RESIDENT", "MAX_POLLS")
+    launch_opts = ("num_warps", "maxnreg", "TWO_PASS")
     consts = dict(POW2=True, TICKETS=False, ROLES=roles, **flags,
                   **{k: v for k, v in cfg.items() if k not in launch_opts},
                   **format_constexprs(resolve_format("e4m3fn"), torch.device("cpu"), hw_cast=True))
@@ -105,29 +102,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap (default: none)")
     ap.add_argument("--lag", type=int, default=0)
-    ap.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: 512, 128 with --resident)")
-    ap.add_argument("--block-c", type=int, default=64)
-    ap.add_argument("--warps", type=int, default=4)
-    form = ap.add_mutually_exclusive_group()
-    form.add_argument("--two-pass", action="store_true")
-    form.add_argument("--resident", action="store_true")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--two-pass", action="store_true")
     args = ap.parse_args()
-    cfg = colwise_config(chunk=args.chunk, block_c=args.block_c, lag=args.lag, num_warps=args.warps,
-                         maxnreg=args.maxnreg, two_pass=args.two_pass, resident=args.resident)
-    chunk = cfg["CHUNK"]
+    cfg = colwise_config(chunk=args.chunk, lag=args.lag, maxnreg=args.maxnreg, two_pass=args.two_pass)
     bc = cfg["BLOCK_C"]
     cases = {
-        "expert dgrad 8x4096x7168": expert_dgrad_case(8, 4096, 7168, chunk, bc),
-        "wgrad dual 32768x(4096+7168) E=8": wgrad_case(32768, 8, 4096, 7168, chunk, bc),
-        "wgrad dual 32768x(4096+7168) E=32": wgrad_case(32768, 32, 4096, 7168, chunk, bc),
-        "wgrad dual 65536x(1536+2048) E=128": wgrad_case(65536, 128, 1536, 2048, chunk, bc),
+        "expert dgrad 8x4096x7168": expert_dgrad_case(8, 4096, 7168, args.chunk, bc),
+        "wgrad dual 32768x(4096+7168) E=8": wgrad_case(32768, 8, 4096, 7168, args.chunk, bc),
+        "wgrad dual 32768x(4096+7168) E=32": wgrad_case(32768, 32, 4096, 7168, args.chunk, bc),
+        "wgrad dual 65536x(1536+2048) E=128": wgrad_case(65536, 128, 1536, 2048, args.chunk, bc),
     }
-    if args.two_pass:
-        roles = {"members": ROLES_MEMBERS.value, "workers": ROLES_WORKERS.value}
-    elif args.resident:
-        roles = {"resident": ROLES_RESIDENT.value, "late": ROLES_LATE.value}
-    else:
-        roles = {"members+workers": ROLES_BOTH.value}
+    roles = {"members": ROLES_MEMBERS.value, "workers": ROLES_WORKERS.value} if args.two_pass else {
+        "members+workers": ROLES_BOTH.value}
     print(f"triton {triton.__version__}, sm_90a, config {cfg}")
     for name, (ints, flags) in cases.items():
         for role, value in roles.items():

@@ -162,34 +162,6 @@ def test_group_colwise_two_pass_gpu(padded):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("chunk,tickets", [(16, False), (32, True), (256, False)])
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("ends", [[37, 37, 90, 141], [0, 32, 32, 64, 150, 150], [5, 6, 7, 140], [16, 48, 144]],
-                         ids=str)
-def test_group_colwise_resident_cpu(chunk, tickets, padded, ends):
-    """``colwise_config(resident=True)``: in the interpreter programs run one at a time and never
-    wait (``max_polls`` 0), so a chunk whose groups end further down goes to the late launch and the
-    chunk that completes a group stores from registers: both paths, in one output. Whole chunks and
-    the partial last one (150 rows), groups ending on a chunk edge (144 = 9 x 16)."""
-    a, b = hard_input((150, 40), seed=14), hard_input((150, 24), seed=15)
-    config = dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets, RESIDENT=True)
-    _check_launch(a, b, torch.tensor(ends, dtype=torch.int32), padded, config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("max_polls", [None, 0], ids=["wait", "late"])
-@pytest.mark.parametrize("routing", ["skewed", "empty"])
-def test_group_colwise_resident_gpu(padded, max_polls, routing):
-    """``colwise_config(resident=True)`` on large shapes: waiting as configured, and with ``max_polls=0``
-    (chunks whose groups are not complete when they look go to the late launch)."""
-    a = hard_input((16384, 2048), seed=7, device="cuda")
-    b = hard_input((16384, 1536), seed=8, device="cuda")
-    _check_launch(a, b, _offsets(16000, 32, routing, seed=9, device="cuda"), padded,
-                  colwise_config(resident=True, max_polls=max_polls))
-
-
-@pytest.mark.interpreter
 def test_group_colwise_no_groups_cpu():
     a, b = hard_input((20, 16), seed=1), hard_input((20, 32), seed=2)
     qa, sa, qb, sb = triton_quantize_group_colwise_dual(a, b, torch.zeros(0, dtype=torch.int32), E4M3FN)

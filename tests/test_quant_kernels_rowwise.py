@@ -12,7 +12,7 @@ from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poi
 
 from moe_fp8.quant import reference as ref
 from moe_fp8.quant.formats import E4M3FN
-from moe_fp8.quant.kernels.colwise import colwise_config, launch_expert_colwise_t
+from moe_fp8.quant.kernels.colwise import launch_expert_colwise_t
 from moe_fp8.quant.kernels.rowwise import launch_rowwise
 from moe_fp8.quant.ops import (
     triton_quantize_expert_colwise,
@@ -163,37 +163,6 @@ def test_expert_colwise_gpu(shape):
     w = hard_input(shape, seed=2, device="cuda")
     _check_expert(w, True, E4M3FN)
     _check_expert(w[:, :, : shape[2] // 2], False, E4M3FN)  # strided rows
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("chunk", [16, 32, 64])
-@pytest.mark.parametrize("n", [64, 70])
-def test_expert_colwise_t_resident_cpu(chunk, n):
-    """``colwise_config(resident=True)`` for the dgrad layout: experts of whole chunks (64 rows) store
-    from registers or go late; chunks straddling experts (70 rows) always go to the late launch."""
-    w = hard_input((3, n, 40), seed=12)
-    q = torch.empty((3, 40, n), dtype=torch.float8_e4m3fn)
-    s = torch.empty((3, 40))
-    launch_expert_colwise_t(w, q, s, E4M3FN, False, config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4,
-                                                                   RESIDENT=True))
-    rq, rs = ref.quantize_expert_colwise(w, E4M3FN, transposed=True)
-    assert_same(q, rq, "q")
-    assert_same(s, rs, "scale")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("max_polls", [None, 0], ids=["wait", "late"])
-@pytest.mark.parametrize("shape", [(8, 4096, 2048), (3, 200, 96)])
-def test_expert_colwise_t_resident_gpu(max_polls, shape):
-    """``colwise_config(resident=True)`` for the dgrad layout on the GPU (200 rows: chunks straddle experts)."""
-    w = hard_input(shape, seed=4, device="cuda")
-    E, N, K = shape
-    q = torch.empty((E, K, N), dtype=torch.float8_e4m3fn, device="cuda")
-    s = torch.empty((E, K), device="cuda")
-    launch_expert_colwise_t(w, q, s, E4M3FN, True, config=colwise_config(resident=True, max_polls=max_polls))
-    rq, rs = ref.quantize_expert_colwise(w, E4M3FN, pow2=True, transposed=True)
-    assert_same(q, rq, "q")
-    assert_same(s, rs, "scale")
 
 
 @pytest.mark.gpu

@@ -49,9 +49,7 @@ import triton.language as tl
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .colwise_parts import _empty_group, _first_group, _group_out, _group_rows, _store_strip, _tail_rows, _tile_aligned
-from .colwise_resident import _resident_chunk
-from .common import format_constexprs
+from .common import format_constexprs, to_fp8
 
 __all__ = ["colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
 
@@ -59,8 +57,123 @@ __all__ = ["colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
 ROLES_BOTH = tl.constexpr(0)
 ROLES_MEMBERS = tl.constexpr(1)
 ROLES_WORKERS = tl.constexpr(2)
-ROLES_RESIDENT = tl.constexpr(3)  # one program per chunk holds it in registers (.colwise_resident)
-ROLES_LATE = tl.constexpr(4)  # one program per column block quantizes the chunks flagged late
+
+
+@triton.jit
+def _store_rows(
+    x_cols,
+    q_cols,
+    o0,
+    o_start,
+    o_end,
+    in_start,
+    stride_r,
+    stride_qr,
+    inv_scale,
+    col_ok,
+    MASK_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr,
+    FP8_NEG_ZERO: tl.constexpr,
+):
+    """Quantize output rows ``o0 + [0, BLOCK_R)`` (only those in ``[o_start, o_end)`` when ``MASK_ROWS``)."""
+    o = o0 + tl.arange(0, BLOCK_R)
+    src = x_cols + (o - o_start + in_start).to(tl.int64)[:, None] * stride_r
+    dst = q_cols + o.to(tl.int64)[:, None] * stride_qr
+    if MASK_ROWS:
+        mask = ((o >= o_start) & (o < o_end))[:, None] & col_ok[None, :]
+    else:
+        mask = col_ok[None, :]
+    x = tl.load(src, mask=mask, other=0.0)
+    q = to_fp8(x, inv_scale[None, :], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+               FP8_NEG_ZERO)
+    tl.store(dst, q, mask=mask)
+
+
+@triton.jit
+def _store_strip(
+    x_cols,
+    q_cols,
+    in_start,
+    in_end,
+    stride_r,
+    o_start,
+    o_zero_end,
+    o_limit,
+    stride_qr,
+    inv_scale,
+    col_ok,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr,
+    FP8_NEG_ZERO: tl.constexpr,
+):
+    """Rows ``[in_start, in_end)`` times ``inv_scale`` to output rows ``[o_start, ...)``, then zeros
+    up to ``o_zero_end``; nothing at or past ``o_limit``.
+
+    Walks backwards (the rows read last, the freshest in L2, first): the partial tile at the end,
+    the full tiles, the partial tile at the start. Full tiles get no row mask, so their stores along
+    the output's contiguous dim stay vectorized (a shared masked store would not be).
+    """
+    o_end = tl.minimum(o_start + (in_end - in_start), o_limit)
+    full_lo = tl.cdiv(o_start, BLOCK_R) * BLOCK_R
+    full_hi = tl.maximum((o_end // BLOCK_R) * BLOCK_R, full_lo)
+    if full_hi < o_end:
+        _store_rows(x_cols, q_cols, full_hi, o_start, o_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
+                    True, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                    FP8_NEG_ZERO)
+    for j in tl.range(0, (full_hi - full_lo) // BLOCK_R, num_stages=STAGES):
+        o0 = tl.multiple_of(full_hi - (j + 1) * BLOCK_R, BLOCK_R)
+        _store_rows(x_cols, q_cols, o0, o_start, o_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
+                    False, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                    FP8_NEG_ZERO)
+    if (o_start < full_lo) & (o_start < o_end):
+        _store_rows(x_cols, q_cols, full_lo - BLOCK_R, o_start, o_end, in_start, stride_r, stride_qr, inv_scale,
+                    col_ok, True, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                    FP8_NEG_ZERO)
+    zero = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32).to(OUT_DTYPE)
+    z_end = tl.minimum(o_zero_end, o_limit)
+    for o0 in range((o_end // BLOCK_R) * BLOCK_R, z_end, BLOCK_R):
+        o = o0 + tl.arange(0, BLOCK_R)
+        ok = (o >= o_end) & (o < z_end)
+        tl.store(q_cols + o.to(tl.int64)[:, None] * stride_qr, zero, mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _tile_aligned(row, start, o_start, BLOCK_R: tl.constexpr):
+    """The last row at or before ``row`` of a group starting at ``start`` whose output row
+    (``o_start + row - start``) starts a ``BLOCK_R`` tile; ``start`` if there is none. (Rows
+    before ``row``: the members of this chunk and the one before have just read them.)"""
+    o = (o_start + (row - start)) // BLOCK_R * BLOCK_R
+    return tl.maximum(start + (o - o_start), start)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _group_rows(ends, gi, g, G, N_UNI, UNIFORM: tl.constexpr):
+    """``(start, end)`` virtual rows of group ``g`` (``ends``: the running-max end offsets, jagged)."""
+    if UNIFORM:
+        start = g * N_UNI
+        end = start + N_UNI
+    else:
+        start = tl.sum(tl.where(gi == g - 1, ends, 0), axis=0)
+        end = tl.sum(tl.where(gi == g, ends, 0), axis=0)
+    return start, end
 
 
 @triton.jit
@@ -96,7 +209,6 @@ def _column_block(
     UNIFORM: tl.constexpr,
     PADDED: tl.constexpr,
     NO_WAIT: tl.constexpr,
-    ALIGN_PIECES: tl.constexpr,
     G_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -111,10 +223,13 @@ def _column_block(
     FP8_NEG_ZERO: tl.constexpr,
 ):
     """Chunk ``c`` (rows ``[c * CHUNK, ...)``) of column block ``cb`` of one tensor: its amax
-    (member) or its quantized rows (worker; ``NO_WAIT``: the amaxes are complete before it starts;
-    ``ALIGN_PIECES``: with padded output, piece ends inside a group move to output tile starts,
-    which every worker of the launch must agree on). Virtual rows and output placement:
-    :mod:`.colwise_parts`.
+    (member) or its quantized rows (worker; ``NO_WAIT``: the amaxes are complete before it starts).
+
+    Rows are *virtual*: ``UNIFORM`` groups hold rows ``[g * N_UNI, (g + 1) * N_UNI)``, stored at
+    ``g * stride_g + (row - g * N_UNI) * stride_r``; jagged group ``g`` holds rows ``[end[g-1],
+    end[g])`` stored at ``row * stride_r``, where ``end`` is the running maximum of the offsets
+    clamped to ``[0, rows_in]``: bad offsets can neither address memory outside the tensors nor
+    leave a worker waiting for a piece no member reduces.
     """
     n_rows = G * N_UNI if UNIFORM else rows_in
     r0 = c * CHUNK
@@ -123,12 +238,36 @@ def _column_block(
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     cols64 = cols.to(tl.int64)
-    gi, ends, g = _first_group(offs_ptr, r0, G, N_UNI, rows_in, UNIFORM, G_POW2)
+    gi = tl.arange(0, G_POW2)
+    if UNIFORM:
+        ends = gi
+        g = r0 // tl.maximum(N_UNI, 1)
+    else:
+        raw = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=gi < G, other=0), 0), rows_in)
+        ends = tl.associative_scan(raw, 0, _max_combine)
+        g = tl.sum(((ends < r0) & (gi < G)).to(tl.int32), axis=0)  # the first group ending at or after r0
     go = g < G
     while go:
         start, end = _group_rows(ends, gi, g, G, N_UNI, UNIFORM)
-        shift, in_base, out_base, o_start, o_zero_end, o_limit = _group_out(g, start, stride_g, stride_qg, poffs_ptr,
-                                                                            end, rows_out, N_UNI, UNIFORM, PADDED)
+        if UNIFORM:
+            shift = start
+            in_base = g.to(tl.int64) * stride_g
+            out_base = g.to(tl.int64) * stride_qg
+            o_start = 0
+            o_zero_end = N_UNI
+            o_limit = N_UNI
+        else:
+            shift = 0
+            in_base = 0
+            out_base = 0
+            o_limit = rows_out
+            if PADDED:
+                p_prev = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
+                o_start = tl.minimum(tl.maximum(p_prev, 0), rows_out)
+                o_zero_end = tl.minimum(tl.maximum(tl.load(poffs_ptr + g), o_start), rows_out)
+            else:
+                o_start = start
+                o_zero_end = end
         x_cols = x_ptr + in_base + cols64[None, :] * stride_c
         q_cols = q_ptr + out_base + cols64[None, :] * stride_qc
         amax_cols = amax_ptr + g.to(tl.int64) * amax_stride + amax_col + cols
@@ -150,7 +289,7 @@ def _column_block(
                         tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok)
                     w0 = p0
                     w1 = p1
-                    if PADDED and ALIGN_PIECES:  # piece ends inside the group move to output tile starts: unmasked full tiles
+                    if PADDED:  # piece ends inside the group move to output tile starts: unmasked full tiles
                         w0 = tl.where(p0 == start, p0, _tile_aligned(p0, start, o_start, BLOCK_R))
                         w1 = tl.where(p1 == end, p1, _tile_aligned(p1, start, o_start, BLOCK_R))
                     z_end = tl.where(p1 == end, o_zero_end, o_start + (w1 - start))
@@ -171,17 +310,34 @@ def _column_block(
                     # not order the other warps' maxima (a worker could read a partial amax).
                     tl.debug_barrier()
                     tl.atomic_add(cnt, 1, sem="release")
-        elif is_worker:
-            _empty_group(q_cols, s_ptr, g, C, cols, col_ok, start, o_start, o_zero_end, o_limit, stride_qr, c, n_chunks,
-                         POW2, CHUNK, BLOCK_R, BLOCK_C, OUT_DTYPE, FP8_MAX)
+        elif is_worker:  # an empty group belongs to the chunk holding its start (the last chunk: start == n_rows)
+            if tl.minimum(start // CHUNK, n_chunks - 1) == c:
+                inv_scale, scale = fp8_scales(tl.zeros((BLOCK_C,), dtype=tl.float32), FP8_MAX, POW2)
+                tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok)
+                _store_strip(x_cols, q_cols, start - shift, start - shift, stride_r, o_start, o_zero_end,
+                             o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
+                             FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
         g += 1
         nxt, _ = _group_rows(ends, gi, g, G, N_UNI, UNIFORM)
         go = (g < G) & ((nxt < r1) | last_chunk)
 
     if (not UNIFORM) and is_worker:  # rows in no group: this chunk's share of the tail
-        _tail_rows(x_ptr, q_ptr, cols64, col_ok, gi, ends, G, c, r0, r1, poffs_ptr, rows_out, tail_per_chunk, stride_r,
-                   stride_c, stride_qr, stride_qc, PADDED, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX,
-                   FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        t = tl.max(tl.where(gi < G, ends, 0), axis=0)
+        x_cols = x_ptr + cols64[None, :] * stride_c
+        q_cols = q_ptr + cols64[None, :] * stride_qc
+        zero_scale = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        if PADDED:  # output rows [poffs[-1], rows_out) are 0, shared out in tail_per_chunk pieces
+            pt = tl.minimum(tl.maximum(tl.load(poffs_ptr + G - 1, mask=G > 0, other=0), 0), rows_out)
+            z0 = pt + c * tail_per_chunk
+            _store_strip(x_cols, q_cols, 0, 0, stride_r, z0, z0 + tail_per_chunk, rows_out, stride_qr,
+                         zero_scale, col_ok, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
+                         FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        else:  # rows [end[-1], rows_in) are written as x * 0 (-0 for negative x, like the reference)
+            z0 = tl.maximum(t, r0)
+            z1 = tl.maximum(r1, z0)
+            _store_strip(x_cols, q_cols, z0, z1, stride_r, z0, z1, rows_out, stride_qr, zero_scale, col_ok,
+                         BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                         FP8_NEG_ZERO)
 
 
 @triton.jit
@@ -208,7 +364,6 @@ def _colwise_kernel(
     poffs_ptr,
     amax_ptr,
     cnt_ptr,
-    late_ptr,
     G,
     N_UNI,
     rows_in,
@@ -217,7 +372,6 @@ def _colwise_kernel(
     tail_per_chunk,
     NB_A,
     NB_B,
-    max_polls,
     POW2: tl.constexpr,
     HAS_B: tl.constexpr,
     TICKETS: tl.constexpr,
@@ -253,79 +407,33 @@ def _colwise_kernel(
 
     ``ROLES``: ``ROLES_BOTH`` (the above), or one role per launch, ``(column block, chunk)`` per
     program: ``ROLES_MEMBERS`` (amaxes only), then ``ROLES_WORKERS`` in a second launch, which
-    waits for nothing (the two-pass form: HBM reads each byte twice, no program ever spins); or
-    ``ROLES_RESIDENT`` (:mod:`.colwise_resident`, ``late_ptr`` its late count and flags), then
-    ``ROLES_LATE``, one program per column block, which quantizes that launch's late chunks.
+    waits for nothing (the two-pass form: HBM reads each byte twice, no program ever spins).
     """
-    pid = tl.program_id(0)
     if TICKETS:
-        if ROLES != ROLES_LATE:
-            pid = tl.atomic_add(cnt_ptr + tl.maximum(G, 1) * (NB_A + NB_B), 1, sem="relaxed")
-    amax_stride = C_A + C_B
-    cnt_stride = NB_A + NB_B
-    if ROLES == ROLES_RESIDENT:
-        cb = pid // n_chunks
-        c = pid % n_chunks
-        if cb < NB_A:
-            _resident_chunk(a_ptr, qa_ptr, sa_ptr, cb, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar,
-                            stride_qac, amax_ptr, 0, amax_stride, cnt_ptr, 0, cnt_stride, offs_ptr, poffs_ptr, late_ptr,
-                            pid, c, n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, max_polls, POW2, UNIFORM,
-                            PADDED, G_POW2, CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
-                            FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
-        elif HAS_B & (cb < NB_A + NB_B):
-            _resident_chunk(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, stride_br, stride_bc, 0, stride_qbr, stride_qbc,
-                            amax_ptr, C_A, amax_stride, cnt_ptr, NB_A, cnt_stride, offs_ptr, poffs_ptr, late_ptr, pid,
-                            c, n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, max_polls, POW2, UNIFORM, PADDED,
-                            G_POW2, CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
-                            FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
-    elif ROLES == ROLES_LATE:
-        if tl.load(late_ptr) > 0:
-            for c in range(n_chunks):
-                if tl.load(late_ptr + 1 + pid * n_chunks + c) != 0:
-                    _column_roles(a_ptr, qa_ptr, sa_ptr, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar,
-                                  stride_qac, b_ptr, qb_ptr, sb_ptr, C_B, stride_br, stride_bc, stride_qbr, stride_qbc,
-                                  offs_ptr, poffs_ptr, amax_ptr, cnt_ptr, pid, c, True, G, N_UNI, rows_in, rows_out,
-                                  n_chunks, tail_per_chunk, NB_A, NB_B, POW2, HAS_B, UNIFORM, PADDED, True, False, G_POW2,
-                                  CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
-                                  FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        pid = tl.atomic_add(cnt_ptr + tl.maximum(G, 1) * (NB_A + NB_B), 1, sem="relaxed")
     else:
-        slot = pid // n_chunks  # ROLES_BOTH: members of column block j, then workers of column block j - LAG
-        c = pid % n_chunks
-        if ROLES == ROLES_BOTH:
-            is_worker = slot % 2 == 1
-            cb = slot // 2 - is_worker.to(tl.int32) * LAG  # out of [0, NB_A + NB_B) in the LAG idle slots at each end
-        else:
-            is_worker = (pid >= 0) == (ROLES == ROLES_WORKERS)
-            cb = slot
-        _column_roles(a_ptr, qa_ptr, sa_ptr, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar, stride_qac,
-                      b_ptr, qb_ptr, sb_ptr, C_B, stride_br, stride_bc, stride_qbr, stride_qbc, offs_ptr, poffs_ptr,
-                      amax_ptr, cnt_ptr, cb, c, is_worker, G, N_UNI, rows_in, rows_out, n_chunks, tail_per_chunk, NB_A,
-                      NB_B, POW2, HAS_B, UNIFORM, PADDED, ROLES == ROLES_WORKERS, True, G_POW2, CHUNK, BLOCK_R, BLOCK_C,
-                      STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
-
-
-@triton.jit
-def _column_roles(a_ptr, qa_ptr, sa_ptr, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar, stride_qac, b_ptr,
-                  qb_ptr, sb_ptr, C_B, stride_br, stride_bc, stride_qbr, stride_qbc, offs_ptr, poffs_ptr, amax_ptr,
-                  cnt_ptr, cb, c, is_worker, G, N_UNI, rows_in, rows_out, n_chunks, tail_per_chunk, NB_A, NB_B,
-                  POW2: tl.constexpr, HAS_B: tl.constexpr, UNIFORM: tl.constexpr, PADDED: tl.constexpr,
-                  NO_WAIT: tl.constexpr, ALIGN_PIECES: tl.constexpr, G_POW2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_C: tl.constexpr, STAGES: tl.constexpr, OUT_DTYPE: tl.constexpr, HW_CAST: tl.constexpr,
-                  FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
-                  FP8_SUB_SCALE: tl.constexpr, FP8_NEG_ZERO: tl.constexpr):
-    """Member or worker of chunk ``c`` of column block ``cb`` of ``a`` (``cb < NB_A``) or ``b``."""
+        pid = tl.program_id(0)
+    slot = pid // n_chunks  # ROLES_BOTH: members of column block j, then workers of column block j - LAG
+    c = pid % n_chunks
+    if ROLES == ROLES_BOTH:
+        is_worker = slot % 2 == 1
+        cb = slot // 2 - is_worker.to(tl.int32) * LAG  # out of [0, NB_A + NB_B) in the LAG idle slots at each end
+    else:
+        is_worker = (pid >= 0) == (ROLES == ROLES_WORKERS)
+        cb = slot
+    no_wait = ROLES == ROLES_WORKERS  # a constexpr
     amax_stride = C_A + C_B
     cnt_stride = NB_A + NB_B
     if (cb >= 0) & (cb < NB_A):
         _column_block(a_ptr, qa_ptr, sa_ptr, cb, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar,
                       stride_qac, amax_ptr, 0, amax_stride, cnt_ptr, 0, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
-                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, NO_WAIT, ALIGN_PIECES, G_POW2,
+                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, no_wait, G_POW2,
                       CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
                       FP8_SUB_SCALE, FP8_NEG_ZERO)
     elif HAS_B & (cb >= NB_A) & (cb < NB_A + NB_B):
         _column_block(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, stride_br, stride_bc, 0, stride_qbr, stride_qbc,
                       amax_ptr, C_A, amax_stride, cnt_ptr, NB_A, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
-                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, NO_WAIT, ALIGN_PIECES, G_POW2,
+                      n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, no_wait, G_POW2,
                       CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
                       FP8_SUB_SCALE, FP8_NEG_ZERO)
 
@@ -336,50 +444,29 @@ def _column_roles(a_ptr, qa_ptr, sa_ptr, C_A, stride_ag, stride_ar, stride_ac, s
 GROUP_LAG = 4
 
 
-def colwise_config(*, chunk: int | None = None, block_r: int = 64, block_c: int = 64, stages: int = 3, lag: int = 0,
-                   num_warps: int = 4, maxnreg: int | None = 96, two_pass: bool = False, resident: bool = False,
-                   max_polls: int | None = None) -> dict:
+def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3, lag: int = 0,
+                   num_warps: int = 4, maxnreg: int | None = 96, two_pass: bool = False) -> dict:
     """Chunk rows, tile shape, software-pipeline stages of the row loops, how many column blocks the
     workers trail their members by (see ``_colwise_kernel``), warps, a cap on registers per thread
-    (NVIDIA only, ignored elsewhere; ``None``: no cap), and the form of the launch: members and
-    workers in one launch (default), in two (``two_pass``: no waiting; ``lag`` unused), or one
-    program per chunk holding it in registers (``resident``, :mod:`.colwise_resident`; ``chunk`` is
-    then the rows held, ``lag`` unused, and a program gives up waiting after ``max_polls`` polls:
-    default 4096 on a GPU, 0 in the interpreter, where programs run one at a time). ``chunk``
-    defaults to 512, or 128 when ``resident``. Defaults: best of a sweep on one H200 (see
+    (NVIDIA only, ignored elsewhere; ``None``: no cap), and ``two_pass``: members and workers in two
+    launches (no waiting; ``lag`` unused) instead of one. Defaults: best of a sweep on one H200 (see
     BENCHMARKS.md); the cap of 96 lets 5 programs share a multiprocessor instead of 4."""
-    if chunk is None:
-        chunk = 128 if resident else 512
     for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
     if not isinstance(lag, int) or lag < 0:
         raise ValueError(f"lag: expected an int >= 0, got {lag!r}")
-    if two_pass and resident:
-        raise ValueError("two_pass and resident are two different launch forms: pick one")
-    if max_polls is not None and (not isinstance(max_polls, int) or max_polls < 0):
-        raise ValueError(f"max_polls: expected an int >= 0 or None, got {max_polls!r}")
     return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=stages, LAG=lag, num_warps=num_warps,
-                maxnreg=maxnreg, TWO_PASS=bool(two_pass), RESIDENT=bool(resident), MAX_POLLS=max_polls)
-
-
-# Polls before a resident program gives up waiting (about 3 ms at ~0.7 us per L2 round trip); its
-# normal wait is a few microseconds.
-_GPU_MAX_POLLS = 4096
+                maxnreg=maxnreg, TWO_PASS=bool(two_pass))
 
 
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
             hw_cast) -> None:
-    """One launch over ``(column blocks of a and b) x 2 x chunks``; with ``TWO_PASS`` two launches of
-    half that; with ``RESIDENT`` one over ``(column blocks) x chunks`` and one over column blocks.
-    ``offs=None``: ``G`` uniform groups of ``n_uni`` rows."""
+    """One launch over ``(column blocks of a and b) x 2 x chunks`` (two launches of half that with
+    ``TWO_PASS``); ``offs=None``: ``G`` uniform groups of ``n_uni`` rows."""
     cfg = {**colwise_config(), "TICKETS": torch.version.hip is not None, **(config or {})}
     if cfg["maxnreg"] is None or not a.is_cuda or torch.version.hip is not None:
         del cfg["maxnreg"]  # a launch option of NVIDIA's compiler only (the interpreter runs on CPU tensors)
-    two_pass, resident = cfg.pop("TWO_PASS", False), cfg.pop("RESIDENT", False)
-    max_polls = cfg.pop("MAX_POLLS", None)
-    if max_polls is None:
-        max_polls = _GPU_MAX_POLLS if a.is_cuda else 0
     c_a = sa.shape[1]
     c_b = sb.shape[1] if b is not None else 0
     nb_a, nb_b = cdiv(c_a, cfg["BLOCK_C"]), cdiv(c_b, cfg["BLOCK_C"])
@@ -389,25 +476,20 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     n_chunks = max(cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
     dev = a.device
     g1 = max(G, 1)
-    n_late = 1 + (nb_a + nb_b) * n_chunks if resident else 0
-    work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1 + n_late, dtype=torch.int32, device=dev)
+    work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
     amax, cnt = work[: g1 * (c_a + c_b)], work[g1 * (c_a + c_b):]
-    late = cnt[g1 * (nb_a + nb_b) + 1:] if resident else cnt
     b_args = (b, qb, sb, c_b, b.stride(0), b.stride(1), qb.stride(0), qb.stride(1)) if b is not None else (
         a, qa, sa, 0, 0, 0, 0, 0)
     offs = cnt if uniform else offs  # any int32 pointer: UNIFORM never reads it
-    if two_pass:  # no program waits: no ticket needed, no lag
+    if cfg.pop("TWO_PASS", False):  # no program waits: no ticket needed, no lag
         launches = [((nb_a + nb_b) * n_chunks, ROLES_MEMBERS), ((nb_a + nb_b) * n_chunks, ROLES_WORKERS)]
         cfg.update(TICKETS=False, LAG=0)
-    elif resident:
-        launches = [((nb_a + nb_b) * n_chunks, ROLES_RESIDENT), (nb_a + nb_b, ROLES_LATE)]
-        cfg.update(LAG=0)
     else:
         launches = [((nb_a + nb_b + cfg["LAG"]) * 2 * n_chunks, ROLES_BOTH)]
     for grid, roles in launches:
         _colwise_kernel[(grid,)](
             a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded_offs is not None else offs, amax, cnt,
-            late, G, n_uni, rows_in, rows_out, n_chunks, cdiv(rows_out, n_chunks), nb_a, nb_b, max_polls,
+            G, n_uni, rows_in, rows_out, n_chunks, cdiv(rows_out, n_chunks), nb_a, nb_b,
             POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded_offs is not None,
             G_POW2=next_power_of_2(max(G, 1)), ROLES=roles.value, **cfg,
             **format_constexprs(fmt, dev, hw_cast),
