@@ -17,7 +17,8 @@ How the work is laid out, with no host sync (nothing is read from ``offs`` on th
 * 2D x 2D: one program per ``(group, output tile)``; it loops over its group's rows (any count:
   no 16-row padding is needed) and an empty group stores zeros. The rows are split into a
   16-aligned body, loaded as 16-byte vectors when the rows are the contiguous dim (column-major
-  operands, ``M % 16 == 0``), and up to 15 head and 15 tail rows handled in one masked slice.
+  operands, ``M % 16 == 0``), and up to 15 head and 15 tail rows handled in one masked slice,
+  skipped when the group has none.
 * fp32 accumulation with ``tl.dot`` on the FP8 operands; scales are applied in the epilogue as
   ``scale_b[col] * (scale_a[row] * acc)`` like the CUDA kernel (blockwise: per 128-deep slice in
   the main loop); pointer offsets are int64.
@@ -203,9 +204,9 @@ def _grouped_mm_2d2d_kernel(
     ks_ld = tl.minimum(ks, K - 1).to(tl.int64)
     # Rows split into a 16-aligned body [body_start, body_end), whose loads are 16-byte vectors
     # when the rows are the contiguous dim, and at most 15 head rows [start, head_end) and 15 tail
-    # rows [tail_start, end) outside it, gathered into one masked 32-row slice. That slice is
-    # always computed (all-masked when the group is aligned): a branch around it would make
-    # ptxas serialize the wgmma pipeline.
+    # rows [tail_start, end) outside it, gathered into one masked 32-row slice after the loop,
+    # computed only when the group has such rows: computed always (all-masked when the group is
+    # aligned), that slice cost ~20% of the kernel on an H200 (BENCHMARKS.md).
     body_start = (start + 15) // 16 * 16
     body_end = end // 16 * 16
     head_end = tl.minimum(body_start, end)
@@ -216,11 +217,12 @@ def _grouped_mm_2d2d_kernel(
         rows = r0 + r
         acc = _dot_rows(a_ptr, b_ptr, rows, rows < body_end, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
                         acc, MAX_IMPRECISE)  # fmt: skip
-    i = tl.arange(0, 32)
-    rows = tl.where(i < 16, start // 16 * 16 + i, body_end + i - 16)
-    r_mask = tl.where(i < 16, (rows >= start) & (rows < head_end), (rows >= tail_start) & (rows < end))
-    acc = _dot_rows(a_ptr, b_ptr, rows, r_mask, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
-                    acc, EDGE_MAX_IMPRECISE)  # fmt: skip
+    if (start < body_start) | (body_end < end):
+        i = tl.arange(0, 32)
+        rows = tl.where(i < 16, start // 16 * 16 + i, body_end + i - 16)
+        r_mask = tl.where(i < 16, (rows >= start) & (rows < head_end), (rows >= tail_start) & (rows < end))
+        acc = _dot_rows(a_ptr, b_ptr, rows, r_mask, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
+                        acc, EDGE_MAX_IMPRECISE)  # fmt: skip
 
     if SCALE_MODE == 1:
         sa = tl.load(sa_ptr + g.to(tl.int64) * stride_sae + ns_ld * stride_san)
