@@ -204,9 +204,9 @@ def _grouped_mm_2d2d_kernel(
     ks_ld = tl.minimum(ks, K - 1).to(tl.int64)
     # Rows split into a 16-aligned body [body_start, body_end), whose loads are 16-byte vectors
     # when the rows are the contiguous dim, and at most 15 head rows [start, head_end) and 15 tail
-    # rows [tail_start, end) outside it, gathered into one masked 32-row slice after the loop,
-    # computed only when the group has such rows: computed always (all-masked when the group is
-    # aligned), that slice cost ~20% of the kernel on an H200 (BENCHMARKS.md).
+    # rows [tail_start, end) outside it, gathered into one masked 32-row slice after the loop and
+    # computed only when the group has such rows (run for every tile, all-masked on aligned
+    # groups, it cost ~20% of the kernel on an H200: BENCHMARKS.md).
     body_start = (start + 15) // 16 * 16
     body_end = end // 16 * 16
     head_end = tl.minimum(body_start, end)
