@@ -19,7 +19,8 @@ puts all members of a column block before its workers, so a worker only waits fo
 launched before it, which the GPU has already placed on its multiprocessors (the forward-progress
 assumption of decoupled look-back scans); the L2 working set is one column block of all rows
 (``rows x BLOCK_C x 2`` bytes), or ``LAG + 1`` of them when the workers trail their members by
-``LAG`` column blocks (``colwise_config(lag=...)``). With ``colwise_config(two_pass=True)`` the
+``LAG`` column blocks (``colwise_config(lag=...)``; by default as many as fit in half the L2,
+``auto_lag``). With ``colwise_config(two_pass=True)`` the
 members run in one launch and the workers in a second one that waits for nothing (HBM then reads
 each input byte twice). The sequential CPU interpreter runs members first, so its workers
 never spin. Counts a worker waits for are derived from the same clamped running-max offsets the
@@ -42,6 +43,8 @@ unmasked, vectorized stores along the output's contiguous dim.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -51,7 +54,7 @@ from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
 from .common import format_constexprs, to_fp8
 
-__all__ = ["colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
+__all__ = ["auto_lag", "colwise_config", "l2_cache_bytes", "launch_expert_colwise_t", "launch_group_colwise"]
 
 # What the programs of one launch do (``_colwise_kernel``'s ``ROLES``).
 ROLES_BOTH = tl.constexpr(0)
@@ -438,24 +441,44 @@ def _colwise_kernel(
                       FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
-# Workers of the jagged (wgrad) launches trail their members by 4 column blocks: +5-10% over 0 on
-# every model's wgrad dual in the H200 sweep (BENCHMARKS.md); the uniform (dgrad) launch keeps 0,
-# where a lag won on DeepSeek-V3 but lost on Llama 4 and Qwen3.
-GROUP_LAG = 4
+# Workers trail their members by up to MAX_LAG column blocks, as many as keep ``lag + 1`` column
+# blocks of all rows within half the L2 (``auto_lag``). The rule was fitted to the H200 sweep of
+# lags 0-4 (BENCHMARKS.md): the lag that won on each shape is the largest that fits (DeepSeek-V3
+# dgrad 4 and 2, its wgrad operands 4; Qwen3's wgrad operands 1-4 were level), and where two
+# column blocks overflow half the L2 (Llama 4 and Qwen3 dgrad, 17-34 MB per block) every lag lost.
+MAX_LAG = 4
+_DEFAULT_L2_BYTES = 50 << 20  # H100 / H200; used off-GPU (the interpreter), where the lag is only a schedule
 
 
-def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3, lag: int = 0,
-                   num_warps: int = 4, maxnreg: int | None = 96, two_pass: bool = False) -> dict:
+@functools.lru_cache(maxsize=None)
+def l2_cache_bytes(device: torch.device) -> int:
+    """The L2 size the device reports (``_DEFAULT_L2_BYTES`` off CUDA or when it reports none)."""
+    if device.type != "cuda":
+        return _DEFAULT_L2_BYTES
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or _DEFAULT_L2_BYTES
+
+
+def auto_lag(rows: int, block_c: int, elem_size: int, l2_bytes: int) -> int:
+    """Largest ``lag <= MAX_LAG`` with ``(lag + 1) * rows * block_c * elem_size <= l2_bytes / 2``: the
+    input bytes of the column blocks whose members have read them and whose workers have not yet
+    (``rows``: all rows of the launch, every group's), kept within half the L2; 0 when none fits."""
+    block_bytes = max(rows * block_c * elem_size, 1)
+    return max(0, min(MAX_LAG, l2_bytes // 2 // block_bytes - 1))
+
+
+def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3,
+                   lag: int | None = None, num_warps: int = 4, maxnreg: int | None = 96,
+                   two_pass: bool = False) -> dict:
     """Chunk rows, tile shape, software-pipeline stages of the row loops, how many column blocks the
-    workers trail their members by (see ``_colwise_kernel``), warps, a cap on registers per thread
-    (NVIDIA only, ignored elsewhere; ``None``: no cap), and ``two_pass``: members and workers in two
-    launches (no waiting; ``lag`` unused) instead of one. Defaults: best of a sweep on one H200 (see
+    workers trail their members by (see ``_colwise_kernel``; ``None``: ``auto_lag`` per launch),
+    warps, a cap on registers per thread (NVIDIA only, ignored elsewhere; ``None``: no cap), and
+    ``two_pass``: members and workers in two launches (no waiting; ``lag`` unused) instead of one. Defaults: best of a sweep on one H200 (see
     BENCHMARKS.md); the cap of 96 lets 5 programs share a multiprocessor instead of 4."""
     for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
-    if not isinstance(lag, int) or lag < 0:
-        raise ValueError(f"lag: expected an int >= 0, got {lag!r}")
+    if lag is not None and (not isinstance(lag, int) or lag < 0):
+        raise ValueError(f"lag: expected None or an int >= 0, got {lag!r}")
     return dict(CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=stages, LAG=lag, num_warps=num_warps,
                 maxnreg=maxnreg, TWO_PASS=bool(two_pass))
 
@@ -473,7 +496,10 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     uniform = offs is None
     if (uniform and G == 0) or nb_a + nb_b == 0:
         return
-    n_chunks = max(cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
+    rows = G * n_uni if uniform else rows_in
+    n_chunks = max(cdiv(rows, cfg["CHUNK"]), 1)
+    if cfg.get("LAG") is None:
+        cfg["LAG"] = auto_lag(rows, cfg["BLOCK_C"], a.element_size(), l2_cache_bytes(a.device))
     dev = a.device
     g1 = max(G, 1)
     work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
@@ -521,9 +547,7 @@ def launch_group_colwise(
     """Per-group column scales of ``a (M, C_A)`` (and ``b (M, C_B)``) into the given ``q``/``scale`` buffers.
 
     ``qa``/``qb`` have ``rows_out`` rows and any strides; ``sa (G, C_A)``, ``sb (G, C_B)`` contiguous.
-    Default ``LAG``: ``GROUP_LAG``.
     """
     strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
-    config = {"LAG": GROUP_LAG, **(config or {})}
     _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt, pow2,
             config, hw_cast)

@@ -1,0 +1,113 @@
+"""The column-wise quantizer's worker lag on one GPU: every lag 0..MAX_LAG against ``auto_lag``'s choice.
+
+``auto_lag`` picks the largest lag whose ``lag + 1`` column blocks of all rows fit in half the L2
+(``moe_fp8/quant/kernels/colwise.py``). This script checks that rule where it was fitted and where
+it predicts something new: the expert dgrad layout of every model's weights (incl. DeepSeek-V3
+with 32 local experts) and the wgrad dual over 8 groups at 32768, 65536 and 131072 rows (the rule
+picks 4, 2 and 0 there), Llama 4 and Qwen3. Median GPU time of CUDA-graph replays, default
+configuration otherwise (``colwise_config``).
+
+    python benchmarks/sweep_colwise_lag.py [--out DIR]    # -> DIR/colwise_lag.{json,md}
+    python benchmarks/sweep_colwise_lag.py --smoke        # tiny shapes, interpreter: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import triton
+
+import bench_quant
+from moe_fp8.quant.kernels.colwise import MAX_LAG, l2_cache_bytes, auto_lag, colwise_config
+from moe_fp8.testing import random_offsets
+
+# (model, E, N, K): the dgrad layout quantizes W (E, N, K) over N; wgrad: (model, rows, N, K, groups)
+DGRAD = [("DeepSeek-V3", 8, 4096, 7168), ("DeepSeek-V3", 8, 7168, 2048), ("DeepSeek-V3 E32", 32, 4096, 7168),
+         ("DeepSeek-V3 E32", 32, 7168, 2048), ("Llama 4", 16, 8192, 5120), ("Qwen3-30B-A3B", 128, 1536, 2048),
+         ("Qwen3-30B-A3B", 128, 2048, 768)]
+WGRAD = [("DeepSeek-V3", 32768, 4096, 7168, 8), ("DeepSeek-V3", 65536, 4096, 7168, 8),
+         ("DeepSeek-V3", 131072, 4096, 7168, 8), ("Llama 4", 16384, 8192, 5120, 16),
+         ("Qwen3-30B-A3B", 65536, 1536, 2048, 128)]
+SMOKE_DGRAD = [("smoke", 2, 32, 48)]
+SMOKE_WGRAD = [("smoke", 64, 32, 48, 3)]
+
+
+def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
+    """Times ``make_fn(config)`` at every lag; ``auto`` is the lag the default config resolves to."""
+    block_c = colwise_config()["BLOCK_C"]
+    auto = auto_lag(rows, block_c, 2, l2_cache_bytes(torch.device(device)))
+    us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag))) for lag in range(MAX_LAG + 1)}
+    best = min(us, key=us.get)
+    row = dict(kind=kind, model=model, shape=shape, block_mib=round(rows * block_c * 2 / 2**20, 1), auto=auto,
+               us={str(k): round(v, 2) for k, v in us.items()}, best=best,
+               auto_vs_best=round(us[auto] / us[best], 3), auto_vs_lag0=round(us[0] / us[auto], 3),
+               nbytes=nbytes)
+    print(f"{kind:6s} {model:16s} {shape:26s} block {row['block_mib']:5.1f} MiB auto {auto} best {best} "
+          + " ".join(f"{k}:{v:7.1f}" for k, v in us.items()) + f"  auto/best {row['auto_vs_best']:.3f}", flush=True)
+    return row
+
+
+def run(smoke: bool) -> list[dict]:
+    dev = bench_quant.DEVICE
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model, E, N, K in (SMOKE_DGRAD if smoke else DGRAD):
+        w = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16) * 0.02
+        rows.append(_row("dgrad", model, f"{E}x{N}x{K}", E * N, E * N * K * 3 + E * K * 4,
+                         lambda cfg: bench_quant._expert_t_variant(w, cfg, None), dev))
+        del w
+    for model, M, N, K, G in (SMOKE_WGRAD if smoke else WGRAD):
+        a = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        offs = random_offsets(M, G, "balanced", multiple_of=16, generator=gen).to(dev)
+        rows.append(_row("wgrad", model, f"{M}x({N}+{K}) E={G}", M, M * (N + K) * 3 + G * (N + K) * 4,
+                         lambda cfg: bench_quant._group_variant(a, b, offs, cfg, None), dev))
+        del a, b
+    return rows
+
+
+def _markdown(meta: dict, rows: list[dict]) -> str:
+    lags = [str(k) for k in range(MAX_LAG + 1)]
+    lines = ["# Column-wise quantizer: worker lag", "",
+             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, L2 {meta['l2_mib']} MiB. "
+             "µs: median of CUDA-graph replays. `block MiB`: one column block of all rows (bf16). `auto`: "
+             "`auto_lag`'s choice (largest lag with (lag + 1) blocks <= L2 / 2).", "",
+             "| kind | model | shape | block MiB | " + " | ".join(f"lag {k} µs" for k in lags)
+             + " | auto | best | auto / best | lag 0 / auto |",
+             "|---|---|---|---:|" + "---:|" * len(lags) + "---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['model']} | {r['shape']} | {r['block_mib']} | "
+                     + " | ".join(f"{r['us'][k]:.1f}" for k in lags)
+                     + f" | {r['auto']} | {r['best']} | {r['auto_vs_best']:.3f} | {r['auto_vs_lag0']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="benchmarks/results", help="folder for colwise_lag.json and colwise_lag.md")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
+    args = p.parse_args()
+    if args.smoke:
+        bench_quant.DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        sys.exit("sweep_colwise_lag.py needs a CUDA GPU (or --smoke)")
+    rows = run(args.smoke)
+    dev = torch.device(bench_quant.DEVICE)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke run)",
+                torch=torch.__version__, triton=triton.__version__, l2_mib=round(l2_cache_bytes(dev) / 2**20, 1))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "colwise_lag.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(args.out, "colwise_lag.md"), "w") as f:
+        f.write(_markdown(meta, rows))
+    print(f"wrote {args.out}/colwise_lag.json and colwise_lag.md")
+
+
+if __name__ == "__main__":
+    main()
