@@ -1,10 +1,10 @@
 """The column-wise quantizer's worker lag on one GPU: every lag 0..MAX_LAG against ``auto_lag``'s choice.
 
-``auto_lag`` picks the largest lag whose ``lag + 1`` column blocks of all rows fit in half the L2
-(``moe_fp8/quant/kernels/colwise.py``). This script checks that rule where it was fitted and where
-it predicts something new: the expert dgrad layout of every model's weights (incl. DeepSeek-V3
-with 32 local experts) and the wgrad dual over 8 groups at 32768, 65536 and 131072 rows (the rule
-picks 4, 2 and 0 there), Llama 4 and Qwen3. Median GPU time of CUDA-graph replays, default
+``auto_lag`` picks the largest lag whose ``lag + 1`` column blocks of all rows fit in 2/5 of the L2,
+at least 1 in jagged (wgrad) launches (``moe_fp8/quant/kernels/colwise.py``; the rule was fitted
+to this script's shapes): the expert dgrad layout of every model's weights (incl. DeepSeek-V3 with
+32 local experts) and the wgrad dual over 8 groups at 32768, 65536 and 131072 rows, Llama 4 and
+Qwen3. Median GPU time of CUDA-graph replays, default
 configuration otherwise (``colwise_config``).
 
     python benchmarks/sweep_colwise_lag.py [--out DIR]    # -> DIR/colwise_lag.{json,md}
@@ -23,7 +23,7 @@ import torch
 import triton
 
 import bench_quant
-from moe_fp8.quant.kernels.colwise import MAX_LAG, l2_cache_bytes, auto_lag, colwise_config
+from moe_fp8.quant.kernels.colwise import MAX_LAG, auto_lag, colwise_config, l2_cache_bytes
 from moe_fp8.testing import random_offsets
 
 # (model, E, N, K): the dgrad layout quantizes W (E, N, K) over N; wgrad: (model, rows, N, K, groups)
@@ -38,9 +38,10 @@ SMOKE_WGRAD = [("smoke", 64, 32, 48, 3)]
 
 
 def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
-    """Times ``make_fn(config)`` at every lag; ``auto`` is the lag the default config resolves to."""
+    """Times ``make_fn(config)`` at every lag; ``auto`` is the lag the default config resolves to.
+    ``kind``: "dgrad" (uniform groups) or "wgrad" (jagged)."""
     block_c = colwise_config()["BLOCK_C"]
-    auto = auto_lag(rows, block_c, 2, l2_cache_bytes(torch.device(device)))
+    auto = auto_lag(rows, block_c, 2, l2_cache_bytes(torch.device(device)), jagged=kind == "wgrad")
     us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag))) for lag in range(MAX_LAG + 1)}
     best = min(us, key=us.get)
     row = dict(kind=kind, model=model, shape=shape, block_mib=round(rows * block_c * 2 / 2**20, 1), auto=auto,
@@ -76,7 +77,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
     lines = ["# Column-wise quantizer: worker lag", "",
              f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, L2 {meta['l2_mib']} MiB. "
              "µs: median of CUDA-graph replays. `block MiB`: one column block of all rows (bf16). `auto`: "
-             "`auto_lag`'s choice (largest lag with (lag + 1) blocks <= L2 / 2).", "",
+             "`auto_lag`'s choice (largest lag <= 4 with (lag + 1) blocks <= 2/5 of the L2; at least 1 for wgrad).", "",
              "| kind | model | shape | block MiB | " + " | ".join(f"lag {k} µs" for k in lags)
              + " | auto | best | auto / best | lag 0 / auto |",
              "|---|---|---|---:|" + "---:|" * len(lags) + "---:|---:|---:|---:|"]

@@ -19,7 +19,7 @@ puts all members of a column block before its workers, so a worker only waits fo
 launched before it, which the GPU has already placed on its multiprocessors (the forward-progress
 assumption of decoupled look-back scans); the L2 working set is one column block of all rows
 (``rows x BLOCK_C x 2`` bytes), or ``LAG + 1`` of them when the workers trail their members by
-``LAG`` column blocks (``colwise_config(lag=...)``; by default as many as fit in half the L2,
+``LAG`` column blocks (``colwise_config(lag=...)``; by default as many as fit in 2/5 of the L2,
 ``auto_lag``). With ``colwise_config(two_pass=True)`` the
 members run in one launch and the workers in a second one that waits for nothing (HBM then reads
 each input byte twice). The sequential CPU interpreter runs members first, so its workers
@@ -54,7 +54,9 @@ from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
 from .common import format_constexprs, to_fp8
 
-__all__ = ["auto_lag", "colwise_config", "l2_cache_bytes", "launch_expert_colwise_t", "launch_group_colwise"]
+__all__ = [
+    "auto_lag", "colwise_config", "l2_cache_bytes", "launch_expert_colwise_t", "launch_group_colwise",
+]
 
 # What the programs of one launch do (``_colwise_kernel``'s ``ROLES``).
 ROLES_BOTH = tl.constexpr(0)
@@ -441,13 +443,15 @@ def _colwise_kernel(
                       FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
-# Workers trail their members by up to MAX_LAG column blocks, as many as keep ``lag + 1`` column
-# blocks of all rows within half the L2 (``auto_lag``). The rule was fitted to the H200 sweep of
-# lags 0-4 (BENCHMARKS.md): the lag that won on each shape is the largest that fits (DeepSeek-V3
-# dgrad 4 and 2, its wgrad operands 4; Qwen3's wgrad operands 1-4 were level), and where two
-# column blocks overflow half the L2 (Llama 4 and Qwen3 dgrad, 17-34 MB per block) every lag lost.
+# Workers trail their members by up to MAX_LAG column blocks: as many as keep ``lag + 1`` column
+# blocks of all rows within 2/5 of the L2, and at least one in jagged (wgrad) launches
+# (``auto_lag``). Fitted to the H200 sweep of lags 0-4 over 12 shapes (60 MiB L2;
+# ``benchmarks/sweep_colwise_lag.py``, BENCHMARKS.md): where two column blocks overflow that share
+# (17-32 MiB per block: Llama 4, Qwen3 and DeepSeek-V3 E=32 dgrad) every lag lost 3-9% to lag 0;
+# below it the lag that fits gained up to 10%; in jagged launches lag 0 was the slowest or next
+# slowest on every shape, even with 16 MiB blocks.
 MAX_LAG = 4
-_DEFAULT_L2_BYTES = 50 << 20  # H100 / H200; used off-GPU (the interpreter), where the lag is only a schedule
+_DEFAULT_L2_BYTES = 60 << 20  # what the H200 reports; used off CUDA (the interpreter), where the lag is only a schedule
 
 
 @functools.lru_cache(maxsize=None)
@@ -458,12 +462,13 @@ def l2_cache_bytes(device: torch.device) -> int:
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or _DEFAULT_L2_BYTES
 
 
-def auto_lag(rows: int, block_c: int, elem_size: int, l2_bytes: int) -> int:
-    """Largest ``lag <= MAX_LAG`` with ``(lag + 1) * rows * block_c * elem_size <= l2_bytes / 2``: the
-    input bytes of the column blocks whose members have read them and whose workers have not yet
-    (``rows``: all rows of the launch, every group's), kept within half the L2; 0 when none fits."""
+def auto_lag(rows: int, block_c: int, elem_size: int, l2_bytes: int, jagged: bool) -> int:
+    """Largest ``lag <= MAX_LAG`` with ``(lag + 1) * rows * block_c * elem_size <= 2/5 * l2_bytes``:
+    the input bytes of the column blocks whose members have read them and whose workers have not yet
+    (``rows``: all rows of the launch, every group's), kept in L2. At least 1 when ``jagged`` (groups
+    from offsets), else at least 0."""
     block_bytes = max(rows * block_c * elem_size, 1)
-    return max(0, min(MAX_LAG, l2_bytes // 2 // block_bytes - 1))
+    return max(int(jagged), min(MAX_LAG, 2 * l2_bytes // 5 // block_bytes - 1))
 
 
 def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3,
@@ -499,7 +504,7 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     rows = G * n_uni if uniform else rows_in
     n_chunks = max(cdiv(rows, cfg["CHUNK"]), 1)
     if cfg.get("LAG") is None:
-        cfg["LAG"] = auto_lag(rows, cfg["BLOCK_C"], a.element_size(), l2_cache_bytes(a.device))
+        cfg["LAG"] = auto_lag(rows, cfg["BLOCK_C"], a.element_size(), l2_cache_bytes(a.device), not uniform)
     dev = a.device
     g1 = max(G, 1)
     work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
