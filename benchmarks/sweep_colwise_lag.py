@@ -35,14 +35,16 @@ WGRAD = [("DeepSeek-V3", 32768, 4096, 7168, 8), ("DeepSeek-V3", 65536, 4096, 716
          ("Qwen3-30B-A3B", 65536, 1536, 2048, 128)]
 SMOKE_DGRAD = [("smoke", 2, 32, 48)]
 SMOKE_WGRAD = [("smoke", 64, 32, 48, 3)]
+BLOCK_C = None  # columns per column block (--block-c); None: colwise_config's default
 
 
 def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
     """Times ``make_fn(config)`` at every lag; ``auto`` is the lag the default config resolves to.
     ``kind``: "dgrad" (uniform groups) or "wgrad" (jagged)."""
-    block_c = colwise_config()["BLOCK_C"]
+    block_c = BLOCK_C or colwise_config()["BLOCK_C"]
     auto = auto_lag(rows, block_c, 2, l2_cache_bytes(torch.device(device)), jagged=kind == "wgrad")
-    us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag))) for lag in range(MAX_LAG + 1)}
+    us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag, block_c=block_c)))
+          for lag in range(MAX_LAG + 1)}
     best = min(us, key=us.get)
     row = dict(kind=kind, model=model, shape=shape, block_mib=round(rows * block_c * 2 / 2**20, 1), auto=auto,
                us={str(k): round(v, 2) for k, v in us.items()}, best=best,
@@ -53,16 +55,16 @@ def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
     return row
 
 
-def run(smoke: bool) -> list[dict]:
+def run(smoke: bool, kinds: tuple[str, ...]) -> list[dict]:
     dev = bench_quant.DEVICE
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for model, E, N, K in (SMOKE_DGRAD if smoke else DGRAD):
+    for model, E, N, K in (SMOKE_DGRAD if smoke else DGRAD) if "dgrad" in kinds else ():
         w = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16) * 0.02
         rows.append(_row("dgrad", model, f"{E}x{N}x{K}", E * N, E * N * K * 3 + E * K * 4,
                          lambda cfg: bench_quant._expert_t_variant(w, cfg, None), dev))
         del w
-    for model, M, N, K, G in (SMOKE_WGRAD if smoke else WGRAD):
+    for model, M, N, K, G in (SMOKE_WGRAD if smoke else WGRAD) if "wgrad" in kinds else ():
         a = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
         b = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         offs = random_offsets(M, G, "balanced", multiple_of=16, generator=gen).to(dev)
@@ -76,7 +78,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
     lags = [str(k) for k in range(MAX_LAG + 1)]
     lines = ["# Column-wise quantizer: worker lag", "",
              f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, L2 {meta['l2_mib']} MiB. "
-             "µs: median of CUDA-graph replays. `block MiB`: one column block of all rows (bf16). `auto`: "
+             f"BLOCK_C {meta['block_c']}. µs: median of CUDA-graph replays. `block MiB`: one column block of "
+             "all rows (bf16). `auto`: "
              "`auto_lag`'s choice (largest lag <= 4 with (lag + 1) blocks <= 2/5 of the L2; at least 1 for wgrad).", "",
              "| kind | model | shape | block MiB | " + " | ".join(f"lag {k} µs" for k in lags)
              + " | auto | best | auto / best | lag 0 / auto |",
@@ -91,17 +94,22 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results", help="folder for colwise_lag.json and colwise_lag.md")
+    p.add_argument("--kinds", default="dgrad,wgrad", help="dgrad (expert, uniform) and/or wgrad (jagged)")
+    p.add_argument("--block-c", type=int, default=None, help="columns per column block (default: colwise_config's)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
     args = p.parse_args()
     if args.smoke:
         bench_quant.DEVICE = "cpu"
     elif not torch.cuda.is_available():
         sys.exit("sweep_colwise_lag.py needs a CUDA GPU (or --smoke)")
-    rows = run(args.smoke)
+    global BLOCK_C
+    BLOCK_C = args.block_c
+    rows = run(args.smoke, tuple(args.kinds.split(",")))
     dev = torch.device(bench_quant.DEVICE)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke run)",
-                torch=torch.__version__, triton=triton.__version__, l2_mib=round(l2_cache_bytes(dev) / 2**20, 1))
+                block_c=BLOCK_C or colwise_config()["BLOCK_C"], torch=torch.__version__, triton=triton.__version__,
+                l2_mib=round(l2_cache_bytes(dev) / 2**20, 1))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "colwise_lag.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -477,8 +477,9 @@ def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, st
     """Chunk rows, tile shape, software-pipeline stages of the row loops, how many column blocks the
     workers trail their members by (see ``_colwise_kernel``; ``None``: ``auto_lag`` per launch),
     warps, a cap on registers per thread (NVIDIA only, ignored elsewhere; ``None``: no cap), and
-    ``two_pass``: members and workers in two launches (no waiting; ``lag`` unused) instead of one. Defaults: best of a sweep on one H200 (see
-    BENCHMARKS.md); the cap of 96 lets 5 programs share a multiprocessor instead of 4."""
+    ``two_pass``: members and workers in two launches (no waiting; ``lag`` unused) instead of one.
+    Defaults: best of a sweep on one H200 (see BENCHMARKS.md); the cap of 96 lets 5 programs share a
+    multiprocessor instead of 4."""
     for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
