@@ -1,8 +1,8 @@
 """The column-wise quantizer's worker lag on one GPU: every lag 0..MAX_LAG against ``auto_lag``'s choice.
 
-``auto_lag`` picks the largest lag whose ``lag + 1`` column blocks of all rows fit in 2/5 of the L2,
-at least 1 in jagged (wgrad) launches (``moe_fp8/quant/kernels/colwise.py``; the rule was fitted
-to this script's shapes): the expert dgrad layout of every model's weights (incl. DeepSeek-V3 with
+``auto_lag`` picks the largest lag whose ``lag + 1`` column blocks have at most 3 chunks (member
+programs) per multiprocessor, at least 1 in jagged (wgrad) launches
+(``moe_fp8/quant/kernels/colwise.py``; the rule was fitted to this script's shapes): the expert dgrad layout of every model's weights (incl. DeepSeek-V3 with
 32 local experts) and the wgrad dual over 8 groups at 32768, 65536 and 131072 rows, Llama 4 and
 Qwen3. Median GPU time of CUDA-graph replays, default
 configuration otherwise (``colwise_config``).
@@ -23,7 +23,7 @@ import torch
 import triton
 
 import bench_quant
-from moe_fp8.quant.kernels.colwise import MAX_LAG, auto_lag, colwise_config, l2_cache_bytes
+from moe_fp8.quant.kernels.colwise import MAX_LAG, auto_lag, colwise_config, multiprocessors
 from moe_fp8.testing import random_offsets
 
 # (model, E, N, K): the dgrad layout quantizes W (E, N, K) over N; wgrad: (model, rows, N, K, groups)
@@ -41,16 +41,18 @@ BLOCK_C = None  # columns per column block (--block-c); None: colwise_config's d
 def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
     """Times ``make_fn(config)`` at every lag; ``auto`` is the lag the default config resolves to.
     ``kind``: "dgrad" (uniform groups) or "wgrad" (jagged)."""
-    block_c = BLOCK_C or colwise_config()["BLOCK_C"]
-    auto = auto_lag(rows, block_c, 2, l2_cache_bytes(torch.device(device)), jagged=kind == "wgrad")
+    cfg = colwise_config()
+    block_c = BLOCK_C or cfg["BLOCK_C"]
+    n_chunks = -(-rows // cfg["CHUNK"])
+    auto = auto_lag(n_chunks, multiprocessors(torch.device(device)), jagged=kind == "wgrad")
     us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag, block_c=block_c)))
           for lag in range(MAX_LAG + 1)}
     best = min(us, key=us.get)
-    row = dict(kind=kind, model=model, shape=shape, block_mib=round(rows * block_c * 2 / 2**20, 1), auto=auto,
+    row = dict(kind=kind, model=model, shape=shape, chunks=n_chunks, block_mib=round(rows * block_c * 2 / 2**20, 1), auto=auto,
                us={str(k): round(v, 2) for k, v in us.items()}, best=best,
                auto_vs_best=round(us[auto] / us[best], 3), auto_vs_lag0=round(us[0] / us[auto], 3),
                nbytes=nbytes)
-    print(f"{kind:6s} {model:16s} {shape:26s} block {row['block_mib']:5.1f} MiB auto {auto} best {best} "
+    print(f"{kind:6s} {model:16s} {shape:26s} chunks {n_chunks:4d} block {row['block_mib']:5.1f} MiB auto {auto} best {best} "
           + " ".join(f"{k}:{v:7.1f}" for k, v in us.items()) + f"  auto/best {row['auto_vs_best']:.3f}", flush=True)
     return row
 
@@ -77,15 +79,16 @@ def run(smoke: bool, kinds: tuple[str, ...]) -> list[dict]:
 def _markdown(meta: dict, rows: list[dict]) -> str:
     lags = [str(k) for k in range(MAX_LAG + 1)]
     lines = ["# Column-wise quantizer: worker lag", "",
-             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, L2 {meta['l2_mib']} MiB. "
+             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['sms']} multiprocessors. "
              f"BLOCK_C {meta['block_c']}. µs: median of CUDA-graph replays. `block MiB`: one column block of "
-             "all rows (bf16). `auto`: "
-             "`auto_lag`'s choice (largest lag <= 4 with (lag + 1) blocks <= 2/5 of the L2; at least 1 for wgrad).", "",
-             "| kind | model | shape | block MiB | " + " | ".join(f"lag {k} µs" for k in lags)
+             "all rows (bf16). `chunks`: member programs per column block. `auto`: "
+             "`auto_lag`'s choice (largest lag <= 4 with (lag + 1) x chunks <= 3 per multiprocessor; at least 1 for "
+             "wgrad).", "",
+             "| kind | model | shape | chunks | block MiB | " + " | ".join(f"lag {k} µs" for k in lags)
              + " | auto | best | auto / best | lag 0 / auto |",
-             "|---|---|---|---:|" + "---:|" * len(lags) + "---:|---:|---:|---:|"]
+             "|---|---|---|---:|---:|" + "---:|" * len(lags) + "---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['kind']} | {r['model']} | {r['shape']} | {r['block_mib']} | "
+        lines.append(f"| {r['kind']} | {r['model']} | {r['shape']} | {r['chunks']} | {r['block_mib']} | "
                      + " | ".join(f"{r['us'][k]:.1f}" for k in lags)
                      + f" | {r['auto']} | {r['best']} | {r['auto_vs_best']:.3f} | {r['auto_vs_lag0']:.3f} |")
     return "\n".join(lines) + "\n"
@@ -109,7 +112,7 @@ def main() -> None:
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke run)",
                 block_c=BLOCK_C or colwise_config()["BLOCK_C"], torch=torch.__version__, triton=triton.__version__,
-                l2_mib=round(l2_cache_bytes(dev) / 2**20, 1))
+                sms=multiprocessors(dev))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "colwise_lag.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

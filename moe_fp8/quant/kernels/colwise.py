@@ -19,9 +19,8 @@ puts all members of a column block before its workers, so a worker only waits fo
 launched before it, which the GPU has already placed on its multiprocessors (the forward-progress
 assumption of decoupled look-back scans); the L2 working set is one column block of all rows
 (``rows x BLOCK_C x 2`` bytes), or ``LAG + 1`` of them when the workers trail their members by
-``LAG`` column blocks (``colwise_config(lag=...)``; by default as many as fit in 2/5 of the L2,
-``auto_lag``). With ``colwise_config(two_pass=True)`` the
-members run in one launch and the workers in a second one that waits for nothing (HBM then reads
+``LAG`` column blocks (``colwise_config(lag=...)``; by default ``auto_lag``). With
+``colwise_config(two_pass=True)`` the members run in one launch and the workers in a second one that waits for nothing (HBM then reads
 each input byte twice). The sequential CPU interpreter runs members first, so its workers
 never spin. Counts a worker waits for are derived from the same clamped running-max offsets the
 members use, so no offsets, however bad, leave a worker waiting forever.
@@ -55,7 +54,7 @@ from ..triton_helpers import fp8_scales
 from .common import format_constexprs, to_fp8
 
 __all__ = [
-    "auto_lag", "colwise_config", "l2_cache_bytes", "launch_expert_colwise_t", "launch_group_colwise",
+    "auto_lag", "colwise_config", "multiprocessors", "launch_expert_colwise_t", "launch_group_colwise",
 ]
 
 # What the programs of one launch do (``_colwise_kernel``'s ``ROLES``).
@@ -443,32 +442,33 @@ def _colwise_kernel(
                       FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
-# Workers trail their members by up to MAX_LAG column blocks: as many as keep ``lag + 1`` column
-# blocks of all rows within 2/5 of the L2, and at least one in jagged (wgrad) launches
-# (``auto_lag``). Fitted to the H200 sweep of lags 0-4 over 12 shapes (60 MiB L2;
-# ``benchmarks/sweep_colwise_lag.py``, BENCHMARKS.md): where two column blocks overflow that share
-# (17-32 MiB per block: Llama 4, Qwen3 and DeepSeek-V3 E=32 dgrad) every lag lost 3-9% to lag 0;
-# below it the lag that fits gained up to 10%; in jagged launches lag 0 was the slowest or next
-# slowest on every shape, even with 16 MiB blocks.
+# Workers trail their members by up to MAX_LAG column blocks: as many as keep the members of the
+# ``lag + 1`` column blocks in between (``lag + 1`` times the chunks of a column block) within 3
+# programs per multiprocessor, and at least one in jagged (wgrad) launches (``auto_lag``). Fitted
+# to H200 sweeps of lags 0-4 (132 multiprocessors; ``benchmarks/sweep_colwise_lag.py``,
+# BENCHMARKS.md): 12 shapes at 64 columns per block, where the lag it picks is within 1% of the
+# best, and 7 at 32 columns, within 5%. Where one column block has 256 chunks or more (Llama 4,
+# Qwen3 and DeepSeek-V3 E=32 dgrad) every lag lost 3-9% to lag 0; with fewer the lag that fits
+# gained up to 10%; in jagged launches lag 0 was the slowest or next slowest on every shape. The
+# same rule in L2 bytes fits the 64-column sweep alike but mispredicts at 32 columns by up to 16%.
 MAX_LAG = 4
-_DEFAULT_L2_BYTES = 60 << 20  # what the H200 reports; used off CUDA (the interpreter), where the lag is only a schedule
+_PROGRAMS_PER_SM = 3
+_DEFAULT_SMS = 132  # the H100 / H200 count; used off CUDA (the interpreter), where the lag is only a schedule
 
 
 @functools.lru_cache(maxsize=None)
-def l2_cache_bytes(device: torch.device) -> int:
-    """The L2 size the device reports (``_DEFAULT_L2_BYTES`` off CUDA or when it reports none)."""
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor (SM / CU) count; ``_DEFAULT_SMS`` off CUDA."""
     if device.type != "cuda":
-        return _DEFAULT_L2_BYTES
-    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or _DEFAULT_L2_BYTES
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def auto_lag(rows: int, block_c: int, elem_size: int, l2_bytes: int, jagged: bool) -> int:
-    """Largest ``lag <= MAX_LAG`` with ``(lag + 1) * rows * block_c * elem_size <= 2/5 * l2_bytes``:
-    the input bytes of the column blocks whose members have read them and whose workers have not yet
-    (``rows``: all rows of the launch, every group's), kept in L2. At least 1 when ``jagged`` (groups
-    from offsets), else at least 0."""
-    block_bytes = max(rows * block_c * elem_size, 1)
-    return max(int(jagged), min(MAX_LAG, 2 * l2_bytes // 5 // block_bytes - 1))
+def auto_lag(n_chunks: int, sms: int, jagged: bool) -> int:
+    """Largest ``lag <= MAX_LAG`` with ``(lag + 1) * n_chunks <= 3 * sms``: the member programs of the
+    column blocks that have been read and not yet written (``n_chunks`` members per column block)
+    within 3 per multiprocessor. At least 1 when ``jagged`` (groups from offsets), else at least 0."""
+    return max(int(jagged), min(MAX_LAG, _PROGRAMS_PER_SM * sms // max(n_chunks, 1) - 1))
 
 
 def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3,
@@ -502,10 +502,9 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     uniform = offs is None
     if (uniform and G == 0) or nb_a + nb_b == 0:
         return
-    rows = G * n_uni if uniform else rows_in
-    n_chunks = max(cdiv(rows, cfg["CHUNK"]), 1)
+    n_chunks = max(cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
     if cfg.get("LAG") is None:
-        cfg["LAG"] = auto_lag(rows, cfg["BLOCK_C"], a.element_size(), l2_cache_bytes(a.device), not uniform)
+        cfg["LAG"] = auto_lag(n_chunks, multiprocessors(a.device), jagged=not uniform)
     dev = a.device
     g1 = max(G, 1)
     work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
