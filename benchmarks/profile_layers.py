@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
-    lines = [f"# Kernel time per forward+backward (`benchmarks/profile_layers.py`)", "",
+    lines = ["# Kernel time per forward+backward (`benchmarks/profile_layers.py`)", "",
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · {props.name} · "
              f"torch {torch.__version__} · triton {triton.__version__} · T = {args.tokens} tokens, eager", ""]
     for layer in args.layers:
