@@ -2,8 +2,8 @@
 
 ``auto_lag`` picks the largest lag whose ``lag + 1`` column blocks have at most 3 chunks (member
 programs) per multiprocessor, at least 1 in jagged (wgrad) launches
-(``moe_fp8/quant/kernels/colwise.py``; the rule was fitted to this script's shapes): the expert dgrad layout of every model's weights (incl. DeepSeek-V3 with
-32 local experts) and the wgrad dual over 8 groups at 32768, 65536 and 131072 rows, Llama 4 and
+(``moe_fp8/quant/kernels/colwise.py``; the rule was fitted to this script's shapes): the expert
+dgrad layout of every model's weights (incl. DeepSeek-V3 with 32 local experts) and the wgrad dual over 8 groups at 32768, 65536 and 131072 rows, Llama 4 and
 Qwen3. Median GPU time of CUDA-graph replays, default
 configuration otherwise (``colwise_config``).
 
@@ -36,23 +36,26 @@ WGRAD = [("DeepSeek-V3", 32768, 4096, 7168, 8), ("DeepSeek-V3", 65536, 4096, 716
 SMOKE_DGRAD = [("smoke", 2, 32, 48)]
 SMOKE_WGRAD = [("smoke", 64, 32, 48, 3)]
 BLOCK_C = None  # columns per column block (--block-c); None: colwise_config's default
+CHUNK = None  # rows per chunk (--chunk); None: colwise_config's default
 
 
 def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
     """Times ``make_fn(config)`` at every lag; ``auto`` is the lag the default config resolves to.
     ``kind``: "dgrad" (uniform groups) or "wgrad" (jagged)."""
     cfg = colwise_config()
-    block_c = BLOCK_C or cfg["BLOCK_C"]
-    n_chunks = -(-rows // cfg["CHUNK"])
+    block_c, chunk = BLOCK_C or cfg["BLOCK_C"], CHUNK or cfg["CHUNK"]
+    n_chunks = -(-rows // chunk)
     auto = auto_lag(n_chunks, multiprocessors(torch.device(device)), jagged=kind == "wgrad")
-    us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag, block_c=block_c)))
+    us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag, block_c=block_c, chunk=chunk)))
           for lag in range(MAX_LAG + 1)}
     best = min(us, key=us.get)
-    row = dict(kind=kind, model=model, shape=shape, chunks=n_chunks, block_mib=round(rows * block_c * 2 / 2**20, 1), auto=auto,
+    row = dict(kind=kind, model=model, shape=shape, chunks=n_chunks, block_mib=round(rows * block_c * 2 / 2**20, 1),
+               auto=auto,
                us={str(k): round(v, 2) for k, v in us.items()}, best=best,
                auto_vs_best=round(us[auto] / us[best], 3), auto_vs_lag0=round(us[0] / us[auto], 3),
                nbytes=nbytes)
-    print(f"{kind:6s} {model:16s} {shape:26s} chunks {n_chunks:4d} block {row['block_mib']:5.1f} MiB auto {auto} best {best} "
+    print(f"{kind:6s} {model:16s} {shape:26s} chunks {n_chunks:4d} block {row['block_mib']:5.1f} MiB "
+          f"auto {auto} best {best} "
           + " ".join(f"{k}:{v:7.1f}" for k, v in us.items()) + f"  auto/best {row['auto_vs_best']:.3f}", flush=True)
     return row
 
@@ -79,9 +82,10 @@ def run(smoke: bool, kinds: tuple[str, ...]) -> list[dict]:
 def _markdown(meta: dict, rows: list[dict]) -> str:
     lags = [str(k) for k in range(MAX_LAG + 1)]
     lines = ["# Column-wise quantizer: worker lag", "",
-             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['sms']} multiprocessors. "
-             f"BLOCK_C {meta['block_c']}. µs: median of CUDA-graph replays. `block MiB`: one column block of "
-             "all rows (bf16). `chunks`: member programs per column block. `auto`: "
+             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
+             f"{meta['sms']} multiprocessors. "
+             f"BLOCK_C {meta['block_c']}, CHUNK {meta['chunk']}. µs: median of CUDA-graph replays. `block MiB`: "
+             "one column block of all rows (bf16). `chunks`: member programs per column block. `auto`: "
              "`auto_lag`'s choice (largest lag <= 4 with (lag + 1) x chunks <= 3 per multiprocessor; at least 1 for "
              "wgrad).", "",
              "| kind | model | shape | chunks | block MiB | " + " | ".join(f"lag {k} µs" for k in lags)
@@ -99,19 +103,21 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results", help="folder for colwise_lag.json and colwise_lag.md")
     p.add_argument("--kinds", default="dgrad,wgrad", help="dgrad (expert, uniform) and/or wgrad (jagged)")
     p.add_argument("--block-c", type=int, default=None, help="columns per column block (default: colwise_config's)")
+    p.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: colwise_config's)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
     args = p.parse_args()
     if args.smoke:
         bench_quant.DEVICE = "cpu"
     elif not torch.cuda.is_available():
         sys.exit("sweep_colwise_lag.py needs a CUDA GPU (or --smoke)")
-    global BLOCK_C
-    BLOCK_C = args.block_c
+    global BLOCK_C, CHUNK
+    BLOCK_C, CHUNK = args.block_c, args.chunk
     rows = run(args.smoke, tuple(args.kinds.split(",")))
     dev = torch.device(bench_quant.DEVICE)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke run)",
-                block_c=BLOCK_C or colwise_config()["BLOCK_C"], torch=torch.__version__, triton=triton.__version__,
+                block_c=BLOCK_C or colwise_config()["BLOCK_C"],
+                chunk=CHUNK or colwise_config()["CHUNK"], torch=torch.__version__, triton=triton.__version__,
                 sms=multiprocessors(dev))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "colwise_lag.json"), "w") as f:
