@@ -3,11 +3,12 @@
 ``auto_lag`` picks the largest lag whose ``lag + 1`` column blocks have at most 3 chunks (member
 programs) per multiprocessor, at least 1 in jagged (wgrad) launches
 (``moe_fp8/quant/kernels/colwise.py``; the rule was fitted to this script's shapes): the expert
-dgrad layout of every model's weights (incl. DeepSeek-V3 with 32 local experts) and the wgrad dual over 8 groups at 32768, 65536 and 131072 rows, Llama 4 and
-Qwen3. Median GPU time of CUDA-graph replays, default
-configuration otherwise (``colwise_config``).
+dgrad layout of every model's weights (incl. DeepSeek-V3 with 32 local experts) and the wgrad
+dual of DeepSeek-V3 over 8 groups at 32768, 65536 and 131072 rows, of Llama 4 and of Qwen3.
+Median GPU time of CUDA-graph replays; ``colwise_config``'s defaults otherwise.
 
     python benchmarks/sweep_colwise_lag.py [--out DIR]    # -> DIR/colwise_lag.{json,md}
+    python benchmarks/sweep_colwise_lag.py --block-c 32 --chunk 1024 --kinds dgrad
     python benchmarks/sweep_colwise_lag.py --smoke        # tiny shapes, interpreter: checks the script
 """
 
