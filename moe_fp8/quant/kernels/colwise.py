@@ -20,8 +20,8 @@ launched before it, which the GPU has already placed on its multiprocessors (the
 assumption of decoupled look-back scans); the L2 working set is one column block of all rows
 (``rows x BLOCK_C x 2`` bytes), or ``LAG + 1`` of them when the workers trail their members by
 ``LAG`` column blocks (``colwise_config(lag=...)``; by default ``auto_lag``). With
-``colwise_config(two_pass=True)`` the members run in one launch and the workers in a second one that waits for nothing (HBM then reads
-each input byte twice). The sequential CPU interpreter runs members first, so its workers
+``colwise_config(two_pass=True)`` the members run in one launch and the workers in a second one
+that waits for nothing (HBM then reads each input byte twice). The sequential CPU interpreter runs members first, so its workers
 never spin. Counts a worker waits for are derived from the same clamped running-max offsets the
 members use, so no offsets, however bad, leave a worker waiting forever.
 
@@ -451,6 +451,7 @@ def _colwise_kernel(
 # Qwen3 and DeepSeek-V3 E=32 dgrad) every lag lost 3-9% to lag 0; with fewer the lag that fits
 # gained up to 10%; in jagged launches lag 0 was the slowest or next slowest on every shape. The
 # same rule in L2 bytes fits the 64-column sweep alike but mispredicts at 32 columns by up to 16%.
+# Only NVIDIA's H200 was measured; elsewhere (ROCm: 304 CUs on an MI300X) the rule is applied as is.
 MAX_LAG = 4
 _PROGRAMS_PER_SM = 3
 _DEFAULT_SMS = 132  # the H100 / H200 count; used off CUDA (the interpreter), where the lag is only a schedule
