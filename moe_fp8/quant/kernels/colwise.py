@@ -22,8 +22,9 @@ assumption of decoupled look-back scans); the L2 working set is one column block
 ``LAG`` column blocks (``colwise_config(lag=...)``; by default ``auto_lag``). With
 ``colwise_config(two_pass=True)`` the members run in one launch and the workers in a second one
 that waits for nothing (HBM then reads each input byte twice). The sequential CPU interpreter runs
-members first, so its workers never spin. Counts a worker waits for are derived from the same clamped running-max offsets the
-members use, so no offsets, however bad, leave a worker waiting forever.
+members first, so its workers never spin. Counts a worker waits for are derived from the same
+clamped running-max offsets the members use, so no offsets, however bad, leave a worker waiting
+forever.
 
 Users:
 
