@@ -24,7 +24,9 @@ import torch
 import triton
 
 import bench_quant
-from moe_fp8.quant.kernels.colwise import MAX_LAG, auto_lag, colwise_config, multiprocessors
+from moe_fp8.launch_math import cdiv
+from moe_fp8.quant.kernels.colwise import MAX_LAG, auto_lag, colwise_config
+from moe_fp8.quant.kernels.common import multiprocessor_count
 from moe_fp8.testing import random_offsets
 
 # (model, E, N, K): the dgrad layout quantizes W (E, N, K) over N; wgrad: (model, rows, N, K, groups)
@@ -45,8 +47,8 @@ def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
     ``kind``: "dgrad" (uniform groups) or "wgrad" (jagged)."""
     cfg = colwise_config()
     block_c, chunk = BLOCK_C or cfg["BLOCK_C"], CHUNK or cfg["CHUNK"]
-    n_chunks = -(-rows // chunk)
-    auto = auto_lag(n_chunks, multiprocessors(torch.device(device)), jagged=kind == "wgrad")
+    n_chunks = cdiv(rows, chunk)
+    auto = auto_lag(n_chunks, multiprocessor_count(torch.device(device)), jagged=kind == "wgrad")
     us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag, block_c=block_c, chunk=chunk)))
           for lag in range(MAX_LAG + 1)}
     best = min(us, key=us.get)
@@ -119,7 +121,7 @@ def main() -> None:
                 gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke run)",
                 block_c=BLOCK_C or colwise_config()["BLOCK_C"],
                 chunk=CHUNK or colwise_config()["CHUNK"], torch=torch.__version__, triton=triton.__version__,
-                sms=multiprocessors(dev))
+                sms=multiprocessor_count(dev))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "colwise_lag.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

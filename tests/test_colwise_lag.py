@@ -12,6 +12,7 @@ import torch
 from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.kernels import colwise
 from moe_fp8.quant.kernels.colwise import MAX_LAG, auto_lag, colwise_config
+from moe_fp8.quant.kernels.common import multiprocessor_count
 
 H200_SMS = 132
 
@@ -51,11 +52,19 @@ class _RecordingKernel:
         return lambda *args, **kw: self.launches.append((grid[0], kw["LAG"]))
 
 
-@pytest.mark.parametrize("rows,explicit,lag", [(150, None, 4), (30000, None, 2), (130000, None, 1),
-                                               (40000, 3, 3)])
-def test_group_launch_resolves_the_lag(monkeypatch, rows, explicit, lag):
+def _expected(n_chunks: int, jagged: bool, explicit: int | None = None) -> int:
+    """The lag a launch must pass: the explicit one, else ``auto_lag`` with the device's multiprocessor
+    count (on the CPU, the interpreter's small constant)."""
+    if explicit is not None:
+        return explicit
+    return auto_lag(n_chunks, multiprocessor_count(torch.device("cpu")), jagged)
+
+
+@pytest.mark.parametrize("rows,explicit", [(150, None), (1000, None), (3500, None), (1000, 3)])
+def test_group_launch_resolves_the_lag(monkeypatch, rows, explicit):
     """Without an explicit lag the jagged launch passes ``auto_lag(chunks, multiprocessors, True)``
-    (at least 1: 130000 rows are 508 chunks of 256) and sizes its grid with it; an explicit lag wins."""
+    and sizes its grid with it; an explicit lag wins. (On the CPU's count the three row counts give
+    lags 4, 2 and 1, the last from the jagged floor.)"""
     rec = _RecordingKernel()
     monkeypatch.setattr(colwise, "_colwise_kernel", rec)
     a = torch.zeros(rows, 40, dtype=torch.bfloat16)
@@ -65,12 +74,14 @@ def test_group_launch_resolves_the_lag(monkeypatch, rows, explicit, lag):
     config = colwise_config(chunk=256, block_c=16, lag=explicit)
     colwise.launch_group_colwise(a, qa, sa, None, None, None, offs, None, E4M3FN, False, config=config)
     n_chunks, n_blocks = -(-rows // 256), -(-40 // 16)
+    lag = _expected(n_chunks, True, explicit)
     assert rec.launches == [((n_blocks + lag) * 2 * n_chunks, lag)]
 
 
-@pytest.mark.parametrize("experts,rows,lag", [(2, 300, 4), (2, 20000, 1), (2, 65000, 0)])
-def test_expert_launch_resolves_the_lag(monkeypatch, experts, rows, lag):
-    """The expert (dgrad) launch: uniform groups, so lag 0 where a jagged launch would get 1."""
+@pytest.mark.parametrize("experts,rows", [(2, 300), (1, 1024), (2, 1750)])
+def test_expert_launch_resolves_the_lag(monkeypatch, experts, rows):
+    """The expert (dgrad) launch: uniform groups, so no floor of 1 (lags 3, 2 and 0 on the CPU's
+    count, where a jagged launch of 3500 rows gets 1)."""
     rec = _RecordingKernel()
     monkeypatch.setattr(colwise, "_colwise_kernel", rec)
     w = torch.zeros(experts, rows, 40, dtype=torch.bfloat16)
@@ -78,4 +89,12 @@ def test_expert_launch_resolves_the_lag(monkeypatch, experts, rows, lag):
     s = torch.empty(experts, 40)
     colwise.launch_expert_colwise_t(w, q, s, E4M3FN, False, config=colwise_config(chunk=256, block_c=16))
     n_chunks, n_blocks = -(-experts * rows // 256), -(-40 // 16)
+    lag = _expected(n_chunks, False)
     assert rec.launches == [((n_blocks + lag) * 2 * n_chunks, lag)]
+
+
+def test_launch_lags_cover_both_floors():
+    """The parameters above reach distinct lags, the jagged floor among them (so the tests can fail)."""
+    cpu = multiprocessor_count(torch.device("cpu"))
+    assert {auto_lag(-(-r // 256), cpu, True) for r in (150, 1000, 3500)} == {4, 2, 1}
+    assert auto_lag(-(-3500 // 256), cpu, False) == 0

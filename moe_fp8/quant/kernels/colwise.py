@@ -43,8 +43,6 @@ unmasked, vectorized stores along the output's contiguous dim.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -52,11 +50,9 @@ import triton.language as tl
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .common import format_constexprs, to_fp8
+from .common import format_constexprs, multiprocessor_count, to_fp8
 
-__all__ = [
-    "auto_lag", "colwise_config", "multiprocessors", "launch_expert_colwise_t", "launch_group_colwise",
-]
+__all__ = ["auto_lag", "colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
 
 # What the programs of one launch do (``_colwise_kernel``'s ``ROLES``).
 ROLES_BOTH = tl.constexpr(0)
@@ -455,15 +451,6 @@ def _colwise_kernel(
 # Only NVIDIA's H200 was measured; elsewhere (ROCm: 304 CUs on an MI300X) the rule is applied as is.
 MAX_LAG = 4
 _PROGRAMS_PER_SM = 3
-_DEFAULT_SMS = 132  # the H100 / H200 count; used off CUDA (the interpreter), where the lag is only a schedule
-
-
-@functools.lru_cache(maxsize=None)
-def multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessor (SM / CU) count; ``_DEFAULT_SMS`` off CUDA."""
-    if device.type != "cuda":
-        return _DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def auto_lag(n_chunks: int, sms: int, jagged: bool) -> int:
@@ -506,7 +493,7 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
         return
     n_chunks = max(cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
     if cfg.get("LAG") is None:
-        cfg["LAG"] = auto_lag(n_chunks, multiprocessors(a.device), jagged=not uniform)
+        cfg["LAG"] = auto_lag(n_chunks, multiprocessor_count(a.device), jagged=not uniform)
     dev = a.device
     g1 = max(G, 1)
     work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
