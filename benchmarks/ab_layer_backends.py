@@ -40,7 +40,7 @@ def variants(spec: tuple, backends: list[str], device: str) -> dict[str, FP8MoE]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--backends", nargs="+", default=["cuda", "hybrid"])
+    ap.add_argument("--backends", nargs="+", default=["cuda", "cuda_auto", "hybrid"])
     ap.add_argument("--layers", nargs="+", choices=list(LAYERS), default=["deepseek_v3_e32", "deepseek_v3_e8"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results")

@@ -45,6 +45,7 @@ SHAPES = [  # name, M, K, N, E
 SMOKE_SHAPES = [("smoke E=4", 256, 128, 64, 4), ("smoke E=8", 128, 64, 32, 8)]
 RECIPE_BACKENDS = [  # blockwise runs its GEMMs on the Triton kernel on every backend
     ("rowwise", "cuda"),
+    ("rowwise", "cuda_auto"),
     ("rowwise", "hybrid"),
     ("rowwise", "triton"),
     ("rowwise_gw_hp", "cuda"),

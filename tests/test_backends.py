@@ -17,6 +17,7 @@ import torch
 from moe_fp8 import fp8_grouped_mm
 from moe_fp8.grouped_gemm import available_backends, select_backend
 from moe_fp8.grouped_gemm.backends.cuda import CudaBackend
+from moe_fp8.grouped_gemm.backends.cuda_auto import TRITON_MAX_ROWS_PER_GROUP, CudaAutoBackend
 from moe_fp8.grouped_gemm.emulated import emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d
 from moe_fp8.grouped_gemm.padding import padded_offsets, padded_row_index, padded_rows
 from moe_fp8.grouped_gemm.quant_seam import quantize_wgrad_operands
@@ -124,6 +125,28 @@ def test_cuda_other_recipes(fake_cuda, recipe):
         close(a, b)
     # blockwise runs on the Triton kernel; BF16 wgrad/GEMMs on torch._grouped_mm.
     assert len(fake_cuda) == {"blockwise": 0, "rowwise_gw_hp": 2, "bf16": 0}[recipe]
+
+
+@needs_interpreter  # the small-group GEMMs run on the Triton kernel
+@pytest.mark.parametrize("limit, on_triton", [(24, True), (23, False)])
+def test_cuda_auto_picks_the_2d3d_kernel_by_rows_per_group(fake_cuda, monkeypatch, limit, on_triton):
+    """96 rows over 4 experts average 24 rows per group: forward and dgrad run on Triton up to the
+    limit, on ``torch._scaled_grouped_mm`` above it; wgrad always on the op. The outputs are those
+    of the named backends bit for bit."""
+    monkeypatch.setattr(CudaAutoBackend, "triton_max_rows_per_group", limit)
+    x, w, g, offs = inputs(seed=5)
+    got = fwd_bwd(x, w, g, offs, recipe="rowwise", backend="cuda_auto")
+    auto_calls = list(fake_cuda)
+    fake_cuda.clear()
+    want = fwd_bwd(x, w, g, offs, recipe="rowwise", backend="hybrid" if on_triton else "cuda")
+    assert [c.b.dim() for c in auto_calls] == ([2] if on_triton else [3, 3, 2])  # 2D x 3D, ..., wgrad
+    assert [c.b.dim() for c in fake_cuda] == [c.b.dim() for c in auto_calls]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_cuda_auto_threshold_is_the_measured_one():
+    assert CudaAutoBackend.triton_max_rows_per_group == TRITON_MAX_ROWS_PER_GROUP == 1536
 
 
 def test_cuda_group_limit(fake_cuda):
@@ -254,11 +277,12 @@ def test_auto_selection_on_gpus(monkeypatch):
     assert select_backend(None, "cuda:0").name == "rocm"
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert select_backend(None, "cuda:0").name == "cuda"
+    assert select_backend(None, "cuda:0").name == "cuda_auto"
+    assert select_backend("cuda", "cuda:0").name == "cuda"
     assert select_backend("hybrid", "cuda:0").name == "hybrid"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     assert select_backend(None, "cuda:0").name == "triton"
-    for name in ("cuda", "hybrid"):
+    for name in ("cuda", "cuda_auto", "hybrid"):
         with pytest.raises(ValueError, match="sm89"):
             select_backend(name, "cuda:0")
 
@@ -286,7 +310,7 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
         select_backend("triton", "cpu")
 
 
-@pytest.mark.parametrize("name", ["cuda", "hybrid", "rocm"])
+@pytest.mark.parametrize("name", ["cuda", "cuda_auto", "hybrid", "rocm"])
 def test_gpu_backends_refuse_cpu_tensors(name):
     with pytest.raises(ValueError, match=name):
         select_backend(name, "cpu")

@@ -23,7 +23,7 @@ pytestmark = [
 
 FP8_RECIPES = ("rowwise", "rowwise_gw_hp", "tensorwise", "blockwise")
 RECIPES = (*FP8_RECIPES, "bf16")
-GPU_BACKENDS = ("cuda", "hybrid", "triton")
+GPU_BACKENDS = ("cuda", "cuda_auto", "hybrid", "triton")
 
 
 def need(backend: str) -> None:
@@ -270,3 +270,18 @@ def test_transposed_view_weights_gpu(backend, recipe):
     tol = {} if recipe == "bf16" else dict(rtol=0, atol=0)
     torch.testing.assert_close(y, want[0], **tol)
     torch.testing.assert_close(storage.grad.transpose(1, 2), want[2], **tol)
+
+
+@pytest.mark.parametrize("limit, same_as", [(256, "hybrid"), (255, "cuda")])
+def test_cuda_auto_is_hybrid_for_small_groups_and_cuda_for_large(monkeypatch, large_case, limit, same_as):
+    """``large_case`` averages 4096 / 16 = 256 rows per group: at a limit of 256 ``cuda_auto`` runs
+    the forward and dgrad GEMMs on Triton (``hybrid``), at 255 on ``torch._scaled_grouped_mm``
+    (``cuda``); wgrad on the op either way. Same kernels, so the same bits."""
+    from moe_fp8.grouped_gemm.backends.cuda_auto import CudaAutoBackend
+
+    need("cuda_auto")
+    monkeypatch.setattr(CudaAutoBackend, "triton_max_rows_per_group", limit)
+    got = fwd_bwd(*large_case, recipe="rowwise", backend="cuda_auto")
+    want = fwd_bwd(*large_case, recipe="rowwise", backend=same_as)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

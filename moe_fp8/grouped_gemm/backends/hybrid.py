@@ -7,10 +7,10 @@ BENCHMARKS.md (two runs), while its 2D x 2D wgrad form ran at only 0.53-0.72x. T
 ``mm_2d3d`` (forward and dgrad) from the ``triton`` backend and ``mm_2d2d`` (with the 16-row wgrad
 padding, the 1023-group limit and the bf16-only output) from ``cuda``.
 
-Why it is not the automatic choice: in the whole layer the gain did not hold on every shape. A/B
-on one H200, FP8MoE ``rowwise`` forward+backward at T=4096, five alternated ``do_bench`` medians:
-DeepSeek-V3 with 32 experts 11.77 ms against ``cuda``'s 12.05 ms, with 8 experts 9.89 against 9.72
-(BENCHMARKS.md, grouped GEMM section, "Mixed backends").
+It is not the automatic choice: in the whole layer the gain held only where the experts' groups
+are small (DeepSeek-V3 with 32 experts at T=4096: 11.77 against ``cuda``'s 12.05 ms; with 8
+experts 9.89 against 9.72; BENCHMARKS.md, grouped GEMM section, "Mixed backends"). The automatic
+``cuda_auto`` takes the Triton kernel for those GEMMs only (``cuda_auto.py``).
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ variable, then the platform of the input tensors:
 
 * CPU tensors: ``emulated``;
 * ROCm GPU: ``rocm`` where PyTorch's CK grouped GEMM runs (gfx942 / gfx950), else ``triton``;
-* CUDA GPU: ``cuda`` on Hopper (sm90) with ``torch._scaled_grouped_mm``, else ``triton``
-  (``hybrid`` is opt-in: see ``hybrid.py``).
+* CUDA GPU: ``cuda_auto`` on Hopper (sm90) with ``torch._scaled_grouped_mm`` (per GEMM, Triton
+  or ``torch._scaled_grouped_mm`` by the groups' average size: see ``cuda_auto.py``), else
+  ``triton``. ``cuda`` (always ``torch._scaled_grouped_mm``) and ``hybrid`` (always Triton for
+  forward and dgrad) are there by name.
 
 A backend asked for by name that cannot run here raises ``ValueError`` saying why.
 """
@@ -19,6 +21,7 @@ import torch
 
 from .base import GroupedGemmBackend
 from .cuda import CudaBackend
+from .cuda_auto import CudaAutoBackend
 from .emulated_backend import EmulatedBackend
 from .hybrid import HybridBackend
 from .rocm import RocmBackend
@@ -29,7 +32,7 @@ __all__ = ["BACKEND_ENV_VAR", "BACKENDS", "available_backends", "get_backend", "
 BACKEND_ENV_VAR = "MOE_FP8_BACKEND"
 
 BACKENDS: dict[str, GroupedGemmBackend] = {
-    b.name: b for b in (CudaBackend(), HybridBackend(), RocmBackend(), TritonBackend(), EmulatedBackend())
+    b.name: b for b in (CudaBackend(), CudaAutoBackend(), HybridBackend(), RocmBackend(), TritonBackend(), EmulatedBackend())
 }
 
 
@@ -58,7 +61,7 @@ def select_backend(name: str | None, device: torch.device | str) -> GroupedGemmB
     if name is None:
         if device.type == "cpu":
             return BACKENDS["emulated"]
-        native = BACKENDS["rocm" if torch.version.hip is not None else "cuda"]
+        native = BACKENDS["rocm" if torch.version.hip is not None else "cuda_auto"]
         return native if native.unavailable_reason(device) is None else BACKENDS["triton"]
     try:
         backend = get_backend(name)
