@@ -17,7 +17,8 @@ T, H, I, E, K = 40, 64, 32, 4, 2
 # at H in {64, 256}, T in {40, 256}; TorchAO's MoE test floor is 23 dB). The bf16 recipe gives ~47 dB.
 # No rowwise-e4m3 implementation can do better than the *ideal* one (operands quantized, all else
 # exact): test_rowwise_output_at_the_ideal_fp8_bound measures that bound (~23.8 dB) and holds the
-# module to it.
+# module to it; the issue's 25 dB is held against that fp64 reference of the recipe instead
+# (test_rowwise_output_against_the_fp64_reference_of_the_recipe, at 33 dB).
 OUT_SQNR = 23.0
 
 def _moe(recipe="rowwise", seed=0, **kw):
@@ -151,6 +152,19 @@ def test_rowwise_output_at_the_ideal_fp8_bound():
     bound = sqnr(exact, _ideal_rowwise_fp8(moe, x))
     assert 22.5 < bound < 25.0
     assert sqnr(exact, moe(x)) >= bound - 0.5
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["emulated", "triton"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rowwise_output_against_the_fp64_reference_of_the_recipe(backend, seed):
+    """Issue #6's 25 dB output bar, held against the fp64 reference MoE of the recipe (its four
+    GEMM operands quantized as ``rowwise`` quantizes them, everything else in fp64): what is left is
+    our bf16 intermediates and accumulation order. Measured 36.1-38.8 dB (seeds 0-3, both backends);
+    held at 33 dB. Against exact math the format itself caps the output near 24 dB (the test above)."""
+    moe = _moe("rowwise", seed=seed, backend=backend)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 10)).to(torch.bfloat16)
+    assert sqnr(_ideal_rowwise_fp8(moe, x), moe(x)) >= 33
 
 
 @pytest.mark.interpreter
