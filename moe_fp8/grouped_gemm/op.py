@@ -46,10 +46,10 @@ def fp8_grouped_mm(
             or ``"bf16"`` (``torch._grouped_mm``, the baseline), or a :class:`Float8Recipe`.
             Forward and dgrad run in FP8 in every FP8 recipe; wgrad in FP8 for rowwise and
             tensorwise, in BF16 for rowwise_gw_hp and blockwise.
-        backend: ``"cuda"``, ``"hybrid"``, ``"rocm"``, ``"triton"``, ``"emulated"``, or ``None`` for the
-            ``MOE_FP8_BACKEND`` environment variable, else the platform's best
-            (see ``moe_fp8.grouped_gemm.backends.select``).
-        out_dtype: dtype of the result (bf16 only on the cuda, hybrid and rocm backends).
+        backend: ``"cuda_auto"``, ``"cuda"``, ``"hybrid"``, ``"rocm"``, ``"triton"``,
+            ``"emulated"``, or ``None`` for the ``MOE_FP8_BACKEND`` environment variable, else
+            the platform's best (see ``moe_fp8.grouped_gemm.backends.select``).
+        out_dtype: dtype of the result (bf16 only on the cuda_auto, cuda, hybrid and rocm backends).
         weight_cache: serve the quantized weights from this cache while ``w`` is unchanged
             (same tensor, same version counter): pass it across gradient-accumulation
             micro-batches. Not for ``torch.compile``.

@@ -10,10 +10,10 @@ Why 1536 rows: whole-layer A/B on one H200 (``benchmarks/ab_layer_backends.py``,
 ``rowwise`` forward+backward, 5-9 alternated rounds, 2026-11-30), the Triton 2D x 3D GEMM against
 ``cuda``'s, by average rows per group:
 
-* 512 (Llama 4, E = 16, top-1, T = 8192): 15.21 against 16.56 ms, 8% faster;
-* 1024 (DeepSeek-V3, E = 32, T = 4096): 2-4% faster in four runs on three days;
+* 512 (Llama 4, E = 16, top-1, T = 8192): 15.21 against 16.56 ms, 9% faster;
+* 1024 (DeepSeek-V3, E = 32, T = 4096): 2-4% faster in four runs;
 * 2048 (DeepSeek-V3, E = 32, T = 8192): 2.6% slower; 4096-16384 (E = 8; E = 32 at T = 16384):
-  from 3.5% slower to 0.7% faster.
+  from 3.6% slower to 0.7% faster.
 
 The threshold sits between the last size where Triton won every run and the first where it did
 not. ``cuda`` (always ``torch._scaled_grouped_mm``) and ``hybrid`` (always Triton for 2D x 3D)

@@ -32,7 +32,8 @@ __all__ = ["BACKEND_ENV_VAR", "BACKENDS", "available_backends", "get_backend", "
 BACKEND_ENV_VAR = "MOE_FP8_BACKEND"
 
 BACKENDS: dict[str, GroupedGemmBackend] = {
-    b.name: b for b in (CudaBackend(), CudaAutoBackend(), HybridBackend(), RocmBackend(), TritonBackend(), EmulatedBackend())
+    b.name: b
+    for b in (CudaBackend(), CudaAutoBackend(), HybridBackend(), RocmBackend(), TritonBackend(), EmulatedBackend())
 }
 
 
