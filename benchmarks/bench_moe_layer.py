@@ -14,7 +14,7 @@ For each MoE layer the ``rowwise`` forward alone is timed too, beside the dispat
 (the CPU cost of issuing the calls) and in GPU time (CUDA-graph replays); see ``plan_share``.
 
 Usage: ``python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 8192 [16384 ...]] [--layers NAME ...]
-[--quick]``
+[--quick | --dense-only]``
 (writes ``moe_layer.json`` and ``moe_layer.md``). ``--smoke`` runs tiny layers on the CPU (wall
 clock, no peak memory) to check the script itself.
 """
@@ -241,12 +241,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192], help="token counts, each a run of the layers")
     ap.add_argument("--layers", nargs="+", choices=list(LAYERS), help="MoE layers to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="DeepSeek-V3 E=8 and Qwen3 only, no dense")
+    ap.add_argument("--dense-only", action="store_true", help="the dense Llama3-8B MLP rows only (T=8192)")
     ap.add_argument("--smoke", action="store_true", help="tiny layers on the CPU: checks the script")
     args = ap.parse_args()
     global DEVICE
     if args.smoke:
         DEVICE = "cpu"
         rows = moe_rows(32, SMOKE_LAYERS) + dense_rows(32, 64, 96)
+    elif args.dense_only:
+        rows = dense_rows()
     else:
         names = args.layers or (["deepseek_v3_e8", "qwen3_30b_a3b"] if args.quick else list(LAYERS))
         rows = [r for t in args.tokens for r in moe_rows(t, {n: LAYERS[n] for n in names})]
