@@ -11,7 +11,10 @@ of output, dgrad and wgrad is against the BF16 result. A second table times the 
 weights do not change between timed calls: gradient accumulation between optimizer steps).
 
 Usage (H200): ``python benchmarks/bench_grouped_gemm.py --out benchmarks/results``.
-``--smoke`` runs tiny shapes (CPU too) to check the script itself.
+``--rounds N`` times every method N times in alternation (median and range per row: single
+medians of methods that run the same kernels have differed by up to 13% within one run);
+``--methods LABEL ...`` keeps only those methods (and the BF16 baseline), for an A/B;
+``--shapes 0,6`` picks shapes. ``--smoke`` runs tiny shapes (CPU too) to check the script itself.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -89,7 +93,10 @@ def torchao_fn():
     return run
 
 
-def bench_shape(name, M, K, N, E, methods, device, rep_ms):
+def bench_shape(name, M, K, N, E, methods, device, rep_ms, rounds=1):
+    """One shape: every method checked once against BF16 (SQNR), then timed in ``rounds``
+    alternated rounds (each round times every method once, forward and forward+backward), so a
+    drift of the GPU over the run hits all methods alike; the row keeps the median and the range."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, generator=gen).to(device, torch.bfloat16).requires_grad_()
     w = (torch.randn(E, N, K, generator=gen) * 0.02).to(device, torch.bfloat16).requires_grad_()
@@ -101,30 +108,36 @@ def bench_shape(name, M, K, N, E, methods, device, rep_ms):
         y = fn(x, w, offs)
         return (y, *torch.autograd.grad(y, (x, w), g))
 
+    def failed(label, e):  # report, keep going with the other methods
+        print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+        return {"method": label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
     ref = fwd_bwd(methods["bf16 torch._grouped_mm"])
-    rows = []
+    rows = {}
     for label, fn in methods.items():
         try:
             got = fwd_bwd(fn)
-            t_fwd = timer(lambda: fn(x, w, offs), rep_ms)
-            t_all = timer(lambda: fwd_bwd(fn), rep_ms)
-        except Exception as e:  # report, keep going with the other methods
-            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-            rows.append({"method": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        except Exception as e:
+            rows[label] = failed(label, e)
             continue
-        rows.append(
-            {
-                "method": label,
-                "fwd_ms": t_fwd,
-                "fwd_bwd_ms": t_all,
-                "fwd_tflops": flop / t_fwd / 1e9,
-                "fwd_bwd_tflops": 3 * flop / t_all / 1e9,
-                "sqnr_out": sqnr(ref[0], got[0]),
-                "sqnr_dgrad": sqnr(ref[1], got[1]),
-                "sqnr_wgrad": sqnr(ref[2], got[2]),
-            }
-        )
+        rows[label] = {"method": label, "sqnr_out": sqnr(ref[0], got[0]), "sqnr_dgrad": sqnr(ref[1], got[1]),
+                       "sqnr_wgrad": sqnr(ref[2], got[2]), "fwd_all": [], "fwd_bwd_all": []}
         del got
+    for _ in range(rounds):
+        for label, fn in methods.items():
+            r = rows[label]
+            if "error" in r:
+                continue
+            try:
+                r["fwd_all"].append(timer(lambda: fn(x, w, offs), rep_ms))
+                r["fwd_bwd_all"].append(timer(lambda: fwd_bwd(fn), rep_ms))
+            except Exception as e:
+                rows[label] = failed(label, e)
+    for r in rows.values():
+        if "error" not in r:
+            t_fwd, t_all = statistics.median(r["fwd_all"]), statistics.median(r["fwd_bwd_all"])
+            r.update(fwd_ms=t_fwd, fwd_bwd_ms=t_all, fwd_tflops=flop / t_fwd / 1e9, fwd_bwd_tflops=3 * flop / t_all / 1e9)
+    rows = list(rows.values())
     by = {r["method"]: r for r in rows if "error" not in r}
     base, ao = by.get("bf16 torch._grouped_mm"), by.get("TorchAO fp8 rowwise")
     for r in rows:
@@ -203,7 +216,8 @@ def markdown(report) -> str:
         "",
         f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · torchao {env['torchao']}",
         "",
-        "Times: `triton.testing.do_bench` medians (ms). TFLOP/s: 2·M·K·N per GEMM (x3 for fwd+bwd). "
+        f"Times: `triton.testing.do_bench` medians (ms); with {env['rounds']} alternated round(s), the "
+        "median over rounds and its range. TFLOP/s: 2·M·K·N per GEMM (x3 for fwd+bwd). "
         "Speedups: time of BF16 `torch._grouped_mm` (or TorchAO) / time of the method. "
         "SQNR (dB) of out / dgrad / wgrad against the BF16 result.",
     ]
@@ -212,16 +226,17 @@ def markdown(report) -> str:
             "",
             f"## {s['shape']} (M={s['M']}, K={s['K']}, N={s['N']}, E={s['E']})",
             "",
-            "| method | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd vs BF16 | fwd+bwd vs TorchAO "
-            "| fwd vs BF16 | SQNR out / dgrad / wgrad |",
-            "|---|---|---|---|---|---|---|---|",
+            "| method | fwd ms | fwd+bwd ms | fwd+bwd range ms | fwd+bwd TFLOP/s | fwd+bwd vs BF16 "
+            "| fwd+bwd vs TorchAO | fwd vs BF16 | SQNR out / dgrad / wgrad |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in s["results"]:
             if "error" in r:
-                lines.append(f"| {r['method']} | failed: {r['error'][:120]} | | | | | | |")
+                lines.append(f"| {r['method']} | failed: {r['error'][:120]} | | | | | | | |")
                 continue
             lines.append(
-                f"| {r['method']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} "
+                f"| {r['method']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} "
+                f"| {min(r['fwd_bwd_all']):.3f}-{max(r['fwd_bwd_all']):.3f} | {r['fwd_bwd_tflops']:.0f} "
                 f"| {fmt(r['fwd_bwd_speedup_vs_bf16'], '.2f', 'x')} | {fmt(r['fwd_bwd_speedup_vs_torchao'], '.2f', 'x')} "
                 f"| {fmt(r['fwd_speedup_vs_bf16'], '.2f', 'x')} "
                 f"| {r['sqnr_out']:.1f} / {r['sqnr_dgrad']:.1f} / {r['sqnr_wgrad']:.1f} |"
@@ -242,6 +257,8 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms) per measurement")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
     parser.add_argument("--shapes", default="", help="comma-separated indices into the shape list")
+    parser.add_argument("--rounds", type=int, default=1, help="alternated timing rounds per shape")
+    parser.add_argument("--methods", nargs="+", help="method labels to time (the BF16 baseline always runs)")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -264,13 +281,19 @@ def main() -> None:
             "triton": triton.__version__,
             "torchao": torchao_version,
             "rep_ms": args.rep_ms,
+            "rounds": args.rounds,
         },
         "shapes": [],
     }
     methods = methods_for(device)
+    if args.methods:
+        unknown = set(args.methods) - set(methods)
+        if unknown:
+            parser.error(f"unknown --methods {sorted(unknown)}; available here: {list(methods)}")
+        methods = {k: v for k, v in methods.items() if k == "bf16 torch._grouped_mm" or k in args.methods}
     for name, M, K, N, E in shapes:
         t0 = time.time()
-        report["shapes"].append(bench_shape(name, M, K, N, E, methods, device, args.rep_ms))
+        report["shapes"].append(bench_shape(name, M, K, N, E, methods, device, args.rep_ms, args.rounds))
         print(f"{name}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -2,13 +2,13 @@
 # GPU tests and benchmarks in stages that each fit a 10-minute slot, results to one folder.
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
-#   STAGE: tests | quant | quant-sweep | quant-lag | gemm | layer | layer-sizes | layer-ab | routing | profile | all
+#   STAGE: tests | quant | quant-sweep | quant-lag | gemm | gemm-ab | layer | layer-sizes | layer-ab | routing | profile | all
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang (e.g. a kernel that never returns) ends the stage instead of the session.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|quant|quant-sweep|quant-lag|gemm|layer|layer-sizes|layer-ab|routing|profile|all [OUT]}
+stage=${1:?usage: run_gpu.sh tests|quant|quant-sweep|quant-lag|gemm|gemm-ab|layer|layer-sizes|layer-ab|routing|profile|all [OUT]}
 out=${2:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -33,6 +33,9 @@ case $stage in
   quant-sweep) run 540 quant_sweep.log python3 benchmarks/bench_quant.py --sweep --budget-s 400 --out "$out/sweep" ;;
   quant-lag) run 300 colwise_lag.log python3 benchmarks/sweep_colwise_lag.py --out "$out" ;;
   gemm)    run 540 grouped_gemm.log python3 benchmarks/bench_grouped_gemm.py --out "$out" ;;
+  gemm-ab) run 540 grouped_gemm_ab.log python3 benchmarks/bench_grouped_gemm.py --rounds 5 --methods \
+             "TorchAO fp8 rowwise" "rowwise / cuda" "rowwise / cuda_auto" "rowwise / hybrid" "rowwise / triton" \
+             --out "$out/gemm_ab" ;;
   layer)   run 420 moe_layer.log python3 benchmarks/bench_moe_layer.py --out "$out" ;;
   layer-sizes) run 540 moe_layer_sizes.log python3 benchmarks/bench_moe_layer.py --tokens 4096 16384 \
                  --layers deepseek_v3_e8 deepseek_v3_e32 qwen3_30b_a3b --out "$out/sizes" ;;

@@ -25,6 +25,7 @@ def test_benchmark_compiles(script):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("script, extra, outputs", [
     ("bench_grouped_gemm.py", [], ["grouped_gemm.json", "grouped_gemm.md"]),
+    ("bench_grouped_gemm.py", ["--rounds", "2", "--methods", "rowwise / emulated"], ["grouped_gemm.json"]),
     ("bench_moe_layer.py", [], ["moe_layer.json", "moe_layer.md"]),
     ("bench_quant.py", ["--sweep"], ["quant.json", "quant.md"]),
     ("ab_layer_backends.py", [], ["ab_layer_backends.json", "ab_layer_backends.md"]),
