@@ -17,7 +17,7 @@ import torch
 from moe_fp8 import fp8_grouped_mm
 from moe_fp8.grouped_gemm import available_backends, select_backend
 from moe_fp8.grouped_gemm.backends.cuda import CudaBackend
-from moe_fp8.grouped_gemm.backends.cuda_auto import TRITON_MAX_ROWS_PER_GROUP, CudaAutoBackend
+from moe_fp8.grouped_gemm.backends.cuda_auto import CudaAutoBackend
 from moe_fp8.grouped_gemm.emulated import emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d
 from moe_fp8.grouped_gemm.padding import padded_offsets, padded_row_index, padded_rows
 from moe_fp8.grouped_gemm.quant_seam import quantize_wgrad_operands
@@ -145,8 +145,16 @@ def test_cuda_auto_picks_the_2d3d_kernel_by_rows_per_group(fake_cuda, monkeypatc
         assert torch.equal(a, b)
 
 
-def test_cuda_auto_threshold_is_the_measured_one():
-    assert CudaAutoBackend.triton_max_rows_per_group == TRITON_MAX_ROWS_PER_GROUP == 1536
+@pytest.mark.parametrize("layer, tokens, top_k, experts, on_triton", [
+    ("Llama 4", 8192, 1, 16, True),  # 512 rows per group: Triton 9% faster in the layer A/B
+    ("DeepSeek-V3 E=32", 4096, 8, 32, True),  # 1024: 2-4% faster
+    ("DeepSeek-V3 E=32", 8192, 8, 32, False),  # 2048: 2.6% slower
+    ("DeepSeek-V3 E=8", 4096, 8, 8, False),  # 4096: even
+])
+def test_cuda_auto_rule_on_the_measured_layers(layer, tokens, top_k, experts, on_triton):
+    """The layer A/B behind ``TRITON_MAX_ROWS_PER_GROUP`` (cuda_auto.py): each measured layer
+    shape takes the kernel that won there (wrong if the threshold moves past a measurement)."""
+    assert CudaAutoBackend().triton_2d3d(tokens * top_k, experts) is on_triton
 
 
 def test_cuda_group_limit(fake_cuda):

@@ -34,7 +34,11 @@ class CudaAutoBackend(CudaBackend):
     name = "cuda_auto"
     triton_max_rows_per_group: int = TRITON_MAX_ROWS_PER_GROUP
 
+    def triton_2d3d(self, rows: int, groups: int) -> bool:
+        """Whether a 2D x 3D GEMM of ``rows`` activation rows over ``groups`` experts runs on Triton."""
+        return rows <= self.triton_max_rows_per_group * groups
+
     def mm_2d3d(self, a, scale_a, b, scale_b, offs, out_dtype):
-        if a.shape[0] <= self.triton_max_rows_per_group * offs.numel():
+        if self.triton_2d3d(a.shape[0], offs.numel()):
             return self._triton.mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
         return super().mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
