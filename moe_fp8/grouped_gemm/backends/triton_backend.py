@@ -6,7 +6,8 @@ tensorwise and blockwise scales, with the semantics of ``emulated.py``.
 
 The op still hands the wgrad GEMM groups padded to 16 rows (``pads_wgrad_groups``): a group that
 starts or ends inside a K tile costs the 2D x 2D kernel masked edge slices. A/B on one H200
-(forward+backward of ``fp8_grouped_mm``, routed unaligned groups, 7 alternated rounds, 2026-11-30):
+(``benchmarks/ab_triton_wgrad_padding.py``: forward+backward of ``fp8_grouped_mm``, unaligned groups,
+7 alternated rounds, 2026-11-30):
 padded 6.35 against 6.87 ms on DeepSeek-V3 gate_up E = 8, 3.62 / 3.86 ms on its down projection,
 8.91 / 10.07 ms on gate_up E = 32 and 3.27 / 3.68 ms on Qwen3 E = 128.
 """
