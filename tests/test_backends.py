@@ -145,6 +145,19 @@ def test_cuda_auto_picks_the_2d3d_kernel_by_rows_per_group(fake_cuda, monkeypatc
         assert torch.equal(a, b)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "rowwise_gw_hp"])
+@pytest.mark.parametrize("limit", [24, 23])
+def test_cuda_auto_other_recipes_on_both_sides(fake_cuda, monkeypatch, recipe, limit):
+    """Every FP8 recipe through either branch of the rule agrees with the emulated backend."""
+    monkeypatch.setattr(CudaAutoBackend, "triton_max_rows_per_group", limit)
+    x, w, g, offs = inputs(K=160, seed=6)
+    got = fwd_bwd(x, w, g, offs, recipe=recipe, backend="cuda_auto")
+    want = fwd_bwd(x, w, g, offs, recipe=recipe, backend="emulated")
+    for a, b in zip(got, want):
+        close(a, b)
+
+
 @pytest.mark.parametrize("layer, tokens, top_k, experts, on_triton", [
     ("Llama 4", 8192, 1, 16, True),  # 512 rows per group: Triton 9% faster in the layer A/B
     ("DeepSeek-V3 E=32", 4096, 8, 32, True),  # 1024: 2-4% faster
