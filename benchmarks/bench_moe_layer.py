@@ -7,7 +7,10 @@ top-8); dense Llama3-8B MLP (T=8192, 4096 -> 14336 -> 4096, SwiGLU).
 
 Times are ``triton.testing.do_bench`` medians of one forward + backward (eager), random bf16
 inputs, router included. Peak memory is ``max_memory_allocated`` over one forward+backward above
-what was allocated before it (parameters and inputs excluded).
+what was allocated before it (parameters and inputs excluded). The FP8 rows run with the module's
+weight cache, which hits on every timed call (its FP8 weight copies are made before the measured
+step); the ``rowwise, no weight cache`` row quantizes the weights in every forward, as a step that
+follows a weight update does.
 
 For each MoE layer the ``rowwise`` forward alone is timed too, beside the dispatch plan
 (``make_dispatch_plan`` on the same top-k ids): the plan's share of the layer forward in host time

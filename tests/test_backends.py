@@ -165,7 +165,7 @@ def test_cuda_auto_other_recipes_on_both_sides(fake_cuda, monkeypatch, recipe, l
     ("DeepSeek-V3 E=8", 4096, 8, 8, False),  # 4096: even
 ])
 def test_cuda_auto_rule_on_the_measured_layers(layer, tokens, top_k, experts, on_triton):
-    """The layer A/B behind ``TRITON_MAX_ROWS_PER_GROUP`` (cuda_auto.py): each measured layer
+    """The layer A/B behind ``triton_max_rows_per_group`` (cuda_auto.py): each measured layer
     shape takes the kernel that won there (wrong if the threshold moves past a measurement)."""
     assert CudaAutoBackend().triton_2d3d(tokens * top_k, experts) is on_triton
 

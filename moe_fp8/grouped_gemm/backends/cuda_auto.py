@@ -4,7 +4,7 @@ kernel when the experts' groups are small on average, ``torch._scaled_grouped_mm
 
 The rule reads static shapes only (rows ``M`` of the activations, groups ``E = offs.numel()``), so
 it needs no host sync and a given layer shape always takes the same kernels: Triton when
-``M <= TRITON_MAX_ROWS_PER_GROUP * E``.
+``M <= CudaAutoBackend.triton_max_rows_per_group * E``.
 
 Why 1536 rows: whole-layer A/B on one H200 (``benchmarks/ab_layer_backends.py``, FP8MoE
 ``rowwise`` forward+backward, 5-9 alternated rounds, 2026-11-30), the Triton 2D x 3D GEMM against
@@ -24,15 +24,13 @@ from __future__ import annotations
 
 from .cuda import CudaBackend
 
-__all__ = ["CudaAutoBackend", "TRITON_MAX_ROWS_PER_GROUP"]
-
-#: 2D x 3D GEMMs whose groups average at most this many rows run on the Triton kernel.
-TRITON_MAX_ROWS_PER_GROUP = 1536
+__all__ = ["CudaAutoBackend"]
 
 
 class CudaAutoBackend(CudaBackend):
     name = "cuda_auto"
-    triton_max_rows_per_group: int = TRITON_MAX_ROWS_PER_GROUP
+    #: 2D x 3D GEMMs whose groups average at most this many rows run on the Triton kernel.
+    triton_max_rows_per_group: int = 1536
 
     def triton_2d3d(self, rows: int, groups: int) -> bool:
         """Whether a 2D x 3D GEMM of ``rows`` activation rows over ``groups`` experts runs on Triton."""
