@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import triton
-from timing import wall_median_ms
+from timing import alternated_rounds, wall_median_ms
 from triton.testing import do_bench
 
 from bench_moe_layer import LAYERS, SMOKE_LAYERS, fwd_bwd, make_moe
@@ -59,10 +59,7 @@ def main() -> None:
         steps = {name: fwd_bwd(m, x, dy) for name, m in variants(layers[layer], args.backends, device).items()}
         for step in steps.values():
             step()  # compile, fill the weight caches
-        times = {name: [] for name in steps}
-        for _ in range(args.rounds):
-            for name, step in steps.items():
-                times[name].append(timer(step))
+        times = alternated_rounds(steps, args.rounds, timer)
         bf16 = statistics.median(times["bf16"])
         for name, t in times.items():
             med = statistics.median(t)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import triton
-from timing import wall_median_ms
+from timing import alternated_rounds, wall_median_ms
 from triton.testing import do_bench
 
 from moe_fp8 import fp8_grouped_mm
@@ -56,19 +56,16 @@ def main() -> None:
             w = (torch.randn(E, N, K, generator=gen) * 0.02).to(device, torch.bfloat16).requires_grad_()
             dy = torch.randn(M, N, generator=gen).to(device, torch.bfloat16)
 
-            def step():
+            def step(pad: bool):
+                TritonBackend.pads_wgrad_groups = pad
                 x.grad = w.grad = None
                 fp8_grouped_mm(x, w, offs, backend="triton").backward(dy)
 
-            times, dw = {False: [], True: []}, {}
+            dw = {}
             for pad in (False, True):
-                TritonBackend.pads_wgrad_groups = pad
-                step()
+                step(pad)
                 dw[pad] = w.grad.float()
-            for _ in range(rounds):
-                for pad in (False, True):
-                    TritonBackend.pads_wgrad_groups = pad
-                    times[pad].append(timer(step))
+            times = alternated_rounds({False: lambda: step(False), True: lambda: step(True)}, rounds, timer)
             rows.append(dict(M=M, K=K, N=N, E=E, unpadded_ms=times[False], padded_ms=times[True],
                              max_dw_diff=(dw[True] - dw[False]).abs().max().item()))
             print(_line(rows[-1]), flush=True)

@@ -32,3 +32,14 @@ def host_ms(fn: Callable[[], object], calls: int = 30) -> float:
         times.append((time.perf_counter() - t0) * 1e3)
     sync()
     return statistics.median(times)
+
+
+def alternated_rounds(steps: dict[str, Callable[[], object]], rounds: int,
+                      timer: Callable[[Callable[[], object]], float]) -> dict[str, list[float]]:
+    """``{name: [ms per round]}``: each round times every step once, in order, so a drift of the
+    device over the run hits all of them alike (A/B scripts take the median and the range)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(timer(step))
+    return times
