@@ -227,9 +227,12 @@ def test_weight_cache_hits_and_invalidates():
     moe = _moe("rowwise")
     x = torch.randn(T, H).to(torch.bfloat16)
     cache_up, _ = moe.experts._caches
+    assert moe.experts.weight_cache_nbytes == 0
     moe(x)
     moe(x)
     assert cache_up.hits >= 1
+    weights = moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()  # fp8 twice, + fp32 scales
+    assert moe.experts.weight_cache_nbytes == 2 * weights + 4 * E * (2 * I + H + H + I)
     first = moe(x)
     with torch.no_grad():
         moe.experts.gate_up_proj.mul_(2.0)  # an optimizer-style in-place update

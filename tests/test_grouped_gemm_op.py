@@ -191,6 +191,43 @@ def test_weight_cache_hits_and_matches_uncached():
     assert (cache.misses, cache.hits) == (1, 2)
     run(x, w, g, offs, recipe="tensorwise", backend="emulated", weight_cache=cache)
     assert cache.misses == 2 and len(cache) == 2  # separate entry per quantization settings
+    E, N, K = w.shape  # rowwise: two fp8 layouts + (E, N), (E, K) scales; tensorwise: two + (E,) twice
+    assert cache.nbytes == (2 * E * N * K + 4 * E * (N + K)) + (2 * E * N * K + 4 * 2 * E)
+
+
+def _saved_for_backward(fn) -> list[tuple[tuple, torch.dtype]]:
+    """(shape, dtype) of every tensor autograd saves while ``fn()`` runs."""
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+@pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed view"])
+def test_uncached_rowwise_saves_no_fp8_weight_copy(layout, backend):
+    """Without a cache, a parameter's dgrad layout is quantized in backward, not saved from the
+    forward: nothing fp8 of the weight's size is saved, and the results are the bits of the dual
+    quantization (a computed weight, ``w * 1``, and the cache both take that path)."""
+    x, w, g, offs = make_inputs(96, 64, 48, 3, 90, "skewed", seed=12)
+    if layout == "transposed view":
+        storage = w.detach().transpose(1, 2).contiguous().requires_grad_()
+        w = storage.transpose(1, 2)
+    saved = _saved_for_backward(lambda: fp8_grouped_mm(x, w, offs, backend=backend))
+    assert not [s for s in saved if s[1] == torch.float8_e4m3fn]
+    dual_saved = _saved_for_backward(lambda: fp8_grouped_mm(x, w * 1, offs, backend=backend))
+    assert ((3, 64, 48), torch.float8_e4m3fn) in dual_saved  # the dgrad layout, kept from forward
+    split = run(x, w, g, offs, backend=backend)
+    for want in (run(x, w * 1, g, offs, backend=backend),
+                 run(x, w, g, offs, backend=backend, weight_cache=Fp8WeightCache())):
+        assert all(torch.equal(a, b) for a, b in zip(split, want))
+    (dx,) = torch.autograd.grad(fp8_grouped_mm(x, w.detach(), offs, backend=backend), (x,), g)
+    assert torch.equal(dx, split[1])  # a frozen (leaf) weight takes the same path
 
 
 @pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=needs_interpreter)])

@@ -11,7 +11,11 @@
 | bf16            | ``torch._grouped_mm``      | ``torch._grouped_mm``          | ``torch._grouped_mm``            |
 
 The weights are quantized once per call in both layouts (or come from an ``Fp8WeightCache``)
-and only their FP8 copies are saved for backward, with ``x`` (the wgrad operand) and ``offs``.
+and only their FP8 copies are saved for backward, with ``x`` (the wgrad operand) and ``offs``;
+except (``save_w``) when no cache serves a ``rowwise`` weight that the caller keeps alive anyway
+(a parameter or a view of one): then the forward quantizes the forward layout only, ``w`` itself
+is saved, and the backward quantizes the dgrad layout (the same bytes, one launch each), so no FP8
+weight copy lives from forward to backward.
 Nothing here syncs with the host; the backends say which layouts they take. Rows at or past
 ``offs[-1]`` belong to no group and never reach a result: with one scale per tensor
 (``tensorwise``) they are zeroed before the amax (they may hold anything, even NaN).
@@ -28,7 +32,7 @@ from .padding import padded_offsets, padded_rows
 
 __all__ = ["FP8GroupedMM"]
 
-_NONES = (None,) * 9  # gradients of the non-tensor arguments of ``apply``
+_NONES = (None,) * 10  # gradients of the non-tensor arguments of ``apply``
 
 
 def _group_rows_only(t: torch.Tensor, offs: torch.Tensor, scaling: str | None) -> torch.Tensor:
@@ -43,15 +47,17 @@ def _group_rows_only(t: torch.Tensor, offs: torch.Tensor, scaling: str | None) -
 
 
 class FP8GroupedMM(torch.autograd.Function):
-    """``apply(x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype)``.
+    """``apply(x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w)``.
 
     ``scaling`` is ``None`` for the BF16 recipe; ``w_quant`` is the 4-tuple of
     ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here; ``x_quant`` is
-    ``x``'s rowwise ``(q, scale)`` made upstream, or ``None`` to quantize here.
+    ``x``'s rowwise ``(q, scale)`` made upstream, or ``None`` to quantize here. ``save_w`` (only
+    with ``scaling="rowwise"`` and ``w_quant=None``): save ``w`` and quantize its dgrad layout in
+    backward instead of saving that layout from forward.
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype):
+    def forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w):
         ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
         ctx.w_dtype = w.dtype
         ctx.empty = x.shape[0] == 0
@@ -62,9 +68,14 @@ class FP8GroupedMM(torch.autograd.Function):
             ctx.save_for_backward(x, w, offs)
             return same_or_cast(lib.bf16_mm_2d3d(backend, x, w, offs, True), out_dtype)
         fused = get_backend(backend).fused_quant
-        if w_quant is None:
-            w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
-        q_fwd, s_fwd, q_bwd, s_bwd = w_quant
+        ctx.w_saved = save_w and w_quant is None and scaling == "rowwise"
+        if ctx.w_saved:
+            q_fwd, s_fwd = lib.quantize_weight_rowwise_layout(w, fmt, pow2, fused, False)
+            q_bwd, s_bwd = w, None
+        else:
+            if w_quant is None:
+                w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
+            q_fwd, s_fwd, q_bwd, s_bwd = w_quant
         x = _group_rows_only(x, offs, scaling)  # tensorwise: also the wgrad operand saved below
         if x_quant is not None:
             xq, xs = x_quant
@@ -91,14 +102,21 @@ class FP8GroupedMM(torch.autograd.Function):
             return dx, dw, *_NONES
         x, offs, q_bwd, s_bwd = ctx.saved_tensors
         grad_out = _group_rows_only(grad_out, offs, ctx.scaling)  # once, for dgrad and wgrad
-        dx = dw = None
-        if need_dx:
-            fused = get_backend(ctx.backend).fused_quant
-            gq, gs = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused)
-            dx = lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, x.dtype)
-        if need_dw:
-            dw = _wgrad(ctx, grad_out, x, offs)
+        dx = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, x.dtype) if need_dx else None
+        dw = _wgrad(ctx, grad_out, x, offs) if need_dw else None
         return dx, dw, *_NONES
+
+
+def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor | None, offs: torch.Tensor,
+           dtype: torch.dtype) -> torch.Tensor:
+    """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in ``dtype``. ``q_bwd, s_bwd``:
+    the saved dgrad layout, or ``w`` and ``None`` (``ctx.w_saved``) to quantize it here. Its FP8
+    temporaries (grad_out's, and that layout) are freed on return, before the wgrad runs."""
+    fused = get_backend(ctx.backend).fused_quant
+    if ctx.w_saved:
+        q_bwd, s_bwd = lib.quantize_weight_rowwise_layout(q_bwd, ctx.fmt, ctx.pow2, fused, True)
+    gq, gs = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused)
+    return lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, dtype)
 
 
 def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ __all__ = [
     "bf16_mm_2d2d",
     "quantize_activation",
     "quantize_weight",
+    "quantize_weight_rowwise_layout",
     "quantize_wgrad_operands",
 ]
 
@@ -62,6 +63,11 @@ def _quantize_weight(w: Tensor, scaling: str, fmt: str, pow2: bool,
     return quant_seam.quantize_weight(w, scaling, resolve_format(fmt), pow2, fused)
 
 
+def _quantize_weight_rowwise_layout(w: Tensor, fmt: str, pow2: bool, fused: bool,
+                                    transposed: bool) -> tuple[Tensor, Tensor]:
+    return quant_seam.quantize_weight_rowwise_layout(w, resolve_format(fmt), pow2, fused, transposed)
+
+
 def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
                              padded_offs: Optional[Tensor], padded_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return quant_seam.quantize_wgrad_operands(
@@ -79,6 +85,9 @@ _op_quantize_activation = torch.library.custom_op(
     "moe_fp8::gg_quantize_activation", _quantize_activation, mutates_args=()
 )
 _op_quantize_weight = torch.library.custom_op("moe_fp8::gg_quantize_weight", _quantize_weight, mutates_args=())
+_op_quantize_weight_rowwise_layout = torch.library.custom_op(
+    "moe_fp8::gg_quantize_weight_rowwise_layout", _quantize_weight_rowwise_layout, mutates_args=()
+)
 _op_quantize_wgrad_operands = torch.library.custom_op(
     "moe_fp8::gg_quantize_wgrad_operands", _quantize_wgrad_operands, mutates_args=()
 )
@@ -130,6 +139,13 @@ def _(w, scaling, fmt, pow2, fused):
     return q_fwd, w.new_empty(E, nb, kb, dtype=f32), q_bwd, w.new_empty(E, kb, nb, dtype=f32)
 
 
+@_op_quantize_weight_rowwise_layout.register_fake
+def _(w, fmt, pow2, fused, transposed):
+    E, N, K = w.shape
+    rows, cols = (K, N) if transposed else (N, K)
+    return w.new_empty(E, rows, cols, dtype=_fp8(fmt)), w.new_empty(E, rows, dtype=torch.float32)
+
+
 @_op_quantize_wgrad_operands.register_fake
 def _(a, b, offs, scaling, fmt, pow2, fused, padded_offs, padded_rows):
     rows = a.shape[0] if padded_offs is None else padded_rows
@@ -147,4 +163,6 @@ bf16_mm_2d3d = eager_or_custom_op(_op_bf16_mm_2d3d, _bf16_mm_2d3d)
 bf16_mm_2d2d = eager_or_custom_op(_op_bf16_mm_2d2d, _bf16_mm_2d2d)
 quantize_activation = eager_or_custom_op(_op_quantize_activation, _quantize_activation)
 quantize_weight = eager_or_custom_op(_op_quantize_weight, _quantize_weight)
+quantize_weight_rowwise_layout = eager_or_custom_op(_op_quantize_weight_rowwise_layout,
+                                                    _quantize_weight_rowwise_layout)
 quantize_wgrad_operands = eager_or_custom_op(_op_quantize_wgrad_operands, _quantize_wgrad_operands)

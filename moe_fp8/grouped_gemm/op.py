@@ -109,10 +109,18 @@ def fp8_grouped_mm(
         )
     if x_fp8 is not None:
         _check_x_fp8(x_fp8, rec, fmt, x)
-    x, w = x.contiguous(), _matrix_layout(w)
+    x, w_mat = x.contiguous(), _matrix_layout(w)
+    save_w = w_quant is None and rec.scaling == "rowwise" and w_mat is w and _kept_alive(w)
     return FP8GroupedMM.apply(
-        x, w, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype
+        x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w
     )
+
+
+def _kept_alive(w: torch.Tensor) -> bool:
+    """``w`` is a leaf (a parameter) or a view of one: saving it for backward costs no memory, so
+    the uncached backward quantizes its dgrad layout there instead of keeping an FP8 copy from the
+    forward (a computed ``w``, e.g. ``param.to(bf16)``, would cost more saved than that copy)."""
+    return w.is_leaf or (w._base is not None and w._base.is_leaf)
 
 
 def _matrix_layout(w: torch.Tensor) -> torch.Tensor:

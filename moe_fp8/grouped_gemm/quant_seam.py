@@ -18,7 +18,7 @@ from ..quant import reference as ref
 from ..quant.formats import Float8Format
 from .padding import padded_row_index, scatter_rows_padded
 
-__all__ = ["BLOCK", "quantize_activation", "quantize_weight", "quantize_wgrad_operands"]
+__all__ = ["BLOCK", "quantize_activation", "quantize_weight", "quantize_weight_rowwise_layout", "quantize_wgrad_operands"]
 
 BLOCK = 128  # blockwise recipe: 1 x 128 activation blocks, 128 x 128 weight blocks
 
@@ -82,6 +82,24 @@ def quantize_weight(
     else:
         q_fwd, s_fwd = ref.quantize_blockwise(w, fmt, block=(BLOCK, BLOCK), pow2=pow2)
     return q_fwd, s_fwd, _transposed_copy(q_fwd), _transposed_copy(s_fwd)
+
+
+def quantize_weight_rowwise_layout(
+    w: torch.Tensor, fmt: Float8Format, pow2: bool, fused: bool, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layout of :func:`quantize_weight`'s ``rowwise`` pair, the same bytes, one launch.
+
+    Args:
+        w: ``(E, N, K)`` (``nn.Linear`` layout per expert), any strides.
+        transposed: False: the forward layout, ``q (E, N, K)`` contiguous and ``s (E, N)``
+            (amax over K); True: the dgrad layout, ``q (E, K, N)`` contiguous and ``s (E, K)``
+            (amax over N).
+    Used when no cache holds the weights: the forward quantizes its layout and the backward the
+    dgrad one from the saved ``w``, so no FP8 copy lives from forward to backward.
+    """
+    if _kernels(w, fused):
+        return kernels.triton_quantize_expert_colwise(w, fmt, pow2, transposed=transposed)
+    return ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=transposed)
 
 
 def _transposed_copy(t: torch.Tensor) -> torch.Tensor:

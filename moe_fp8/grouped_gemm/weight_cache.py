@@ -128,6 +128,11 @@ class Fp8WeightCache:
         """Drop every entry (after writing weights through ``.data``)."""
         self._entries.clear()
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by the cached FP8 copies and their scales."""
+        return sum(t.numel() * t.element_size() for e in self._entries.values() for t in e.value)
+
     def __len__(self) -> int:
         return len(self._entries)
 

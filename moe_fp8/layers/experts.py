@@ -87,6 +87,12 @@ class FP8GroupedExperts(nn.Module):
         for p, fan_in in ((self.gate_up_proj, self.hidden_size), (self.down_proj, self.expert_hidden_size)):
             nn.init.uniform_(p, -(fan_in**-0.5), fan_in**-0.5)
 
+    @property
+    def weight_cache_nbytes(self) -> int:
+        """Device bytes held by the FP8 weight cache now (0 without one): memory on top of the
+        parameters, about one BF16-sized copy of the weights once filled."""
+        return sum(c.nbytes for c in self._caches) if self._caches is not None else 0
+
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(E, 2I, H)`` and ``(E, H, I)`` views in ``nn.Linear`` layout."""
         w1, w2 = self.gate_up_proj, self.down_proj
