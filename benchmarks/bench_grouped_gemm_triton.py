@@ -40,8 +40,17 @@ SHAPES_2D3D = [
     ("llama4_gate_up", 16384, 5120, 16384, 16),
     ("qwen3_gate_up", 65536, 2048, 1536, 128),
 ]
-# wgrad dW (E, N, K) = dy (M, N).T @ x (M, K), DeepSeek-V3 gate_up
+# wgrad dW (E, N, K) = dy (M, N).T @ x (M, K): DeepSeek-V3 gate_up by default; ``--wgrad-shapes``
+# adds the shapes whose groups are short (1024-2048 rows: 32 experts, Llama 4) and Qwen3's.
 SHAPE_2D2D = ("dsv3_gate_up_wgrad", 32768, 7168, 4096, 8)
+MORE_2D2D = [
+    ("dsv3_down_wgrad", 32768, 2048, 7168, 8),
+    ("dsv3_e32_gate_up_wgrad", 32768, 7168, 4096, 32),
+    ("dsv3_e32_down_wgrad", 32768, 2048, 7168, 32),
+    ("llama4_gate_up_wgrad", 16384, 5120, 16384, 16),
+    ("llama4_down_wgrad", 16384, 8192, 5120, 16),
+    ("qwen3_gate_up_wgrad", 65536, 2048, 1536, 128),
+]
 
 VARIANTS_2D3D = {
     "128x256x128_s3": GemmConfig(128, 256, 128, 8, 3, 8),
@@ -57,6 +66,12 @@ VARIANTS_2D2D = {
     "128x256x64_s4": GemmConfig(128, 256, 64, 8, 4, 8),
     "128x256x128_s3_g16": GemmConfig(128, 256, 128, 16, 3, 8),
     "128x128x128_s4_precise": GemmConfig(128, 128, 128, 8, 4, 8, fast_accum=False),
+    # Two programs per multiprocessor (<= ~110 KB of shared memory each), so that one program's
+    # epilogue can overlap another's main loop: short groups run few reduction steps per tile.
+    "128x128x128_s3_w8": GemmConfig(128, 128, 128, 8, 3, 8),
+    "128x128x128_s3_w4": GemmConfig(128, 128, 128, 8, 3, 4),
+    "128x128x64_s4_w4": GemmConfig(128, 128, 64, 8, 4, 4),
+    "64x256x128_s3_w4": GemmConfig(64, 256, 128, 8, 3, 4),
 }
 
 
@@ -232,13 +247,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
     parser.add_argument("--no-variants", action="store_true", help="only the default Triton configs")
+    parser.add_argument("--wgrad-only", action="store_true", help="skip the 2D x 3D (forward / dgrad) shapes")
+    parser.add_argument("--wgrad-shapes", action="store_true", help="the 2D x 2D form on every wgrad shape")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []
     v3, v2 = ({}, {}) if args.no_variants else (VARIANTS_2D3D, VARIANTS_2D2D)
-    for shape in SHAPES_2D3D:
+    for shape in [] if args.wgrad_only else SHAPES_2D3D:
         bench_2d3d(*shape, v3, gen, rows)
-    bench_2d2d(*SHAPE_2D2D, v2, gen, rows)
+    for shape in [SHAPE_2D2D, *MORE_2D2D] if args.wgrad_shapes else [SHAPE_2D2D]:
+        bench_2d2d(*shape, v2, gen, rows)
+        torch.cuda.empty_cache()
     meta = dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         gpu=torch.cuda.get_device_name(),

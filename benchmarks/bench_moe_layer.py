@@ -9,8 +9,9 @@ Times are ``triton.testing.do_bench`` medians of one forward + backward (eager),
 inputs, router included. Peak memory is ``max_memory_allocated`` over one forward+backward above
 what was allocated before it (parameters and inputs excluded). The FP8 rows run with the module's
 weight cache, which hits on every timed call (its FP8 weight copies are made before the measured
-step); the ``rowwise, no weight cache`` row quantizes the weights in every forward, as a step that
-follows a weight update does.
+step, so the peak excludes them: the ``weight cache GiB`` column gives their size, about the
+bf16 weights' own); the ``rowwise, no weight cache`` row quantizes the weights in every forward, as
+a step that follows a weight update does.
 
 For each MoE layer the ``rowwise`` forward alone is timed too, beside the dispatch plan
 (``make_dispatch_plan`` on the same top-k ids): the plan's share of the layer forward in host time
@@ -72,9 +73,10 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
 
 
 def timed(fn) -> float:
-    """Median ms: ``do_bench`` on the GPU, a wall-clock median of 3 calls on the CPU (smoke runs)."""
+    """Median ms: ``do_bench`` on the GPU over ~0.5 s of calls (at least 8 calls of a 60 ms step;
+    ``rep=40`` gave one or two at T = 16384), a wall-clock median of 3 calls on the CPU (smoke runs)."""
     if DEVICE == "cuda":
-        return do_bench(fn, warmup=5, rep=40, return_mode="median")
+        return do_bench(fn, warmup=25, rep=500, return_mode="median")
     return wall_median_ms(fn)
 
 
@@ -182,7 +184,8 @@ def moe_rows(tokens: int, layers: dict) -> list[dict]:
                 ref_out, base_ms = out, ms
             flops = 6 * tokens * k * H * 3 * I + (6 * tokens * H * 3 * shared if shared else 0)
             rows.append(dict(layer=name, tokens=tokens, recipe=label, ms=ms, tflops=flops / ms / 1e9,
-                             speedup=base_ms / ms, peak_gib=peak, sqnr_vs_bf16=sqnr(ref_out, out)))
+                             speedup=base_ms / ms, peak_gib=peak, cache_gib=moe.experts.weight_cache_nbytes / 2**30,
+                             sqnr_vs_bf16=sqnr(ref_out, out)))
             if label == "rowwise":
                 rows[-1].update(plan_share(moe, x))
                 r = rows[-1]
@@ -272,11 +275,15 @@ def main() -> None:
     lines = ["# MoE layer forward+backward (`benchmarks/bench_moe_layer.py`)", "",
              f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · eager, "
              "do_bench medians, router included", "",
-             "| layer | tokens | recipe | ms | TFLOP/s | speedup vs bf16 | peak GiB | SQNR vs bf16 (dB) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Peak GiB: allocated above the memory held before the step (parameters, inputs, and the FP8 "
+             "weight cache, whose size the next column gives: add it for the module's total).", "",
+             "| layer | tokens | recipe | ms | TFLOP/s | speedup vs bf16 | peak GiB | weight cache GiB | "
+             "SQNR vs bf16 (dB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        cache = f"{r['cache_gib']:.2f}" if "cache_gib" in r else "-"
         lines.append(f"| {r['layer']} | {r['tokens']} | {r['recipe']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
-                     f"{r['speedup']:.2f}x | {r['peak_gib']:.2f} | {r['sqnr_vs_bf16']:.1f} |")
+                     f"{r['speedup']:.2f}x | {r['peak_gib']:.2f} | {cache} | {r['sqnr_vs_bf16']:.1f} |")
     lines += ["", "Dispatch plan vs the `rowwise` layer forward (no grad). Host: CPU time to issue the call from "
               f"an idle GPU, medians of {HOST_ROUNDS} alternated rounds (share: median of the rounds' ratios). "
               "GPU: CUDA-graph replays; 'in forward' = forward minus the forward with the plan "
