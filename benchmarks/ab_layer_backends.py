@@ -5,7 +5,9 @@ Each round times every variant once (``do_bench`` median); the table gives the m
 ``--rounds`` rounds and the range, so a difference smaller than the spread shows as one.
 
 Usage (H100/H200): ``python benchmarks/ab_layer_backends.py [--tokens 4096] [--backends cuda hybrid]
-[--layers deepseek_v3_e32 ...] [--rounds 5] [--out DIR]`` (writes ``ab_layer_backends.json`` / ``.md``).
+[--layers deepseek_v3_e32 ...] [--rounds 5] [--uncached] [--out DIR]`` (writes ``ab_layer_backends.json``
+/ ``.md``). ``--uncached`` adds, per backend, the module without its FP8 weight cache (the weights
+quantized in every step, as after each optimizer step without gradient accumulation).
 ``--smoke`` runs a tiny layer on the CPU (``emulated`` and interpreted ``triton`` backends, wall
 clock) to check the script itself.
 """
@@ -27,13 +29,16 @@ from bench_moe_layer import LAYERS, SMOKE_LAYERS, fwd_bwd, make_moe
 from moe_fp8 import FP8MoE
 
 
-def variants(spec: tuple, backends: list[str], device: str) -> dict[str, FP8MoE]:
-    """``{"bf16": module, backend: module, ...}``: same seed, so the same weights and router."""
-    out = {}
-    for name in ["bf16", *backends]:
-        torch.manual_seed(0)
-        out[name] = make_moe(spec, "bf16", device=device) if name == "bf16" else make_moe(
-            spec, "rowwise", backend=name, device=device)
+def variants(spec: tuple, backends: list[str], device: str, uncached: bool = False) -> dict[str, FP8MoE]:
+    """``{"bf16": module, backend: module, ...}`` (and ``"<backend>, no weight cache"`` with
+    ``uncached``): same seed, so the same weights and router."""
+    torch.manual_seed(0)
+    out = {"bf16": make_moe(spec, "bf16", device=device)}
+    for name in backends:
+        for cache in (True, False) if uncached else (True,):
+            torch.manual_seed(0)
+            label = name if cache else f"{name}, no weight cache"
+            out[label] = make_moe(spec, "rowwise", backend=name, device=device, cache_weights=cache)
     return out
 
 
@@ -43,10 +48,11 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["cuda", "cuda_auto", "hybrid"])
     ap.add_argument("--layers", nargs="+", choices=list(LAYERS), default=["deepseek_v3_e32", "deepseek_v3_e8"])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--uncached", action="store_true", help="also each backend without the FP8 weight cache")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="a tiny layer on the CPU: checks the script")
     args = ap.parse_args()
-    layers, device, timer = LAYERS, "cuda", lambda f: do_bench(f, warmup=5, rep=40, return_mode="median")
+    layers, device, timer = LAYERS, "cuda", lambda f: do_bench(f, warmup=25, rep=500, return_mode="median")
     if args.smoke:
         layers, device, timer = SMOKE_LAYERS, "cpu", wall_median_ms
         args.tokens, args.layers, args.backends, args.rounds = 32, ["smoke_topk"], ["emulated", "triton"], 2
@@ -56,7 +62,7 @@ def main() -> None:
         torch.manual_seed(0)
         x = torch.randn(args.tokens, H, device=device, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(args.tokens, H, device=device, dtype=torch.bfloat16)
-        steps = {name: fwd_bwd(m, x, dy) for name, m in variants(layers[layer], args.backends, device).items()}
+        steps = {name: fwd_bwd(m, x, dy) for name, m in variants(layers[layer], args.backends, device, args.uncached).items()}
         for step in steps.values():
             step()  # compile, fill the weight caches
         times = alternated_rounds(steps, args.rounds, timer)
@@ -65,7 +71,7 @@ def main() -> None:
             med = statistics.median(t)
             rows.append(dict(layer=layer, tokens=args.tokens, variant=name, ms=med, min_ms=min(t), max_ms=max(t),
                              speedup_vs_bf16=bf16 / med))
-            print(f"{layer:16s} {name:8s} {med:8.3f} ms [{min(t):.3f}-{max(t):.3f}] {bf16 / med:.3f}x", flush=True)
+            print(f"{layer:16s} {name:28s} {med:8.3f} ms [{min(t):.3f}-{max(t):.3f}] {bf16 / med:.3f}x", flush=True)
         del steps
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -28,6 +28,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from bench_grouped_gemm import SHAPES
 from moe_fp8.grouped_gemm.triton_configs import GemmConfig, config_2d2d, config_2d3d
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d2d, triton_grouped_mm_2d3d
 from moe_fp8.quant.reference import quantize_expert_colwise, quantize_group_colwise, quantize_rowwise
@@ -40,17 +41,10 @@ SHAPES_2D3D = [
     ("llama4_gate_up", 16384, 5120, 16384, 16),
     ("qwen3_gate_up", 65536, 2048, 1536, 128),
 ]
-# wgrad dW (E, N, K) = dy (M, N).T @ x (M, K): DeepSeek-V3 gate_up by default; ``--wgrad-shapes``
-# adds the shapes whose groups are short (1024-2048 rows: 32 experts, Llama 4) and Qwen3's.
-SHAPE_2D2D = ("dsv3_gate_up_wgrad", 32768, 7168, 4096, 8)
-MORE_2D2D = [
-    ("dsv3_down_wgrad", 32768, 2048, 7168, 8),
-    ("dsv3_e32_gate_up_wgrad", 32768, 7168, 4096, 32),
-    ("dsv3_e32_down_wgrad", 32768, 2048, 7168, 32),
-    ("llama4_gate_up_wgrad", 16384, 5120, 16384, 16),
-    ("llama4_down_wgrad", 16384, 8192, 5120, 16),
-    ("qwen3_gate_up_wgrad", 65536, 2048, 1536, 128),
-]
+# wgrad dW (E, N, K) = dy (M, N).T @ x (M, K): DeepSeek-V3 gate_up E=8 by default; ``--wgrad-shapes``
+# adds every other shape of bench_grouped_gemm (short groups: 32 experts, Llama 4; Qwen3's 128).
+SHAPE_2D2D = (f"{SHAPES[0][0]} wgrad", *SHAPES[0][1:])
+MORE_2D2D = [(f"{name} wgrad", *dims) for name, *dims in SHAPES[1:]]
 
 VARIANTS_2D3D = {
     "128x256x128_s3": GemmConfig(128, 256, 128, 8, 3, 8),
@@ -187,6 +181,18 @@ def bench_2d2d(name, M, K, N, E, variants, gen, rows):
         p.copy_(t)
     impls["triton[default]/stride_M+64"] = (
         lambda: triton_grouped_mm_2d2d(padded[0], sa16, padded[1], sb16, offs16), default, "aligned16")
+    if has_cuda_op:
+        # Diagnostic: the buffers the op hands torch's wgrad, M + 16 E rows (padding.padded_rows; the
+        # rows past offs[-1] unread), against M rows above (2026-11-30: 1.91 against 1.56 ms in two
+        # scripts on DeepSeek-V3 gate_up E=8).
+        rows = M + 16 * E
+        op_bufs = [torch.zeros(t.shape[1], rows, dtype=t.dtype, device=t.device)[:, :M].t() for t in (a16, b16)]
+        for p, t in zip(op_bufs, (a16, b16)):
+            p.copy_(t)
+        op_bufs = [torch.as_strided(p, (rows, p.shape[1]), (1, rows)) for p in op_bufs]
+        impls["cuda_fast/rows_M+16E"] = (
+            lambda: torch._scaled_grouped_mm(op_bufs[0].t(), op_bufs[1], sa16.flatten(), sb16.flatten(), offs=offs16,
+                                             out_dtype=torch.bfloat16, use_fast_accum=True), None, "aligned16")
 
     cuda_out = _try(impls["cuda"][0]) if has_cuda_op else None
     for label, (fn, cfg, tag) in impls.items():

@@ -29,6 +29,7 @@ def test_benchmark_compiles(script):
     ("bench_moe_layer.py", [], ["moe_layer.json", "moe_layer.md"]),
     ("bench_quant.py", ["--sweep"], ["quant.json", "quant.md"]),
     ("ab_layer_backends.py", [], ["ab_layer_backends.json", "ab_layer_backends.md"]),
+    ("ab_layer_backends.py", ["--uncached"], ["ab_layer_backends.md"]),
     ("ab_triton_wgrad_padding.py", [], ["ab_triton_wgrad_padding.json", "ab_triton_wgrad_padding.md"]),
 ])
 def test_benchmark_smoke(script, extra, outputs, tmp_path):
