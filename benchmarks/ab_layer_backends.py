@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 import triton
 from timing import alternated_rounds, wall_median_ms
-from triton.testing import do_bench
 
-from bench_moe_layer import LAYERS, SMOKE_LAYERS, fwd_bwd, make_moe
+from bench_moe_layer import LAYERS, SMOKE_LAYERS, fwd_bwd, make_moe, timed
 from moe_fp8 import FP8MoE
 
 
@@ -52,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="a tiny layer on the CPU: checks the script")
     args = ap.parse_args()
-    layers, device, timer = LAYERS, "cuda", lambda f: do_bench(f, warmup=25, rep=500, return_mode="median")
+    layers, device, timer = LAYERS, "cuda", timed
     if args.smoke:
         layers, device, timer = SMOKE_LAYERS, "cpu", wall_median_ms
         args.tokens, args.layers, args.backends, args.rounds = 32, ["smoke_topk"], ["emulated", "triton"], 2
@@ -62,7 +61,8 @@ def main() -> None:
         torch.manual_seed(0)
         x = torch.randn(args.tokens, H, device=device, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(args.tokens, H, device=device, dtype=torch.bfloat16)
-        steps = {name: fwd_bwd(m, x, dy) for name, m in variants(layers[layer], args.backends, device, args.uncached).items()}
+        modules = variants(layers[layer], args.backends, device, args.uncached)
+        steps = {name: fwd_bwd(m, x, dy) for name, m in modules.items()}
         for step in steps.values():
             step()  # compile, fill the weight caches
         times = alternated_rounds(steps, args.rounds, timer)

@@ -68,7 +68,7 @@ class FP8GroupedMM(torch.autograd.Function):
             ctx.save_for_backward(x, w, offs)
             return same_or_cast(lib.bf16_mm_2d3d(backend, x, w, offs, True), out_dtype)
         fused = get_backend(backend).fused_quant
-        ctx.w_saved = save_w and w_quant is None and scaling == "rowwise"
+        ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant
         if ctx.w_saved:
             q_fwd, s_fwd = lib.quantize_weight_rowwise_layout(w, fmt, pow2, fused, False)
             q_bwd, s_bwd = w, None

@@ -18,7 +18,9 @@ from ..quant import reference as ref
 from ..quant.formats import Float8Format
 from .padding import padded_row_index, scatter_rows_padded
 
-__all__ = ["BLOCK", "quantize_activation", "quantize_weight", "quantize_weight_rowwise_layout", "quantize_wgrad_operands"]
+__all__ = [
+    "BLOCK", "quantize_activation", "quantize_weight", "quantize_weight_rowwise_layout", "quantize_wgrad_operands",
+]
 
 BLOCK = 128  # blockwise recipe: 1 x 128 activation blocks, 128 x 128 weight blocks
 
@@ -68,9 +70,8 @@ def quantize_weight(
     if scaling == "rowwise":
         if k:
             return kernels.triton_quantize_expert_colwise_dual(w, fmt, pow2)
-        q_fwd, s_fwd = ref.quantize_expert_colwise(w, fmt, pow2=pow2)
-        q_bwd, s_bwd = ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True)
-        return q_fwd, s_fwd, q_bwd, s_bwd
+        return (*quantize_weight_rowwise_layout(w, fmt, pow2, fused, False),
+                *quantize_weight_rowwise_layout(w, fmt, pow2, fused, True))
     if scaling == "tensorwise":
         if k:
             q_fwd, s_fwd = kernels.triton_quantize_expert_tensorwise(w, fmt, pow2)
