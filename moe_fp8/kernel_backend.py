@@ -6,8 +6,11 @@ import contextlib
 import os
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["interpreter_enabled", "triton_runs_on", "use_triton", "device_guard", "eager_or_custom_op"]
+__all__ = [
+    "interpreter_enabled", "triton_runs_on", "use_triton", "device_guard", "eager_or_custom_op", "eager_custom_op",
+]
 
 
 def interpreter_enabled() -> bool:
@@ -44,11 +47,48 @@ def device_guard(t: torch.Tensor):
 
 def eager_or_custom_op(op, impl):
     """A function calling ``impl`` eagerly (no dispatcher overhead on every call) and the torch
-    custom op ``op`` wrapping it under ``torch.compile`` (one opaque node with a fake kernel)."""
+    custom op ``op`` wrapping it under ``torch.compile`` (one opaque node with a fake kernel).
 
-    def call(*args):
-        return op(*args) if torch.compiler.is_compiling() else impl(*args)
+    ``impl`` runs directly only on plain tensors with nothing tracing: any tensor subclass (fake
+    or functional tensors: AOTAutograd traces a custom op's registered backward with them, and on
+    torch <= 2.11 ``torch.compiler.is_compiling()`` is then False) or an active dispatch mode sends
+    the call through ``op``. So does an input that requires grad (grad mode on), so that
+    differentiating through an op without a registered backward raises instead of silently giving
+    no gradient; inside an ``autograd.Function``'s forward and backward grad mode is off.
+    """
+
+    def call(*args, **kwargs):
+        return impl(*args, **kwargs) if _plain_eager_call(args, kwargs) else op(*args, **kwargs)
 
     call.__name__ = impl.__name__.lstrip("_")
     call.__doc__ = f"``{impl.__name__}`` eagerly, the custom op ``{op._qualname}`` under torch.compile."
     return call
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_eager_call(args, kwargs) -> bool:
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    grad = torch.is_grad_enabled()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or (grad and a.requires_grad)):
+            return False
+    return True
+
+
+def eager_custom_op(name: str):
+    """Decorator: ``fn`` becomes the torch custom op ``name`` (no mutated arguments) for
+    ``torch.compile``, called through :func:`eager_or_custom_op` (directly) in eager mode. The
+    returned function keeps the op's ``register_fake``; the op itself is its ``op`` attribute.
+    Only for ops without a registered backward (eager calls would skip it)."""
+
+    def wrap(fn):
+        op = torch.library.custom_op(name, fn, mutates_args=())
+        call = eager_or_custom_op(op, fn)
+        call.register_fake = op.register_fake
+        call.op = op
+        return call
+
+    return wrap

@@ -3,7 +3,8 @@
 Each ``triton_quantize_*`` function resolves the format (a :class:`Float8Format`, its name, its
 torch dtype, or ``None`` to detect it), then calls a ``torch.library.custom_op`` whose fake
 implementation gives shapes, dtypes and strides, so ``torch.compile(fullgraph=True)`` traces
-through without graph breaks. The op checks its inputs (metadata only, no device sync) and raises
+through without graph breaks; eager calls skip the dispatcher and run the op's function directly
+(``kernel_backend.eager_custom_op``). The op checks its inputs (metadata only, no device sync) and raises
 ``TypeError``/``ValueError`` naming the argument. Results equal the matching function of
 :mod:`moe_fp8.quant.reference` byte for byte (FP8 values and fp32 scales).
 
@@ -16,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..checks import check_offsets, check_same_device, check_tensor
+from ..kernel_backend import eager_custom_op
 from .formats import Float8Format, resolve_format
 from .kernels.blockwise import launch_blockwise, supported_block
 from .kernels.colwise import launch_expert_colwise_t, launch_group_colwise
@@ -61,7 +63,7 @@ def _check_rowwise(x, fmt: str) -> Float8Format:
     return _format(fmt, x.device)
 
 
-@torch.library.custom_op("moe_fp8::quantize_rowwise", mutates_args=())
+@eager_custom_op("moe_fp8::quantize_rowwise")
 def _rowwise_op(x: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_rowwise(x, fmt)
     M, K = x.shape
@@ -92,7 +94,7 @@ def _check_expert(w, fmt: str) -> Float8Format:
     return _format(fmt, w.device)
 
 
-@torch.library.custom_op("moe_fp8::quantize_expert_colwise", mutates_args=())
+@eager_custom_op("moe_fp8::quantize_expert_colwise")
 def _expert_colwise_op(w: torch.Tensor, fmt: str, pow2: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_expert(w, fmt)
     E, N, K = w.shape
@@ -128,7 +130,7 @@ def triton_quantize_expert_colwise(
     return _expert_colwise_op(w, _format(fmt, w.device).name, bool(pow2), bool(transposed))
 
 
-@torch.library.custom_op("moe_fp8::quantize_expert_colwise_dual", mutates_args=())
+@eager_custom_op("moe_fp8::quantize_expert_colwise_dual")
 def _expert_dual_op(
     w: torch.Tensor, fmt: str, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,7 +193,7 @@ def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows) -> tuple[Float8
     return _format(fmt, a.device), rows_out
 
 
-@torch.library.custom_op("moe_fp8::quantize_group_colwise", mutates_args=())
+@eager_custom_op("moe_fp8::quantize_group_colwise")
 def _group_colwise_op(
     x: torch.Tensor, offs: torch.Tensor, fmt: str, pow2: bool, column_major: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +227,7 @@ def triton_quantize_group_colwise(
     return _group_colwise_op(x, offs, _format(fmt, x.device).name, bool(pow2), bool(column_major))
 
 
-@torch.library.custom_op("moe_fp8::quantize_group_colwise_dual", mutates_args=())
+@eager_custom_op("moe_fp8::quantize_group_colwise_dual")
 def _group_dual_op(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -290,7 +292,7 @@ def _check_tensorwise(x, fmt: str) -> Float8Format:
     return _format(fmt, x.device)
 
 
-@torch.library.custom_op("moe_fp8::quantize_tensorwise", mutates_args=())
+@eager_custom_op("moe_fp8::quantize_tensorwise")
 def _tensorwise_op(x: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_tensorwise(x, fmt)
     x = x.contiguous()
@@ -315,7 +317,7 @@ def triton_quantize_tensorwise(x: torch.Tensor, fmt=None, pow2: bool = False) ->
     return _tensorwise_op(x, _format(fmt, x.device).name, bool(pow2))
 
 
-@torch.library.custom_op("moe_fp8::quantize_expert_tensorwise", mutates_args=())
+@eager_custom_op("moe_fp8::quantize_expert_tensorwise")
 def _expert_tensorwise_op(w: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_expert(w, fmt)
     w = w.contiguous()
@@ -355,7 +357,7 @@ def _block_scale_shape(x, block) -> tuple[int, ...]:
     return (*x.shape[:-2], -(-R // br), -(-C // bc))
 
 
-@torch.library.custom_op("moe_fp8::quantize_blockwise", mutates_args=())
+@eager_custom_op("moe_fp8::quantize_blockwise")
 def _blockwise_op(x: torch.Tensor, fmt: str, block: list[int], pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_blockwise(x, fmt, block)
     q = torch.empty(x.shape, dtype=f.torch_dtype, device=x.device)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_tensor
-from ..kernel_backend import device_guard, use_triton
+from ..kernel_backend import device_guard, eager_custom_op, use_triton
 from ..launch_math import cdiv, next_power_of_2
 from .formats import resolve_format
 from .reference import HIGH_PRECISION_DTYPES, quantize_rowwise
@@ -113,7 +113,7 @@ def _blocks(I: int) -> tuple[int, int]:
     return max(1, 2048 // block_i), block_i
 
 
-@torch.library.custom_op("moe_fp8::swiglu_quantize", mutates_args=())
+@eager_custom_op("moe_fp8::swiglu_quantize")
 def _swiglu_quantize_op(h: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     f = resolve_format(fmt)
     I = h.shape[1] // 2
@@ -140,7 +140,7 @@ def _(h, fmt, pow2):
     return h.new_empty(M, I), h.new_empty(M, I, dtype=resolve_format(fmt).torch_dtype), h.new_empty(M, dtype=torch.float32)
 
 
-@torch.library.custom_op("moe_fp8::swiglu_backward", mutates_args=())
+@eager_custom_op("moe_fp8::swiglu_backward")
 def _swiglu_backward_op(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
     M, I = h.shape[0], h.shape[1] // 2
     if not use_triton(_swiglu_bwd_kernel, h):

@@ -22,7 +22,7 @@ import torch
 
 from ..checks import check_same_device, check_tensor
 from ..quant.reference import HIGH_PRECISION_DTYPES
-from ..kernel_backend import device_guard, use_triton
+from ..kernel_backend import device_guard, eager_custom_op, use_triton
 from ..launch_math import cdiv, next_power_of_2
 from .combine_kernels import combine_backward_kernel, combine_kernel
 from .permute_ops import _permute_op
@@ -67,7 +67,7 @@ def _(y, pair_to_row, row_to_pair, pad_rows, weights, top_k):
     return y.new_empty(pair_to_row.shape[0] // top_k, y.shape[1])
 
 
-@torch.library.custom_op("moe_fp8::routing_combine_backward", mutates_args=())
+@eager_custom_op("moe_fp8::routing_combine_backward")
 def _combine_backward_op(
     grad_out: torch.Tensor, y: torch.Tensor, pair_to_row: torch.Tensor, pad_rows: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
