@@ -185,8 +185,8 @@ def bench_2d2d(name, M, K, N, E, variants, gen, rows):
         # Diagnostic: the buffers the op hands torch's wgrad, M + 16 E rows (padding.padded_rows; the
         # rows past offs[-1] unread), against M rows above (2026-11-30: 1.91 against 1.56 ms in two
         # scripts on DeepSeek-V3 gate_up E=8).
-        rows = M + 16 * E
-        op_bufs = [torch.zeros(t.shape[1], rows, dtype=t.dtype, device=t.device).t() for t in (a16, b16)]
+        n_rows = M + 16 * E
+        op_bufs = [torch.zeros(t.shape[1], n_rows, dtype=t.dtype, device=t.device).t() for t in (a16, b16)]
         for p, t in zip(op_bufs, (a16, b16)):
             p[:M].copy_(t)
         impls["cuda_fast/rows_M+16E"] = (
