@@ -181,17 +181,6 @@ def bench_2d2d(name, M, K, N, E, variants, gen, rows):
         p.copy_(t)
     impls["triton[default]/stride_M+64"] = (
         lambda: triton_grouped_mm_2d2d(padded[0], sa16, padded[1], sb16, offs16), default, "aligned16")
-    if has_cuda_op:
-        # Diagnostic: the buffers the op hands torch's wgrad, M + 16 E rows (padding.padded_rows; the
-        # rows past offs[-1] unread), against M rows above (2026-11-30: 1.91 against 1.56 ms in two
-        # scripts on DeepSeek-V3 gate_up E=8).
-        n_rows = M + 16 * E
-        op_bufs = [torch.zeros(t.shape[1], n_rows, dtype=t.dtype, device=t.device).t() for t in (a16, b16)]
-        for p, t in zip(op_bufs, (a16, b16)):
-            p[:M].copy_(t)
-        impls["cuda_fast/rows_M+16E"] = (
-            lambda: torch._scaled_grouped_mm(op_bufs[0].t(), op_bufs[1], sa16.flatten(), sb16.flatten(), offs=offs16,
-                                             out_dtype=torch.bfloat16, use_fast_accum=True), None, "aligned16")
 
     cuda_out = _try(impls["cuda"][0]) if has_cuda_op else None
     for label, (fn, cfg, tag) in impls.items():

@@ -292,6 +292,30 @@ def test_weight_cache_never_serves_another_tensor():
     assert len(cache) == 1  # the dead tensor's entry was dropped
 
 
+def test_weight_cache_bypassed_while_a_cuda_graph_is_captured(monkeypatch):
+    """During a capture (faked here; the H200 test replays a real graph) the cache is neither read
+    nor filled, for a plain weight and a stand-in: a hit would freeze the FP8 copy into the graph."""
+    import moe_fp8.grouped_gemm.weight_cache as wc
+
+    x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "skewed", seed=16)
+    cache = Fp8WeightCache()
+    fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)  # an entry a capture must not use
+    with torch.no_grad():
+        w.mul_(-2)
+    want = run(x, w, g, offs, backend="emulated")
+    stand_in_src = w.detach().float().requires_grad_()
+    monkeypatch.setattr(wc, "_capturing", lambda t: True)
+    got = run(x, w, g, offs, backend="emulated", weight_cache=cache)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    y = fp8_grouped_mm(x, cache.stand_in(stand_in_src, torch.bfloat16), offs, backend="emulated", weight_cache=cache)
+    y.backward(g)
+    assert torch.equal(y, want[0]) and torch.equal(stand_in_src.grad, want[2].float())
+    assert (cache.misses, cache.hits, len(cache)) == (1, 0, 1)
+    monkeypatch.setattr(wc, "_capturing", lambda t: False)
+    fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)
+    assert (cache.misses, cache.hits) == (2, 0)  # the stale entry was replaced, not served
+
+
 # ----------------------------------------------------------------------------- torch.compile
 @needs_interpreter
 @pytest.mark.parametrize("recipe", [*FP8_RECIPES, "bf16"])

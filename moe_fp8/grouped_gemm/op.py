@@ -52,7 +52,8 @@ def fp8_grouped_mm(
         out_dtype: dtype of the result (bf16 only on the cuda_auto, cuda, hybrid and rocm backends).
         weight_cache: serve the quantized weights from this cache while ``w`` is unchanged
             (same tensor, same version counter): pass it across gradient-accumulation
-            micro-batches. Not for ``torch.compile``. Without a cache, a ``rowwise`` weight that
+            micro-batches. Not for ``torch.compile``; bypassed while a CUDA graph is captured
+            (the graph then quantizes ``w`` on every replay: see ``Fp8WeightCache``). Without a cache, a ``rowwise`` weight that
             is a parameter (or a view of one) is saved as is and its dgrad layout quantized in
             backward, so no FP8 copy of it lives from forward to backward.
         x_fp8: ``(q (M, K) fp8, scale (M,) fp32)``, the rowwise quantization of ``x`` in this

@@ -13,6 +13,12 @@ to the same tensor in the same state:
   view of it (views share the counter) bumps it: ``optimizer.step()``, ``p.add_()``, ``p.copy_()``
   under ``no_grad``.
 
+While a CUDA graph is being captured the cache is bypassed: neither read nor filled. A hit would
+freeze the FP8 copy into the graph (replays after a weight update would use the old weights, and
+read freed memory once the entry is replaced), and a miss would fill the cache with the graph's
+memory. So a captured step quantizes the weights inside the graph, on every replay, and replays
+see every in-place weight update. Under ``torch.compile`` the FP8 modules do not use the cache.
+
 Limitations: writes through ``p.data`` (a separate version counter, by PyTorch's design) are
 invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`.
 
@@ -69,6 +75,11 @@ def _dropper(cache_ref: weakref.ref, slot: tuple) -> Callable:
     return drop
 
 
+def _capturing(w: torch.Tensor) -> bool:
+    """A CUDA graph capture is under way on the current stream (``w`` on a CUDA device)."""
+    return w.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class Fp8WeightCache:
     """Cache of quantized weights, keyed by tensor and quantization settings.
 
@@ -102,10 +113,14 @@ class Fp8WeightCache:
         """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``.
 
         For a :meth:`stand_in` of ``src``: the entry of ``src`` in ``w``'s dtype, else
-        ``quantize(src.to(w.dtype))``.
+        ``quantize(src.to(w.dtype))``. During a CUDA graph capture: ``quantize`` (of ``src``), and
+        nothing stored or counted.
         """
         dtype = w.dtype
         w = getattr(w, "_fp8_cache_source", w)
+        if _capturing(w):  # see the module docstring
+            with torch.no_grad():
+                return tuple(quantize(w.detach().to(dtype)))
         anchor = w if w._base is None else w._base
         slot = (id(anchor), dtype, tuple(w.shape), w.stride(), w.storage_offset(), key)
         entry = self._entries.get(slot)

@@ -47,7 +47,8 @@ class FP8GroupedExperts(nn.Module):
             gradient-accumulation micro-batches; keyed on the parameters and invalidated by their
             version counters, never stale). fp32 parameters cast to bf16 (under autocast) hit
             too: the cast happens with the quantization, on a miss only. Costs one BF16-sized
-            copy of the weights; off under ``torch.compile``.
+            copy of the weights; off under ``torch.compile`` and while a CUDA graph is captured
+            (a captured step quantizes the weights on every replay, so it sees weight updates).
     """
 
     def __init__(
