@@ -295,8 +295,6 @@ def test_weight_cache_never_serves_another_tensor():
 def test_weight_cache_bypassed_while_a_cuda_graph_is_captured(monkeypatch):
     """During a capture (faked here; the H200 test replays a real graph) the cache is neither read
     nor filled, for a plain weight and a stand-in: a hit would freeze the FP8 copy into the graph."""
-    import moe_fp8.grouped_gemm.weight_cache as wc
-
     x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "skewed", seed=16)
     cache = Fp8WeightCache()
     fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)  # an entry a capture must not use
@@ -304,14 +302,18 @@ def test_weight_cache_bypassed_while_a_cuda_graph_is_captured(monkeypatch):
         w.mul_(-2)
     want = run(x, w, g, offs, backend="emulated")
     stand_in_src = w.detach().float().requires_grad_()
-    monkeypatch.setattr(wc, "_capturing", lambda t: True)
+    monkeypatch.setattr(Fp8WeightCache, "bypassed", staticmethod(lambda t: True))
     got = run(x, w, g, offs, backend="emulated", weight_cache=cache)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    saved = _saved_for_backward(lambda: fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache))
+    assert not [s for s in saved if s[1] == torch.float8_e4m3fn]  # the uncached path: no FP8 weight copy saved
+    key = ("rowwise", "e4m3fn", False, False)
+    assert cache.get(w, key, lambda t: (t * 1,))[0].equal(w)  # get() itself: quantized afresh, nothing stored
     y = fp8_grouped_mm(x, cache.stand_in(stand_in_src, torch.bfloat16), offs, backend="emulated", weight_cache=cache)
     y.backward(g)
     assert torch.equal(y, want[0]) and torch.equal(stand_in_src.grad, want[2].float())
     assert (cache.misses, cache.hits, len(cache)) == (1, 0, 1)
-    monkeypatch.setattr(wc, "_capturing", lambda t: False)
+    monkeypatch.undo()
     fp8_grouped_mm(x, w, offs, backend="emulated", weight_cache=cache)
     assert (cache.misses, cache.hits) == (2, 0)  # the stale entry was replaced, not served
 

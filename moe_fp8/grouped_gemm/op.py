@@ -53,9 +53,10 @@ def fp8_grouped_mm(
         weight_cache: serve the quantized weights from this cache while ``w`` is unchanged
             (same tensor, same version counter): pass it across gradient-accumulation
             micro-batches. Not for ``torch.compile``; bypassed while a CUDA graph is captured
-            (the graph then quantizes ``w`` on every replay: see ``Fp8WeightCache``). Without a cache, a ``rowwise`` weight that
-            is a parameter (or a view of one) is saved as is and its dgrad layout quantized in
-            backward, so no FP8 copy of it lives from forward to backward.
+            (the graph then quantizes ``w`` on every replay, as without a cache: see
+            ``Fp8WeightCache``). Without a cache, a ``rowwise`` weight that is a parameter (or a
+            view of one) is saved as is and its dgrad layout quantized in backward, so no FP8
+            copy of it lives from forward to backward.
         x_fp8: ``(q (M, K) fp8, scale (M,) fp32)``, the rowwise quantization of ``x`` in this
             call's format and ``pow2`` setting, made by a kernel that already touched ``x`` (the
             fused permute + quantize, the fused SwiGLU + quantize): the forward GEMM uses it
@@ -105,7 +106,9 @@ def fp8_grouped_mm(
 
     fmt = be.fp8_format(x.device).name if rec.is_fp8 else ""
     w_quant = None
-    if weight_cache is not None and rec.is_fp8:
+    if weight_cache is not None and rec.is_fp8 and weight_cache.bypassed(w):
+        w = weight_cache.values(w)  # a CUDA graph is being captured: as without a cache
+    elif weight_cache is not None and rec.is_fp8:
         key = (rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
         w_quant = weight_cache.get(
             w, key, lambda t: lib.quantize_weight(t, rec.scaling, fmt, rec.pow2_scales, be.fused_quant)

@@ -17,7 +17,9 @@ While a CUDA graph is being captured the cache is bypassed: neither read nor fil
 freeze the FP8 copy into the graph (replays after a weight update would use the old weights, and
 read freed memory once the entry is replaced), and a miss would fill the cache with the graph's
 memory. So a captured step quantizes the weights inside the graph, on every replay, and replays
-see every in-place weight update. Under ``torch.compile`` the FP8 modules do not use the cache.
+see every in-place weight update; ``fp8_grouped_mm`` then takes its uncached path (no FP8 copy of
+a parameter kept from forward to backward). Under ``torch.compile`` the FP8 modules do not use the
+cache.
 
 Limitations: writes through ``p.data`` (a separate version counter, by PyTorch's design) are
 invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`.
@@ -75,11 +77,6 @@ def _dropper(cache_ref: weakref.ref, slot: tuple) -> Callable:
     return drop
 
 
-def _capturing(w: torch.Tensor) -> bool:
-    """A CUDA graph capture is under way on the current stream (``w`` on a CUDA device)."""
-    return w.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 class Fp8WeightCache:
     """Cache of quantized weights, keyed by tensor and quantization settings.
 
@@ -109,6 +106,19 @@ class Fp8WeightCache:
         out._fp8_cache_source = w
         return out
 
+    @staticmethod
+    def bypassed(w: torch.Tensor) -> bool:
+        """True while a CUDA graph is being captured on the current stream of ``w``'s (CUDA) device:
+        the cache is then neither read nor filled (see the module docstring)."""
+        return w.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    @staticmethod
+    def values(w: torch.Tensor) -> torch.Tensor:
+        """``w`` itself, or for a :meth:`stand_in` its source cast to the stand-in's dtype
+        (differentiable): what to quantize where the cache is bypassed."""
+        src = getattr(w, "_fp8_cache_source", None)
+        return w if src is None else src.to(w.dtype)
+
     def get(self, w: torch.Tensor, key: Hashable, quantize: Callable[[torch.Tensor], Quantized]) -> Quantized:
         """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``.
 
@@ -118,7 +128,7 @@ class Fp8WeightCache:
         """
         dtype = w.dtype
         w = getattr(w, "_fp8_cache_source", w)
-        if _capturing(w):  # see the module docstring
+        if self.bypassed(w):  # see the module docstring
             with torch.no_grad():
                 return tuple(quantize(w.detach().to(dtype)))
         anchor = w if w._base is None else w._base
