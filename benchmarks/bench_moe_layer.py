@@ -6,10 +6,10 @@ Shapes (per GPU): DeepSeek-V3 (H=7168, I=2048, 8 and 32 local experts, top-8), L
 top-8); dense Llama3-8B MLP (T=8192, 4096 -> 14336 -> 4096, SwiGLU).
 
 Times are ``triton.testing.do_bench`` medians of one forward + backward (eager), random bf16
-inputs, router included. The same step captured in one CUDA graph gives the GPU time alone (``graph_ms``; no host time,
-which dominates small layers such as Qwen3's); a capture bypasses the weight cache. Peak memory is
-``max_memory_allocated`` over one forward+backward above
-what was allocated before it (parameters and inputs excluded). The FP8 rows run with the module's
+inputs, router included. The same step captured in one CUDA graph gives the GPU time alone
+(``graph_ms``; no host time, which dominates small layers such as Qwen3's); a capture bypasses the
+weight cache. Peak memory is ``max_memory_allocated`` over one forward+backward above what was
+allocated before it (parameters and inputs excluded). The FP8 rows run with the module's
 weight cache, which hits on every timed call (its FP8 weight copies are made before the measured
 step, so the peak excludes them: the ``weight cache GiB`` column gives their size, about the
 bf16 weights' own); the ``rowwise, no weight cache`` row quantizes the weights in every forward, as
