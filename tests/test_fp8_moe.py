@@ -278,6 +278,32 @@ def test_weight_cache_hits_for_fp32_parameters(autocast):
 
 
 @pytest.mark.interpreter
+def test_capture_bypasses_the_weight_cache_of_fp32_parameters(monkeypatch):
+    """During a CUDA graph capture (faked: the check of ``Fp8WeightCache.bypassed``) the module uses
+    no cache and makes no stand-in: the cache is untouched and the step equals an uncached one."""
+    from moe_fp8 import Fp8WeightCache
+
+    torch.manual_seed(7)
+    moe = FP8MoE(H, I, E, K)  # fp32 parameters, cast under autocast
+    fresh = FP8MoE(H, I, E, K, cache_weights=False)
+    fresh.load_state_dict(moe.state_dict())
+    x, dy = torch.randn(16, H), torch.randn(16, H)
+    stand_ins = []
+    monkeypatch.setattr(Fp8WeightCache, "stand_in", lambda self, w, dtype: stand_ins.append(w))
+    monkeypatch.setattr(Fp8WeightCache, "bypassed", staticmethod(lambda t: True))
+    results = []
+    for m in (moe, fresh):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        out.backward(dy.to(out.dtype))
+        results.append((out, {n: p.grad for n, p in m.named_parameters()}))
+    assert not stand_ins and all((c.hits, c.misses, len(c)) == (0, 0, 0) for c in moe.experts._caches)
+    assert torch.equal(results[0][0], results[1][0])
+    for name, g in results[0][1].items():
+        assert torch.equal(g, results[1][1][name]), name
+
+
+@pytest.mark.interpreter
 def test_fp32_module_on_bf16_only_backend(fake_cuda, monkeypatch):
     """fp32 parameters and input, no autocast, on the ``cuda`` backend (faked on the CPU: takes
     bf16 only): the grouped GEMMs get bf16, the module returns fp32, the cache still hits."""

@@ -146,7 +146,9 @@ class FP8GroupedExperts(nn.Module):
             x_fp8 = permute_quantize(x, plan, fmt, pow2=pow2)
         gemm = dict(recipe=recipe, backend=self.backend)
         # FP8 recipes read cached weights only through the cache: a weight cast happens there, on a miss.
-        cached = self._caches is not None and recipe.is_fp8 and not torch.compiler.is_compiling()
+        # Not while compiling or capturing a CUDA graph (then the weights are quantized in the step).
+        cached = (self._caches is not None and recipe.is_fp8 and not torch.compiler.is_compiling()
+                  and not Fp8WeightCache.bypassed(x))
         cache = self._caches if cached else (None, None)
         w1, w2 = self._weights()
         w1 = _cast(w1, x.dtype, cache[0])
