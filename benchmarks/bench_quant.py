@@ -203,6 +203,11 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
             table.add(model, "expert dual fwd+dgrad (W)", shape, E * N * K * 4 + (E * N + E * K) * 4,
                       _time_us(lambda: ops.triton_quantize_expert_colwise_dual(w, E4M3FN, True)),
                       (ao_f + ao_t) if ao else None, torchao_note="sum of TorchAO's two kernels" if ao else None)
+            _, _, col_amax = ops.triton_quantize_expert_rowwise_with_amax(w, E4M3FN, True)
+            table.add(model, "expert fwd + col amax (W)", shape, base + E * N * 4 + E * K * 4,
+                      _time_us(lambda: ops.triton_quantize_expert_rowwise_with_amax(w, E4M3FN, True)))
+            table.add(model, "expert dgrad from amax (W)", shape, base + E * K * 8,
+                      _time_us(lambda: ops.triton_quantize_expert_colwise_from_amax(w, col_amax, E4M3FN, True)))
             table.add(model, "blockwise 128x128 (W)", shape, base + E * triton.cdiv(N, 128) * triton.cdiv(K, 128) * 4,
                       _time_us(lambda: ops.triton_quantize_blockwise(w, E4M3FN, (128, 128), True)))
             if sweep and time.time() < deadline:

@@ -17,6 +17,8 @@ from moe_fp8.quant.ops import (
     triton_quantize_blockwise,
     triton_quantize_expert_colwise,
     triton_quantize_expert_colwise_dual,
+    triton_quantize_expert_colwise_from_amax,
+    triton_quantize_expert_rowwise_with_amax,
     triton_quantize_group_colwise_dual,
     triton_quantize_rowwise,
     triton_quantize_expert_tensorwise,
@@ -151,6 +153,11 @@ BAD = [
     (lambda: triton_quantize_rowwise(_X, torch.float32), TypeError, "fmt"),
     (lambda: triton_quantize_expert_colwise(_X), ValueError, "w"),
     (lambda: triton_quantize_expert_colwise_dual(_I[None]), TypeError, "w"),
+    (lambda: triton_quantize_expert_rowwise_with_amax(_X), ValueError, "w"),
+    (lambda: triton_quantize_expert_colwise_from_amax(_X[None], torch.ones(1, 16, dtype=torch.bfloat16)), TypeError,
+     "col_amax"),
+    (lambda: triton_quantize_expert_colwise_from_amax(_X[None], torch.ones(1, 4)), ValueError, "col_amax"),
+    (lambda: triton_quantize_expert_colwise_from_amax(_X[None], torch.ones(16)), ValueError, "col_amax"),
     (lambda: triton_quantize_group_colwise_dual(_I, _X, _OFFS), TypeError, "a"),
     (lambda: triton_quantize_group_colwise_dual(_X, _X[:3], _OFFS), ValueError, "b"),
     (lambda: triton_quantize_group_colwise_dual(_X, _X, _OFFS.long()), TypeError, "offs"),
@@ -181,11 +188,14 @@ def _compiled_pipeline(x, w, a, b, offs):
     qx, sx = triton_quantize_rowwise(x, E4M3FN, True)
     qf, sf, qb, sb = triton_quantize_expert_colwise_dual(w, E4M3FN)
     qt, st = triton_quantize_expert_colwise(w, E4M3FN, False, True)
+    qr, sr, col_amax = triton_quantize_expert_rowwise_with_amax(w, E4M3FN)
+    qc, sc = triton_quantize_expert_colwise_from_amax(w, col_amax, E4M3FN)
     qa, sa, qg, sg = triton_quantize_group_colwise_dual(a, b, offs, E4M3FN)
     qk, sk = triton_quantize_blockwise(x, E4M3FN, (1, 128))
     qz, sz = triton_quantize_tensorwise(x, E4M3FN)
     return [qx.float() * sx[:, None], qf.float() * sf[..., None], qb.float() * sb[..., None],
-            qt.float() * st[..., None], qa.t().float(), sa, qg.t().float(), sg, qk.float(), sk, qz.float() * sz]
+            qt.float() * st[..., None], qr.float() * sr[..., None], col_amax, qc.float() * sc[..., None],
+            qa.t().float(), sa, qg.t().float(), sg, qk.float(), sk, qz.float() * sz]
 
 
 def _check_compile(device, backend):

@@ -13,10 +13,12 @@ from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poi
 from moe_fp8.quant import reference as ref
 from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.kernels.colwise import launch_expert_colwise_t
-from moe_fp8.quant.kernels.rowwise import launch_rowwise
+from moe_fp8.quant.kernels.rowwise import col_amax_fits, launch_expert_rowwise_col_amax, launch_rowwise
 from moe_fp8.quant.ops import (
     triton_quantize_expert_colwise,
     triton_quantize_expert_colwise_dual,
+    triton_quantize_expert_colwise_from_amax,
+    triton_quantize_expert_rowwise_with_amax,
     triton_quantize_rowwise,
 )
 
@@ -44,6 +46,23 @@ def _check_expert(w, pow2, fmt):
                                 *ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True)),
                                ("q_fwd", "s_fwd", "q_bwd", "s_bwd")):
         assert_same(got, want, f"dual {what}")
+    if col_amax_fits(w.shape[2]):
+        _check_expert_split(w, pow2, fmt)
+
+
+def _check_expert_split(w, pow2, fmt):
+    """The forward layout with the amax over N from one read, then the dgrad layout from that amax."""
+    q, s, col_amax = triton_quantize_expert_rowwise_with_amax(w, fmt, pow2)
+    rq, rs = ref.quantize_expert_colwise(w, fmt, pow2=pow2)
+    assert q.is_contiguous()
+    assert_same(q, rq, "split q_fwd")
+    assert_same(s, rs, "split s_fwd")
+    assert_same(col_amax, ref.expert_amax(w, transposed=True), "col_amax")
+    q_t, s_t = triton_quantize_expert_colwise_from_amax(w, col_amax, fmt, pow2)
+    rq_t, rs_t = ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True)
+    assert q_t.is_contiguous()
+    assert_same(q_t, rq_t, "split q_bwd")
+    assert_same(s_t, rs_t, "split s_bwd")
 
 
 # ------------------------------------------------------------------------------ CPU (interpreter)
@@ -108,6 +127,53 @@ def test_expert_colwise_strided_and_empty_cpu():
     _check_expert(w[:, 3:, ::2], True, E4M3FN)
     for shape in [(0, 4, 16), (2, 0, 16), (2, 16, 0)]:
         _check_expert(torch.randn(shape).bfloat16(), False, E4M3FN)
+
+
+@pytest.mark.interpreter
+def test_expert_dual_long_rows_cpu():
+    """K > 16384: the dual takes the column-wise kernel for the dgrad layout; the one-read op refuses."""
+    w = hard_input((2, 3, 16400), seed=5)
+    assert not col_amax_fits(16400)
+    _check_expert(w, False, E4M3FN)
+    with pytest.raises(ValueError, match="16384"):
+        triton_quantize_expert_rowwise_with_amax(w, E4M3FN)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=20, deadline=None)
+@given(E=st.integers(1, 3), N=st.integers(0, 70), K=st.integers(0, 40), rows=st.sampled_from([1, 4, 16, 32]),
+       pow2=st.booleans(), seed=st.integers(0, 2**16))
+def test_expert_rowwise_col_amax_property_cpu(E, N, K, rows, pow2, seed):
+    """Several programs per expert merge their column amaxes (strips of ``rows``, the last partial);
+    the outputs start as garbage, the amax buffer as zeros; empty experts and K = 0 included."""
+    w = hard_input((E, N, K), seed=seed) if N * K else torch.zeros(E, N, K, dtype=torch.bfloat16)
+    q = torch.empty((E, N, K), dtype=torch.float8_e4m3fn)
+    s = torch.empty((E, N))
+    for t in (q, s):
+        t.view(torch.uint8).fill_(0x55)
+    amax = torch.zeros(E, K)
+    launch_expert_rowwise_col_amax(w, q, s, amax.view(torch.int32), E4M3FN, pow2, rows_per_program=rows, stages=1)
+    rq, rs = ref.quantize_expert_colwise(w, E4M3FN, pow2=pow2)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+    assert_same(amax, ref.expert_amax(w, transposed=True), "col_amax")
+    q_t, s_t = triton_quantize_expert_colwise_from_amax(w, amax, E4M3FN, pow2)
+    rq_t, rs_t = ref.quantize_expert_colwise(w, E4M3FN, pow2=pow2, transposed=True)
+    assert_same(q_t, rq_t, "q_t")
+    assert_same(s_t, rs_t, "s_t")
+
+
+@pytest.mark.interpreter
+def test_expert_colwise_from_amax_uses_the_given_amax_cpu():
+    """The dgrad layout's scales come from ``col_amax`` as given (doubled amax: the reference's bytes
+    for that amax, not ``w``'s own)."""
+    w = hard_input((2, 24, 40), seed=6)
+    amax = ref.expert_amax(w, transposed=True) * 2
+    q_t, s_t = triton_quantize_expert_colwise_from_amax(w, amax, E4M3FN)
+    rq_t, rs_t = ref.quantize_expert_colwise(w, E4M3FN, transposed=True, amax=amax)
+    assert_same(q_t, rq_t, "q_t")
+    assert_same(s_t, rs_t, "s_t")
+    assert not torch.equal(s_t, ref.quantize_expert_colwise(w, E4M3FN, transposed=True)[1])
 
 
 @pytest.mark.interpreter

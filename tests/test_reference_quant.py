@@ -11,6 +11,7 @@ from moe_fp8.quant.reference import (
     amax_to_scales,
     cast_to_fp8,
     dequantize,
+    expert_amax,
     quantize_blockwise,
     quantize_expert_colwise,
     quantize_expert_tensorwise,
@@ -102,6 +103,11 @@ def test_expert_colwise_layouts():
     assert qt.shape == (1, 3, 2) and qt.is_contiguous() and scale_t.shape == (1, 3)
     assert qt[0, :, 0].float().tolist() == [56.0, 448.0, 448.0]  # amax over N per k: 8, 2, 4
     assert qt[0, :, 1].float().tolist() == [448.0, -224.0, 0.0]
+    assert expert_amax(w).tolist() == [[4.0, 8.0]] and expert_amax(w, transposed=True).tolist() == [[8.0, 2.0, 4.0]]
+    qa, scale_a = quantize_expert_colwise(w, E4M3FN, transposed=True, amax=torch.tensor([[16.0, 2.0, 4.0]]))
+    assert qa[0, :, 0].float().tolist() == [28.0, 448.0, 448.0]  # a given amax sets the scales: 16 for k=0
+    assert scale_a[0, 0] == 16.0 / 448 and torch.equal(scale_a[0, 1:], scale_t[0, 1:])
+    assert expert_amax(torch.zeros(2, 0, 3), transposed=True).tolist() == [[0.0] * 3] * 2
 
 
 def test_group_colwise_hand_computed():

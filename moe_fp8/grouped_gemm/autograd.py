@@ -13,9 +13,10 @@
 The weights are quantized once per call in both layouts (or come from an ``Fp8WeightCache``)
 and only their FP8 copies are saved for backward, with ``x`` (the wgrad operand) and ``offs``;
 except (``save_w``) when no cache serves a ``rowwise`` weight that the caller keeps alive anyway
-(a parameter or a view of one): then the forward quantizes the forward layout only, ``w`` itself
-is saved, and the backward quantizes the dgrad layout (the same bytes, one launch each), so no FP8
-weight copy lives from forward to backward.
+(a parameter or a view of one): then the forward quantizes the forward layout and takes the dgrad
+layout's amax (over N) from the same read, ``w`` itself and that ``(E, K)`` amax are saved, and
+the backward quantizes the dgrad layout from them (the same bytes, one read and one write of
+``w``), so no FP8 weight copy lives from forward to backward.
 Nothing here syncs with the host; the backends say which layouts they take. Rows at or past
 ``offs[-1]`` belong to no group and never reach a result: with one scale per tensor
 (``tensorwise``) they are zeroed before the amax (they may hold anything, even NaN).
@@ -52,8 +53,8 @@ class FP8GroupedMM(torch.autograd.Function):
     ``scaling`` is ``None`` for the BF16 recipe; ``w_quant`` is the 4-tuple of
     ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here; ``x_quant`` is
     ``x``'s rowwise ``(q, scale)`` made upstream, or ``None`` to quantize here. ``save_w`` (only
-    with ``scaling="rowwise"`` and ``w_quant=None``): save ``w`` and quantize its dgrad layout in
-    backward instead of saving that layout from forward.
+    with ``scaling="rowwise"`` and ``w_quant=None``): save ``w`` (and its amax over N) and quantize
+    its dgrad layout in backward instead of saving that layout from forward.
     """
 
     @staticmethod
@@ -70,8 +71,8 @@ class FP8GroupedMM(torch.autograd.Function):
         fused = get_backend(backend).fused_quant
         ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant
         if ctx.w_saved:
-            q_fwd, s_fwd = lib.quantize_weight_rowwise_layout(w, fmt, pow2, fused, False)
-            q_bwd, s_bwd = w, None
+            q_fwd, s_fwd, col_amax = lib.quantize_weight_forward_layout(w, fmt, pow2, fused)
+            q_bwd, s_bwd = w, col_amax
         else:
             if w_quant is None:
                 w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
@@ -110,11 +111,11 @@ class FP8GroupedMM(torch.autograd.Function):
 def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor | None, offs: torch.Tensor,
            dtype: torch.dtype) -> torch.Tensor:
     """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in ``dtype``. ``q_bwd, s_bwd``:
-    the saved dgrad layout, or ``w`` and ``None`` (``ctx.w_saved``) to quantize it here. Its FP8
-    temporaries (grad_out's, and that layout) are freed on return, before the wgrad runs."""
+    the saved dgrad layout, or ``w`` and its amax over N (``ctx.w_saved``) to quantize it here. Its
+    FP8 temporaries (grad_out's, and that layout) are freed on return, before the wgrad runs."""
     fused = get_backend(ctx.backend).fused_quant
     if ctx.w_saved:
-        q_bwd, s_bwd = lib.quantize_weight_rowwise_layout(q_bwd, ctx.fmt, ctx.pow2, fused, True)
+        q_bwd, s_bwd = lib.quantize_weight_dgrad_layout(q_bwd, s_bwd, ctx.fmt, ctx.pow2, fused)
     gq, gs = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused)
     return lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, dtype)
 

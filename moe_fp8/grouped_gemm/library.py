@@ -26,7 +26,8 @@ __all__ = [
     "bf16_mm_2d2d",
     "quantize_activation",
     "quantize_weight",
-    "quantize_weight_rowwise_layout",
+    "quantize_weight_dgrad_layout",
+    "quantize_weight_forward_layout",
     "quantize_wgrad_operands",
 ]
 
@@ -63,9 +64,13 @@ def _quantize_weight(w: Tensor, scaling: str, fmt: str, pow2: bool,
     return quant_seam.quantize_weight(w, scaling, resolve_format(fmt), pow2, fused)
 
 
-def _quantize_weight_rowwise_layout(w: Tensor, fmt: str, pow2: bool, fused: bool,
-                                    transposed: bool) -> tuple[Tensor, Tensor]:
-    return quant_seam.quantize_weight_rowwise_layout(w, resolve_format(fmt), pow2, fused, transposed)
+def _quantize_weight_forward_layout(w: Tensor, fmt: str, pow2: bool, fused: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return quant_seam.quantize_weight_forward_layout(w, resolve_format(fmt), pow2, fused)
+
+
+def _quantize_weight_dgrad_layout(w: Tensor, col_amax: Tensor, fmt: str, pow2: bool,
+                                  fused: bool) -> tuple[Tensor, Tensor]:
+    return quant_seam.quantize_weight_dgrad_layout(w, col_amax, resolve_format(fmt), pow2, fused)
 
 
 def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
@@ -85,8 +90,11 @@ _op_quantize_activation = torch.library.custom_op(
     "moe_fp8::gg_quantize_activation", _quantize_activation, mutates_args=()
 )
 _op_quantize_weight = torch.library.custom_op("moe_fp8::gg_quantize_weight", _quantize_weight, mutates_args=())
-_op_quantize_weight_rowwise_layout = torch.library.custom_op(
-    "moe_fp8::gg_quantize_weight_rowwise_layout", _quantize_weight_rowwise_layout, mutates_args=()
+_op_quantize_weight_forward_layout = torch.library.custom_op(
+    "moe_fp8::gg_quantize_weight_forward_layout", _quantize_weight_forward_layout, mutates_args=()
+)
+_op_quantize_weight_dgrad_layout = torch.library.custom_op(
+    "moe_fp8::gg_quantize_weight_dgrad_layout", _quantize_weight_dgrad_layout, mutates_args=()
 )
 _op_quantize_wgrad_operands = torch.library.custom_op(
     "moe_fp8::gg_quantize_wgrad_operands", _quantize_wgrad_operands, mutates_args=()
@@ -139,11 +147,17 @@ def _(w, scaling, fmt, pow2, fused):
     return q_fwd, w.new_empty(E, nb, kb, dtype=f32), q_bwd, w.new_empty(E, kb, nb, dtype=f32)
 
 
-@_op_quantize_weight_rowwise_layout.register_fake
-def _(w, fmt, pow2, fused, transposed):
+@_op_quantize_weight_forward_layout.register_fake
+def _(w, fmt, pow2, fused):
     E, N, K = w.shape
-    rows, cols = (K, N) if transposed else (N, K)
-    return w.new_empty(E, rows, cols, dtype=_fp8(fmt)), w.new_empty(E, rows, dtype=torch.float32)
+    f32 = torch.float32
+    return w.new_empty(E, N, K, dtype=_fp8(fmt)), w.new_empty(E, N, dtype=f32), w.new_empty(E, K, dtype=f32)
+
+
+@_op_quantize_weight_dgrad_layout.register_fake
+def _(w, col_amax, fmt, pow2, fused):
+    E, N, K = w.shape
+    return w.new_empty(E, K, N, dtype=_fp8(fmt)), w.new_empty(E, K, dtype=torch.float32)
 
 
 @_op_quantize_wgrad_operands.register_fake
@@ -163,6 +177,7 @@ bf16_mm_2d3d = eager_or_custom_op(_op_bf16_mm_2d3d, _bf16_mm_2d3d)
 bf16_mm_2d2d = eager_or_custom_op(_op_bf16_mm_2d2d, _bf16_mm_2d2d)
 quantize_activation = eager_or_custom_op(_op_quantize_activation, _quantize_activation)
 quantize_weight = eager_or_custom_op(_op_quantize_weight, _quantize_weight)
-quantize_weight_rowwise_layout = eager_or_custom_op(_op_quantize_weight_rowwise_layout,
-                                                    _quantize_weight_rowwise_layout)
+quantize_weight_forward_layout = eager_or_custom_op(_op_quantize_weight_forward_layout,
+                                                    _quantize_weight_forward_layout)
+quantize_weight_dgrad_layout = eager_or_custom_op(_op_quantize_weight_dgrad_layout, _quantize_weight_dgrad_layout)
 quantize_wgrad_operands = eager_or_custom_op(_op_quantize_wgrad_operands, _quantize_wgrad_operands)

@@ -16,10 +16,16 @@ from ..kernel_backend import triton_runs_on
 from ..quant import ops as kernels
 from ..quant import reference as ref
 from ..quant.formats import Float8Format
+from ..quant.kernels.rowwise import col_amax_fits
 from .padding import padded_row_index, scatter_rows_padded
 
 __all__ = [
-    "BLOCK", "quantize_activation", "quantize_weight", "quantize_weight_rowwise_layout", "quantize_wgrad_operands",
+    "BLOCK",
+    "quantize_activation",
+    "quantize_weight",
+    "quantize_weight_dgrad_layout",
+    "quantize_weight_forward_layout",
+    "quantize_wgrad_operands",
 ]
 
 BLOCK = 128  # blockwise recipe: 1 x 128 activation blocks, 128 x 128 weight blocks
@@ -70,8 +76,8 @@ def quantize_weight(
     if scaling == "rowwise":
         if k:
             return kernels.triton_quantize_expert_colwise_dual(w, fmt, pow2)
-        return (*quantize_weight_rowwise_layout(w, fmt, pow2, fused, False),
-                *quantize_weight_rowwise_layout(w, fmt, pow2, fused, True))
+        return (*ref.quantize_expert_colwise(w, fmt, pow2=pow2),
+                *ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True))
     if scaling == "tensorwise":
         if k:
             q_fwd, s_fwd = kernels.triton_quantize_expert_tensorwise(w, fmt, pow2)
@@ -85,22 +91,39 @@ def quantize_weight(
     return q_fwd, s_fwd, _transposed_copy(q_fwd), _transposed_copy(s_fwd)
 
 
-def quantize_weight_rowwise_layout(
-    w: torch.Tensor, fmt: Float8Format, pow2: bool, fused: bool, transposed: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layout of :func:`quantize_weight`'s ``rowwise`` pair, the same bytes, one launch.
+def quantize_weight_forward_layout(
+    w: torch.Tensor, fmt: Float8Format, pow2: bool, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward layout of :func:`quantize_weight`'s ``rowwise`` pair, and what its dgrad layout needs.
 
     Args:
         w: ``(E, N, K)`` (``nn.Linear`` layout per expert), any strides.
-        transposed: False: the forward layout, ``q (E, N, K)`` contiguous and ``s (E, N)``
-            (amax over K); True: the dgrad layout, ``q (E, K, N)`` contiguous and ``s (E, K)``
-            (amax over N).
+    Returns:
+        ``q (E, N, K)`` contiguous and ``s (E, N)`` (amax over K), the same bytes as
+        ``quantize_weight``; and ``col_amax (E, K)`` fp32, the amax over N, for
+        :func:`quantize_weight_dgrad_layout`. The kernels take it from the same read of ``w``
+        (``K <= 16384``; longer rows reduce it with torch).
     Used when no cache holds the weights: the forward quantizes its layout and the backward the
-    dgrad one from the saved ``w``, so no FP8 copy lives from forward to backward.
+    dgrad one from the saved ``w`` and ``col_amax``, so no FP8 copy lives from forward to backward.
     """
+    if _kernels(w, fused) and col_amax_fits(w.shape[2]):
+        return kernels.triton_quantize_expert_rowwise_with_amax(w, fmt, pow2)
     if _kernels(w, fused):
-        return kernels.triton_quantize_expert_colwise(w, fmt, pow2, transposed=transposed)
-    return ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=transposed)
+        q, s = kernels.triton_quantize_expert_colwise(w, fmt, pow2)
+    else:
+        q, s = ref.quantize_expert_colwise(w, fmt, pow2=pow2)
+    return q, s, ref.expert_amax(w, transposed=True)
+
+
+def quantize_weight_dgrad_layout(
+    w: torch.Tensor, col_amax: torch.Tensor, fmt: Float8Format, pow2: bool, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dgrad layout of :func:`quantize_weight`'s ``rowwise`` pair: ``q (E, K, N)`` contiguous and
+    ``s (E, K)``, with the scales from ``col_amax (E, K)`` (made by
+    :func:`quantize_weight_forward_layout` from the same ``w``), one read and one write of ``w``."""
+    if _kernels(w, fused):
+        return kernels.triton_quantize_expert_colwise_from_amax(w, col_amax, fmt, pow2)
+    return ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True, amax=col_amax)
 
 
 def _transposed_copy(t: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ from ..checks import check_offsets, check_same_device, check_tensor
 from ..kernel_backend import eager_custom_op
 from .formats import Float8Format, resolve_format
 from .kernels.blockwise import launch_blockwise, supported_block
-from .kernels.colwise import launch_expert_colwise_t, launch_group_colwise
-from .kernels.rowwise import launch_rowwise
+from .kernels.colwise import launch_expert_colwise_t, launch_expert_colwise_t_from_amax, launch_group_colwise
+from .kernels.rowwise import col_amax_fits, launch_expert_rowwise_col_amax, launch_rowwise
 from .kernels.tensorwise import launch_expert_tensorwise, launch_tensorwise
 from .reference import HIGH_PRECISION_DTYPES
 
@@ -29,6 +29,8 @@ __all__ = [
     "triton_quantize_rowwise",
     "triton_quantize_expert_colwise",
     "triton_quantize_expert_colwise_dual",
+    "triton_quantize_expert_colwise_from_amax",
+    "triton_quantize_expert_rowwise_with_amax",
     "triton_quantize_expert_tensorwise",
     "triton_quantize_group_colwise",
     "triton_quantize_group_colwise_dual",
@@ -130,12 +132,35 @@ def triton_quantize_expert_colwise(
     return _expert_colwise_op(w, _format(fmt, w.device).name, bool(pow2), bool(transposed))
 
 
+def _forward_layout_with_amax(w: torch.Tensor, f: Float8Format, pow2: bool):
+    """The forward layout ``(q (E, N, K), scale (E, N))`` and the amax over N ``(E, K)`` fp32 from one
+    read of ``w`` (``K`` must pass ``col_amax_fits``)."""
+    E, N, K = w.shape
+    q = torch.empty((E, N, K), dtype=f.torch_dtype, device=w.device)
+    scale = torch.empty((E, N), dtype=_F32, device=w.device)
+    col_amax = torch.zeros((E, K), dtype=_F32, device=w.device)
+    launch_expert_rowwise_col_amax(w, q, scale, col_amax.view(torch.int32), f, pow2)
+    return q, scale, col_amax
+
+
+def _dgrad_layout_from_amax(w: torch.Tensor, col_amax: torch.Tensor, f: Float8Format, pow2: bool):
+    """The dgrad layout ``(q (E, K, N), scale (E, K))`` of ``w`` given its amax over N."""
+    E, N, K = w.shape
+    q = torch.empty((E, K, N), dtype=f.torch_dtype, device=w.device)
+    scale = torch.empty((E, K), dtype=_F32, device=w.device)
+    launch_expert_colwise_t_from_amax(w, col_amax.contiguous().view(torch.int32), q, scale, f, pow2)
+    return q, scale
+
+
 @eager_custom_op("moe_fp8::quantize_expert_colwise_dual")
 def _expert_dual_op(
     w: torch.Tensor, fmt: str, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     f = _check_expert(w, fmt)
     E, N, K = w.shape
+    if col_amax_fits(K):
+        q_fwd, s_fwd, col_amax = _forward_layout_with_amax(w, f, pow2)
+        return q_fwd, s_fwd, *_dgrad_layout_from_amax(w, col_amax, f, pow2)
     q_fwd = torch.empty((E, N, K), dtype=f.torch_dtype, device=w.device)
     s_fwd = torch.empty((E, N), dtype=_F32, device=w.device)
     q_bwd = torch.empty((E, K, N), dtype=f.torch_dtype, device=w.device)
@@ -162,10 +187,80 @@ def triton_quantize_expert_colwise_dual(
     Equal to ``triton_quantize_expert_colwise(w, transposed=False)`` and ``(..., transposed=True)``,
     in one op (one graph node) of two launches: the layouts reduce over different axes (K and N)
     before any byte of either can be written and no on-chip buffer holds an expert, so ``w`` is
-    read once per layout. (A single launch holding both program kinds measured slower on one H200.)
+    read once per layout. The first launch writes the forward layout and merges the amax over N
+    from the same read (:func:`triton_quantize_expert_rowwise_with_amax`), the second only scales
+    and writes the dgrad layout (:func:`triton_quantize_expert_colwise_from_amax`); rows longer
+    than 16384 (``K``) take the column-wise kernel for the dgrad layout instead.
     """
     _hp("w", w, 3)
     return _expert_dual_op(w, _format(fmt, w.device).name, bool(pow2))
+
+
+@eager_custom_op("moe_fp8::quantize_expert_rowwise_with_amax")
+def _expert_rowwise_amax_op(w: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    f = _check_expert(w, fmt)
+    if not col_amax_fits(w.shape[2]):
+        raise ValueError(f"w: rows of K = {w.shape[2]} do not fit the one-read kernel (K <= 16384)")
+    return _forward_layout_with_amax(w, f, pow2)
+
+
+@_expert_rowwise_amax_op.register_fake
+def _(w, fmt, pow2):
+    f = _check_expert(w, fmt)
+    E, N, K = w.shape
+    return (w.new_empty((E, N, K), dtype=f.torch_dtype), w.new_empty((E, N), dtype=_F32),
+            w.new_empty((E, K), dtype=_F32))
+
+
+def triton_quantize_expert_rowwise_with_amax(
+    w: torch.Tensor, fmt=None, pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward layout of ``w (E, N, K)`` and, from the same read, the dgrad layout's amax.
+
+    Returns ``q (E, N, K)`` contiguous and ``scale (E, N)`` (equal to
+    ``triton_quantize_expert_colwise(w)``), and ``col_amax (E, K)`` fp32, the amax over N of every
+    expert column (``reference.expert_amax(w, transposed=True)``). Hand ``col_amax`` to
+    :func:`triton_quantize_expert_colwise_from_amax` for the dgrad layout at one read and one
+    write of ``w``. ``K`` at most 16384 (whole rows in registers).
+    """
+    _hp("w", w, 3)
+    return _expert_rowwise_amax_op(w, _format(fmt, w.device).name, bool(pow2))
+
+
+def _check_col_amax(w, col_amax) -> None:
+    check_tensor("col_amax", col_amax, dtypes=(_F32,), shape=(w.shape[0], w.shape[2]))
+    check_same_device(w=w, col_amax=col_amax)
+
+
+@eager_custom_op("moe_fp8::quantize_expert_colwise_from_amax")
+def _expert_colwise_from_amax_op(
+    w: torch.Tensor, col_amax: torch.Tensor, fmt: str, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    f = _check_expert(w, fmt)
+    _check_col_amax(w, col_amax)
+    return _dgrad_layout_from_amax(w, col_amax, f, pow2)
+
+
+@_expert_colwise_from_amax_op.register_fake
+def _(w, col_amax, fmt, pow2):
+    f = _check_expert(w, fmt)
+    _check_col_amax(w, col_amax)
+    E, N, K = w.shape
+    return w.new_empty((E, K, N), dtype=f.torch_dtype), w.new_empty((E, K), dtype=_F32)
+
+
+def triton_quantize_expert_colwise_from_amax(
+    w: torch.Tensor, col_amax: torch.Tensor, fmt=None, pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dgrad layout of ``w (E, N, K)`` with its scales from ``col_amax (E, K)`` fp32.
+
+    ``q (E, K, N)`` contiguous, ``scale (E, K)``: equal to
+    ``triton_quantize_expert_colwise(w, transposed=True)`` when ``col_amax`` is ``w``'s amax over
+    N (as :func:`triton_quantize_expert_rowwise_with_amax` returns it); other values are trusted
+    (not checked: that would sync) and give other scales. One read and one write of ``w``.
+    """
+    _hp("w", w, 3)
+    return _expert_colwise_from_amax_op(w, col_amax, _format(fmt, w.device).name, bool(pow2))
 
 
 # ----------------------------------------------------------------------------------- group colwise

@@ -34,6 +34,7 @@ __all__ = [
     "quantize_rowwise",
     "quantize_expert_tensorwise",
     "quantize_expert_colwise",
+    "expert_amax",
     "quantize_group_colwise",
     "quantize_blockwise",
     "dequantize",
@@ -110,13 +111,15 @@ def quantize_expert_tensorwise(w: torch.Tensor, fmt=None, *, pow2: bool = False)
 
 
 def quantize_expert_colwise(
-    w: torch.Tensor, fmt=None, *, pow2: bool = False, transposed: bool = False
+    w: torch.Tensor, fmt=None, *, pow2: bool = False, transposed: bool = False, amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert, per-output-column scales of 3D expert weights in ``nn.Linear`` layout.
 
     Args:
         w: ``(E, N, K)`` (expert ``e`` computes ``x @ w[e].T``), bf16/fp16/fp32.
         transposed: ``False`` gives the forward layout, ``True`` the dgrad layout.
+        amax: the amax the scales come from, shaped like ``scale``; ``None`` computes it from
+            ``w`` (``expert_amax``). Given, it is trusted: other values give other scales.
     Returns:
         forward: ``q`` ``(E, N, K)`` contiguous, ``scale`` ``(E, N)`` (amax over K).
         dgrad (``transposed=True``): ``q`` ``(E, K, N)`` contiguous (= ``w.transpose(1, 2)``
@@ -124,11 +127,22 @@ def quantize_expert_colwise(
     """
     _check_input("w", w, 3)
     fmt = resolve_format(fmt, w.device)
+    if amax is None:
+        amax = expert_amax(w, transposed=transposed)
     if transposed:
         w = w.transpose(1, 2)
-    amax = w.abs().amax(dim=2) if w.shape[2] else w.new_zeros(w.shape[:2])
     inv, scale = amax_to_scales(amax, fmt, pow2)
     return cast_to_fp8(w, inv[:, :, None], fmt), scale
+
+
+def expert_amax(w: torch.Tensor, *, transposed: bool = False) -> torch.Tensor:
+    """The amax of ``quantize_expert_colwise``'s scales, fp32: ``(E, N)`` over K, or with
+    ``transposed`` ``(E, K)`` over N (0 where the reduced axis is empty)."""
+    _check_input("w", w, 3)
+    dim = 1 if transposed else 2
+    if w.shape[dim] == 0:
+        return w.new_zeros(w.shape[0], w.shape[3 - dim], dtype=torch.float32)
+    return w.abs().amax(dim=dim).float()
 
 
 def quantize_group_colwise(

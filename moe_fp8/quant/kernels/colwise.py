@@ -52,7 +52,8 @@ from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
 from .common import format_constexprs, multiprocessor_count, to_fp8
 
-__all__ = ["auto_lag", "colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
+__all__ = ["auto_lag", "colwise_config", "launch_expert_colwise_t", "launch_expert_colwise_t_from_amax",
+           "launch_group_colwise"]
 
 # What the programs of one launch do (``_colwise_kernel``'s ``ROLES``).
 ROLES_BOTH = tl.constexpr(0)
@@ -479,9 +480,10 @@ def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, st
 
 
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
-            hw_cast) -> None:
+            hw_cast, amax_bits=None) -> None:
     """One launch over ``(column blocks of a and b) x 2 x chunks`` (two launches of half that with
-    ``TWO_PASS``); ``offs=None``: ``G`` uniform groups of ``n_uni`` rows."""
+    ``TWO_PASS``); ``offs=None``: ``G`` uniform groups of ``n_uni`` rows. ``amax_bits`` (int32
+    ``(G, C_A + C_B)``, the complete amaxes as fp32 bits): the workers alone, in one launch."""
     cfg = {**colwise_config(), "TICKETS": torch.version.hip is not None, **(config or {})}
     if cfg["maxnreg"] is None or not a.is_cuda or torch.version.hip is not None:
         del cfg["maxnreg"]  # a launch option of NVIDIA's compiler only (the interpreter runs on CPU tensors)
@@ -496,13 +498,17 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
         cfg["LAG"] = auto_lag(n_chunks, multiprocessor_count(a.device), jagged=not uniform)
     dev = a.device
     g1 = max(G, 1)
-    work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
-    amax, cnt = work[: g1 * (c_a + c_b)], work[g1 * (c_a + c_b):]
+    if amax_bits is not None:  # workers that wait for nothing read no counter: any int32 pointer
+        amax, cnt = amax_bits, amax_bits
+    else:
+        work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
+        amax, cnt = work[: g1 * (c_a + c_b)], work[g1 * (c_a + c_b):]
     b_args = (b, qb, sb, c_b, b.stride(0), b.stride(1), qb.stride(0), qb.stride(1)) if b is not None else (
         a, qa, sa, 0, 0, 0, 0, 0)
     offs = cnt if uniform else offs  # any int32 pointer: UNIFORM never reads it
-    if cfg.pop("TWO_PASS", False):  # no program waits: no ticket needed, no lag
-        launches = [((nb_a + nb_b) * n_chunks, ROLES_MEMBERS), ((nb_a + nb_b) * n_chunks, ROLES_WORKERS)]
+    if cfg.pop("TWO_PASS", False) or amax_bits is not None:  # no program waits: no ticket needed, no lag
+        roles = (ROLES_WORKERS,) if amax_bits is not None else (ROLES_MEMBERS, ROLES_WORKERS)
+        launches = [((nb_a + nb_b) * n_chunks, r) for r in roles]
         cfg.update(TICKETS=False, LAG=0)
     else:
         launches = [((nb_a + nb_b + cfg["LAG"]) * 2 * n_chunks, ROLES_BOTH)]
@@ -522,6 +528,18 @@ def launch_expert_colwise_t(w: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
     E, N, K = w.shape
     strides = (w.stride(0), w.stride(1), w.stride(2), K * N, 1, N)
     _launch(w, q, scale, None, None, None, None, None, E, N, N, N, strides, fmt, pow2, config, hw_cast)
+
+
+def launch_expert_colwise_t_from_amax(w: torch.Tensor, amax_bits: torch.Tensor, q: torch.Tensor,
+                                      scale: torch.Tensor, fmt: Float8Format, pow2: bool, config: dict | None = None,
+                                      hw_cast: bool | None = None) -> None:
+    """``launch_expert_colwise_t`` given the amax over N: ``amax_bits (E, K)`` int32, the fp32 bits
+    of each expert column's amax (``rowwise.launch_expert_rowwise_col_amax`` makes them). Only the
+    workers run, reading ``w`` from HBM: one read and one write per element, nothing waits."""
+    E, N, K = w.shape
+    strides = (w.stride(0), w.stride(1), w.stride(2), K * N, 1, N)
+    _launch(w, q, scale, None, None, None, None, None, E, N, N, N, strides, fmt, pow2, config, hw_cast,
+            amax_bits=amax_bits)
 
 
 def launch_group_colwise(

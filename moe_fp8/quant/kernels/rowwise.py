@@ -8,6 +8,11 @@ weights need no copy; the output is always row-major contiguous.
 When a whole row fits in registers (``K <= 16384``) each program loads its rows once, reduces,
 and writes: one HBM read and one write per element. Longer rows take two passes over ``K`` (the
 second pass re-reads the program's rows, which are still in L2).
+
+``launch_expert_rowwise_col_amax`` writes the same forward expert layout and, from the same read,
+the amax over N of every expert column (what the dgrad layout's scales need): the dgrad layout
+then costs one more read and write of ``w`` (``colwise.launch_expert_colwise_t_from_amax``)
+instead of a reduction over strided columns.
 """
 
 from __future__ import annotations
@@ -21,14 +26,55 @@ from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
 from .common import format_constexprs, to_fp8
 
-__all__ = ["rowwise_block", "rowwise_config", "launch_rowwise"]
+__all__ = ["rowwise_block", "rowwise_config", "launch_rowwise", "col_amax_fits", "launch_expert_rowwise_col_amax"]
 
 # Largest row held in registers in one piece; longer rows loop over K twice.
 MAX_SINGLE_PASS_K = 16384
 # Elements per program tile (rows x padded K) and per loop step of the two-pass path. Measured on
 # one H200 (2026-11): 4096 with 4 warps ties 8192 with 8 warps on K = 7168 and beats it on K = 5120.
 TILE_ELEMENTS = 4096
+# The forward expert layout with column amax: rows per program (one atomic per column and program)
+# and software-pipeline stages of its row loop. Best of a sweep on one H200 (2026-11-30, six model
+# weights, rows 32/128 x warps 4/8 x stages 1/3 x tiles 2048-8192): 128 rows, 3 stages, 4 warps
+# ran at 84-91% of copy where K >= 2048 (71% at K = 768); one stage ran at 44-82%.
+ROWS_PER_PROGRAM = 128
+ROW_STAGES = 3
 
+
+
+@triton.jit
+def _rows_in_registers(
+    x_ptr,
+    q_ptr,
+    in_row,
+    out_row,
+    row_ok,
+    s_ptrs,
+    K,
+    stride_k,
+    POW2: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr,
+    FP8_NEG_ZERO: tl.constexpr,
+):
+    """Quantize whole rows held in registers (``K <= BLOCK_K``): rows start at ``in_row`` (element
+    offsets into ``x``) and ``out_row`` (into the row-major ``q``), scales go to ``s_ptrs``.
+    Returns ``|x|`` as fp32, ``(BLOCK_M, BLOCK_K)`` (0 in masked lanes), for a column amax."""
+    cols = tl.arange(0, BLOCK_K)
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + in_row[:, None] + cols.to(tl.int64)[None, :] * stride_k, mask=mask, other=0.0)
+    ax = tl.abs(x.to(tl.float32))
+    inv_scale, scale = fp8_scales(tl.max(ax, axis=1), FP8_MAX, POW2)
+    q = to_fp8(x, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+               FP8_NEG_ZERO)
+    tl.store(q_ptr + out_row[:, None] + cols[None, :], q, mask=mask)
+    tl.store(s_ptrs, scale, mask=row_ok)
+    return ax
 
 @triton.jit
 def rowwise_block(
@@ -60,14 +106,8 @@ def rowwise_block(
     in_row = (rows // rows_per_group).to(tl.int64) * stride_g + (rows % rows_per_group).to(tl.int64) * stride_r
     out_row = rows.to(tl.int64) * K
     if SINGLE_PASS:
-        cols = tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + in_row[:, None] + cols.to(tl.int64)[None, :] * stride_k, mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        inv_scale, scale = fp8_scales(tl.max(tl.abs(x), axis=1), FP8_MAX, POW2)
-        q = to_fp8(x, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
-                   FP8_NEG_ZERO)
-        tl.store(q_ptr + out_row[:, None] + cols[None, :], q, mask=mask)
+        _rows_in_registers(x_ptr, q_ptr, in_row, out_row, row_ok, s_ptr + rows, K, stride_k, POW2, BLOCK_K,
+                           OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -83,7 +123,7 @@ def rowwise_block(
             q = to_fp8(x, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                    FP8_NEG_ZERO)
             tl.store(q_ptr + out_row[:, None] + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + rows, scale, mask=row_ok)
+        tl.store(s_ptr + rows, scale, mask=row_ok)
 
 
 @triton.jit
@@ -113,6 +153,51 @@ def _rowwise_kernel(
                   POW2, BLOCK_M, BLOCK_K, SINGLE_PASS, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
                   FP8_SUB_SCALE, FP8_NEG_ZERO)
 
+
+
+@triton.jit
+def _expert_rowwise_col_amax_kernel(
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    amax_ptr,
+    N,
+    K,
+    stride_g,
+    stride_r,
+    stride_k,
+    POW2: tl.constexpr,
+    ROWS: tl.constexpr,
+    STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr,
+    FP8_NEG_ZERO: tl.constexpr,
+):
+    """Program ``(expert e, strip j)``: rows ``[j * ROWS, (j + 1) * ROWS)`` of expert ``e``, quantized
+    row by row as ``rowwise_block`` does, and their column amax merged into ``amax (E, K)`` (the fp32
+    bits, as int32: amaxes are >= 0, so the integers order like the floats) by one relaxed
+    ``atomic_max`` per column."""
+    e = tl.program_id(0)
+    r0 = tl.program_id(1) * ROWS
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # in the tiles' layout: no conversion per step
+    for i in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
+        r = r0 + i + tl.arange(0, BLOCK_M)
+        row_ok = r < N
+        rows = e * N + r
+        in_row = e.to(tl.int64) * stride_g + r.to(tl.int64) * stride_r
+        ax = _rows_in_registers(w_ptr, q_ptr, in_row, rows.to(tl.int64) * K, row_ok, s_ptr + rows, K, stride_k, POW2,
+                                BLOCK_K, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                                FP8_NEG_ZERO)
+        acc = tl.maximum(acc, ax)
+    cols = tl.arange(0, BLOCK_K)
+    bits = tl.max(acc, axis=0).to(tl.int32, bitcast=True)
+    tl.atomic_max(amax_ptr + e * K + cols, bits, mask=cols < K, sem="relaxed")
 
 def rowwise_config(M: int, K: int, tile: int = TILE_ELEMENTS, num_warps: int | None = None) -> dict:
     """Block sizes for ``M`` rows of ``K`` (static shapes only: never the token count's value).
@@ -153,4 +238,44 @@ def launch_rowwise(
     _rowwise_kernel[grid](
         x, q, scale, M, K, max(rows_per_group, 1), stride_g, stride_r, stride_k,
         POW2=bool(pow2), **cfg, **format_constexprs(fmt, x.device, hw_cast),
+    )
+
+
+def col_amax_fits(K: int) -> bool:
+    """Whether ``launch_expert_rowwise_col_amax`` takes rows of ``K`` (whole rows in registers)."""
+    return next_power_of_2(max(K, 16)) <= MAX_SINGLE_PASS_K
+
+
+def launch_expert_rowwise_col_amax(
+    w: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    amax_bits: torch.Tensor,
+    fmt: Float8Format,
+    pow2: bool,
+    *,
+    rows_per_program: int = ROWS_PER_PROGRAM,
+    num_warps: int | None = None,
+    stages: int = ROW_STAGES,
+    tile: int = TILE_ELEMENTS,
+    hw_cast: bool | None = None,
+) -> None:
+    """The forward expert layout plus the dgrad layout's amax, from one read of ``w``.
+
+    ``w (E, N, K)`` any strides, ``K`` with :func:`col_amax_fits`; fills ``q (E, N, K)`` contiguous
+    and ``scale (E, N)`` as ``launch_rowwise`` does (amax over K), and merges the amax over N of
+    each expert column into ``amax_bits (E, K)`` int32 (fp32 bits; pass zeros). ``rows_per_program``
+    (a multiple of the row block) trades programs for atomics: ``E * K`` per ``rows_per_program`` rows.
+    """
+    E, N, K = w.shape
+    if not col_amax_fits(K):
+        raise ValueError(f"K: rows of {K} elements do not fit in registers (at most {MAX_SINGLE_PASS_K})")
+    if E * N == 0:
+        return
+    cfg = rowwise_config(N, K, tile=tile, num_warps=num_warps)
+    del cfg["SINGLE_PASS"]
+    rows = max(rows_per_program, cfg["BLOCK_M"]) // cfg["BLOCK_M"] * cfg["BLOCK_M"]
+    _expert_rowwise_col_amax_kernel[(E, cdiv(N, rows))](
+        w, q, scale, amax_bits, N, K, w.stride(0), w.stride(1), w.stride(2),
+        POW2=bool(pow2), ROWS=rows, STAGES=stages, **cfg, **format_constexprs(fmt, w.device, hw_cast),
     )
