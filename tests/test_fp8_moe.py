@@ -531,6 +531,32 @@ def test_fp8_moe_gpu_compile_fullgraph(recipe):
 
 
 @pytest.mark.gpu
+def test_fp8_moe_gpu_compile_reduce_overhead():
+    """``torch.compile(mode="reduce-overhead")`` (Inductor's CUDA graphs, what a host-bound user
+    reaches for): several steps, the last after an in-place update of every parameter, each equal
+    to an eager step of the same weights (output, x's and every parameter's gradient)."""
+    mods, x, dy = _gpu_pair(T=1024)
+    moe = mods["rowwise"]
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, mode="reduce-overhead", fullgraph=True)
+    for step in range(4):
+        if step == 3:
+            with torch.no_grad():
+                for p in moe.parameters():
+                    p.mul_(-0.5)
+        eager, eager_gx, eager_grads = _grads(moe, x, dy)
+        moe.zero_grad()
+        torch.compiler.cudagraph_mark_step_begin()
+        xr = x.clone().requires_grad_()
+        out = compiled(xr)
+        out.backward(dy)
+        assert sqnr(eager, out) >= 40, step
+        assert sqnr(eager_gx, xr.grad) >= 40, step
+        for name, p in moe.named_parameters():
+            assert p.grad is not None and sqnr(eager_grads[name], p.grad) >= 40, (step, name)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe, cache_weights", [("rowwise", True), ("rowwise", False), ("bf16", True)])
 def test_fp8_moe_gpu_cuda_graph_forward_backward(recipe, cache_weights):
     """Forward + backward captured in one CUDA graph (what a host-bound layer needs): replays with
