@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poison_device_cache
 
+from moe_fp8.grouped_gemm import quant_seam
 from moe_fp8.quant import reference as ref
 from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.kernels.colwise import launch_expert_colwise_t
@@ -137,6 +138,25 @@ def test_expert_dual_long_rows_cpu():
     _check_expert(w, False, E4M3FN)
     with pytest.raises(ValueError, match="16384"):
         triton_quantize_expert_rowwise_with_amax(w, E4M3FN)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "reference"])
+@pytest.mark.parametrize("K", [40, 16400], ids=["one_read", "long_rows"])
+def test_uncached_weight_layouts_cpu(K, fused):
+    """What ``fp8_grouped_mm`` runs without a weight cache: the forward layout with the dgrad
+    layout's amax, then the dgrad layout from it; equal to the reference's two layouts on every
+    path (kernels with whole rows in registers, kernels with long rows plus a torch amax, reference)."""
+    w = hard_input((2, 24, K), seed=K)
+    q, s, col_amax = quant_seam.quantize_weight_forward_layout(w, E4M3FN, True, fused)
+    rq, rs = ref.quantize_expert_colwise(w, E4M3FN, pow2=True)
+    assert_same(q, rq, "q_fwd")
+    assert_same(s, rs, "s_fwd")
+    assert_same(col_amax, ref.expert_amax(w, transposed=True), "col_amax")
+    q_t, s_t = quant_seam.quantize_weight_dgrad_layout(w, col_amax, E4M3FN, True, fused)
+    rq_t, rs_t = ref.quantize_expert_colwise(w, E4M3FN, pow2=True, transposed=True)
+    assert_same(q_t, rq_t, "q_bwd")
+    assert_same(s_t, rs_t, "s_bwd")
 
 
 @pytest.mark.interpreter

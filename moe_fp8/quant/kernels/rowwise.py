@@ -41,7 +41,6 @@ ROWS_PER_PROGRAM = 128
 ROW_STAGES = 3
 
 
-
 @triton.jit
 def _rows_in_registers(
     x_ptr,
@@ -75,6 +74,7 @@ def _rows_in_registers(
     tl.store(q_ptr + out_row[:, None] + cols[None, :], q, mask=mask)
     tl.store(s_ptrs, scale, mask=row_ok)
     return ax
+
 
 @triton.jit
 def rowwise_block(
