@@ -108,6 +108,8 @@ def test_expert_colwise_layouts():
     assert qa[0, :, 0].float().tolist() == [28.0, 448.0, 448.0]  # a given amax sets the scales: 16 for k=0
     assert scale_a[0, 0] == 16.0 / 448 and torch.equal(scale_a[0, 1:], scale_t[0, 1:])
     assert expert_amax(torch.zeros(2, 0, 3), transposed=True).tolist() == [[0.0] * 3] * 2
+    with pytest.raises(ValueError, match="amax"):  # would broadcast: refused
+        quantize_expert_colwise(w, E4M3FN, transposed=True, amax=torch.tensor([[16.0, 2.0, 4.0]]).T)
 
 
 def test_group_colwise_hand_computed():

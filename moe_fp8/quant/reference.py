@@ -127,8 +127,10 @@ def quantize_expert_colwise(
     """
     _check_input("w", w, 3)
     fmt = resolve_format(fmt, w.device)
+    E, N, K = w.shape
     if amax is None:
         amax = expert_amax(w, transposed=transposed)
+    check_tensor("amax", amax, shape=(E, K) if transposed else (E, N))
     if transposed:
         w = w.transpose(1, 2)
     inv, scale = amax_to_scales(amax, fmt, pow2)
