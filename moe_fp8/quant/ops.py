@@ -96,20 +96,30 @@ def _check_expert(w, fmt: str) -> Float8Format:
     return _format(fmt, w.device)
 
 
-@eager_custom_op("moe_fp8::quantize_expert_colwise")
-def _expert_colwise_op(w: torch.Tensor, fmt: str, pow2: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    f = _check_expert(w, fmt)
+def _layout_buffers(w: torch.Tensor, f: Float8Format, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(q, scale)`` of one layout of ``w (E, N, K)``: ``(E, N, K)``, ``(E, N)`` (forward) or
+    ``(E, K, N)``, ``(E, K)`` (dgrad, ``transposed``)."""
     E, N, K = w.shape
+    inner, outer = (K, N) if transposed else (N, K)
+    return (torch.empty((E, inner, outer), dtype=f.torch_dtype, device=w.device),
+            torch.empty((E, inner), dtype=_F32, device=w.device))
+
+
+def _expert_layout(w: torch.Tensor, f: Float8Format, pow2: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layout of ``w``, one launch: rows over K (forward) or the column-wise kernel (dgrad)."""
+    q, scale = _layout_buffers(w, f, transposed)
     if transposed:
-        q = torch.empty((E, K, N), dtype=f.torch_dtype, device=w.device)
-        scale = torch.empty((E, K), dtype=_F32, device=w.device)
         launch_expert_colwise_t(w, q, scale, f, pow2)
     else:
-        q = torch.empty((E, N, K), dtype=f.torch_dtype, device=w.device)
-        scale = torch.empty((E, N), dtype=_F32, device=w.device)
+        E, N, K = w.shape
         launch_rowwise(w, q, scale, f, pow2, M=E * N, K=K, rows_per_group=N, stride_g=w.stride(0),
                        stride_r=w.stride(1), stride_k=w.stride(2))
     return q, scale
+
+
+@eager_custom_op("moe_fp8::quantize_expert_colwise")
+def _expert_colwise_op(w: torch.Tensor, fmt: str, pow2: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _expert_layout(w, _check_expert(w, fmt), pow2, transposed)
 
 
 @_expert_colwise_op.register_fake
@@ -135,19 +145,15 @@ def triton_quantize_expert_colwise(
 def _forward_layout_with_amax(w: torch.Tensor, f: Float8Format, pow2: bool):
     """The forward layout ``(q (E, N, K), scale (E, N))`` and the amax over N ``(E, K)`` fp32 from one
     read of ``w`` (``K`` must pass ``col_amax_fits``)."""
-    E, N, K = w.shape
-    q = torch.empty((E, N, K), dtype=f.torch_dtype, device=w.device)
-    scale = torch.empty((E, N), dtype=_F32, device=w.device)
-    col_amax = torch.zeros((E, K), dtype=_F32, device=w.device)
+    q, scale = _layout_buffers(w, f, False)
+    col_amax = torch.zeros((w.shape[0], w.shape[2]), dtype=_F32, device=w.device)
     launch_expert_rowwise_col_amax(w, q, scale, col_amax.view(torch.int32), f, pow2)
     return q, scale, col_amax
 
 
 def _dgrad_layout_from_amax(w: torch.Tensor, col_amax: torch.Tensor, f: Float8Format, pow2: bool):
     """The dgrad layout ``(q (E, K, N), scale (E, K))`` of ``w`` given its amax over N."""
-    E, N, K = w.shape
-    q = torch.empty((E, K, N), dtype=f.torch_dtype, device=w.device)
-    scale = torch.empty((E, K), dtype=_F32, device=w.device)
+    q, scale = _layout_buffers(w, f, True)
     launch_expert_colwise_t_from_amax(w, col_amax.contiguous().view(torch.int32), q, scale, f, pow2)
     return q, scale
 
@@ -157,18 +163,10 @@ def _expert_dual_op(
     w: torch.Tensor, fmt: str, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     f = _check_expert(w, fmt)
-    E, N, K = w.shape
-    if col_amax_fits(K):
+    if col_amax_fits(w.shape[2]):
         q_fwd, s_fwd, col_amax = _forward_layout_with_amax(w, f, pow2)
         return q_fwd, s_fwd, *_dgrad_layout_from_amax(w, col_amax, f, pow2)
-    q_fwd = torch.empty((E, N, K), dtype=f.torch_dtype, device=w.device)
-    s_fwd = torch.empty((E, N), dtype=_F32, device=w.device)
-    q_bwd = torch.empty((E, K, N), dtype=f.torch_dtype, device=w.device)
-    s_bwd = torch.empty((E, K), dtype=_F32, device=w.device)
-    launch_rowwise(w, q_fwd, s_fwd, f, pow2, M=E * N, K=K, rows_per_group=N, stride_g=w.stride(0),
-                   stride_r=w.stride(1), stride_k=w.stride(2))
-    launch_expert_colwise_t(w, q_bwd, s_bwd, f, pow2)
-    return q_fwd, s_fwd, q_bwd, s_bwd
+    return (*_expert_layout(w, f, pow2, False), *_expert_layout(w, f, pow2, True))
 
 
 @_expert_dual_op.register_fake

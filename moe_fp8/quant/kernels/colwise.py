@@ -494,8 +494,6 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     if (uniform and G == 0) or nb_a + nb_b == 0:
         return
     n_chunks = max(cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
-    if cfg.get("LAG") is None:
-        cfg["LAG"] = auto_lag(n_chunks, multiprocessor_count(a.device), jagged=not uniform)
     dev = a.device
     g1 = max(G, 1)
     if amax_bits is not None:  # workers that wait for nothing read no counter: any int32 pointer
@@ -507,10 +505,12 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
         a, qa, sa, 0, 0, 0, 0, 0)
     offs = cnt if uniform else offs  # any int32 pointer: UNIFORM never reads it
     if cfg.pop("TWO_PASS", False) or amax_bits is not None:  # no program waits: no ticket needed, no lag
-        roles = (ROLES_WORKERS,) if amax_bits is not None else (ROLES_MEMBERS, ROLES_WORKERS)
-        launches = [((nb_a + nb_b) * n_chunks, r) for r in roles]
+        passes = (ROLES_WORKERS,) if amax_bits is not None else (ROLES_MEMBERS, ROLES_WORKERS)
+        launches = [((nb_a + nb_b) * n_chunks, r) for r in passes]
         cfg.update(TICKETS=False, LAG=0)
     else:
+        if cfg.get("LAG") is None:
+            cfg["LAG"] = auto_lag(n_chunks, multiprocessor_count(dev), jagged=not uniform)
         launches = [((nb_a + nb_b + cfg["LAG"]) * 2 * n_chunks, ROLES_BOTH)]
     for grid, roles in launches:
         _colwise_kernel[(grid,)](

@@ -154,7 +154,6 @@ def _rowwise_kernel(
                   FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
-
 @triton.jit
 def _expert_rowwise_col_amax_kernel(
     w_ptr,
