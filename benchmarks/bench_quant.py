@@ -239,6 +239,16 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
                 table.add(model, "group colwise dual, padded out", shape, nbytes + (p_rows - M) * (N + K),
                           _time_us(lambda: ops.triton_quantize_group_colwise_dual(
                               a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows)))
+                # the backward since the dgrad's row quantization of grad_out (a) returns its group amax
+                _, _, a_amax = ops.triton_quantize_rowwise_with_group_amax(a, routed, E4M3FN, True)
+                table.add(model, "group dual, a from amax, padded", shape, nbytes + (p_rows - M) * (N + K),
+                          _time_us(lambda: ops.triton_quantize_group_colwise_dual(
+                              a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows, a_amax=a_amax)))
+                if G == E:
+                    table.add(model, "rowwise + group amax (a)", f"{M}x{N} E={G}", M * N * 3 + M * 4 + G * N * 4,
+                              _time_us(lambda: ops.triton_quantize_rowwise_with_group_amax(a, routed, E4M3FN, True)))
+                    table.add(model, "rowwise (a)", f"{M}x{N}", M * N * 3 + M * 4,
+                              _time_us(lambda: ops.triton_quantize_rowwise(a, E4M3FN, True)))
                 if sweep and time.time() < deadline:
                     for v in STRIP_SWEEP:
                         for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):

@@ -13,7 +13,12 @@ from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poi
 from moe_fp8.quant import reference as ref
 from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.kernels.colwise import colwise_config, launch_group_colwise
-from moe_fp8.quant.ops import triton_quantize_group_colwise, triton_quantize_group_colwise_dual
+from moe_fp8.quant.kernels.rowwise import launch_group_rowwise_amax
+from moe_fp8.quant.ops import (
+    triton_quantize_group_colwise,
+    triton_quantize_group_colwise_dual,
+    triton_quantize_rowwise_with_group_amax,
+)
 from moe_fp8.testing import random_offsets
 
 
@@ -50,6 +55,20 @@ def _check_dual(a, b, offs, pow2, fmt, padded=False):
             rq, rs = ref.quantize_group_colwise(x, offs, fmt, pow2=pow2)
         assert_same(q, rq, f"q{name}")
         assert_same(s, rs, f"s{name}")
+    _check_from_group_amax(a, b, offs, pow2, fmt, kwargs, (qa, sa, qb, sb))
+
+
+def _check_from_group_amax(a, b, offs, pow2, fmt, kwargs, want):
+    """``a``'s row quantization with its per-group column amax, then the dual given that amax
+    (``a`` from the amax, ``b`` reduced): the reference's row bytes and amax, the dual's bytes."""
+    q, s, a_amax = triton_quantize_rowwise_with_group_amax(a, offs, fmt, pow2)
+    rq, rs = ref.quantize_rowwise(a, fmt, pow2=pow2)
+    assert_same(q, rq, "rowwise q")
+    assert_same(s, rs, "rowwise scale")
+    assert_same(a_amax, ref.group_amax(a.cpu(), offs.cpu()).to(a.device), "a_amax")
+    got = triton_quantize_group_colwise_dual(a, b, offs, fmt, pow2, a_amax=a_amax, **kwargs)
+    for g, w, name in zip(got, want, ("qa", "sa", "qb", "sb")):
+        assert_same(g, w, f"{name} from a_amax")
 
 
 def _check_single(x, offs, pow2, fmt):
@@ -202,6 +221,35 @@ def test_group_colwise_property_cpu(sizes, tail, chunk, padded, pow2, seed):
         assert_same(s, rs, "scale")
 
 
+@pytest.mark.interpreter
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    tail=st.integers(0, 20),
+    rows=st.sampled_from([1, 4, 16]),
+    K=st.integers(0, 40),
+    pow2=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_group_rowwise_amax_property_cpu(sizes, tail, rows, K, pow2, seed):
+    """Row quantization with per-group column amax for any group sizes (empty ones, groups spanning
+    programs of ``rows`` rows and programs spanning groups), rows past the groups, K = 0: the
+    reference's row bytes (every element written) and ``reference.group_amax``."""
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    M = int(offs[-1]) + tail
+    x = hard_input((M, K), seed=seed) if M * K else torch.zeros(M, K, dtype=torch.bfloat16)
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn)
+    s = torch.empty(M)
+    for t in (q, s):
+        t.view(torch.uint8).fill_(0x55)
+    amax = torch.zeros(len(sizes), K)
+    launch_group_rowwise_amax(x, q, s, amax.view(torch.int32), offs, E4M3FN, pow2, rows_per_program=rows, stages=1)
+    rq, rs = ref.quantize_rowwise(x, E4M3FN, pow2=pow2)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+    assert_same(amax, ref.group_amax(x, offs), "amax")
+
+
 def _bad_offsets_run(device: str) -> None:
     """Non-monotone, negative and too-large offsets: the kernel returns (no worker waits forever) and
     quantizes as if the offsets were their clamped running maximum."""
@@ -213,6 +261,8 @@ def _bad_offsets_run(device: str) -> None:
         rq, rs = ref.quantize_group_colwise(x, fixed, E4M3FN)
         assert_same(q, rq.to(q.device), "q")
         assert_same(s, rs.to(s.device), "scale")
+    _, _, a_amax = triton_quantize_rowwise_with_group_amax(a, offs, E4M3FN)
+    assert_same(a_amax, ref.group_amax(a.cpu(), fixed.cpu()).to(device), "a_amax")
 
 
 @pytest.mark.interpreter

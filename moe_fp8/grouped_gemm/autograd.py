@@ -103,25 +103,34 @@ class FP8GroupedMM(torch.autograd.Function):
             return dx, dw, *_NONES
         x, offs, q_bwd, s_bwd = ctx.saved_tensors
         grad_out = _group_rows_only(grad_out, offs, ctx.scaling)  # once, for dgrad and wgrad
-        dx = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, x.dtype) if need_dx else None
-        dw = _wgrad(ctx, grad_out, x, offs) if need_dw else None
+        # rowwise FP8 wgrad: the dgrad's row quantization of grad_out also reduces its per-group
+        # column amax, so the wgrad quantizes grad_out without a reduction of its own
+        group_amax = need_dw and ctx.fp8_wgrad and ctx.scaling == "rowwise"
+        dx, g_amax = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, x.dtype, group_amax) if need_dx else (None, None)
+        dw = _wgrad(ctx, grad_out, x, offs, g_amax) if need_dw else None
         return dx, dw, *_NONES
 
 
 def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor | None, offs: torch.Tensor,
-           dtype: torch.dtype) -> torch.Tensor:
-    """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in ``dtype``. ``q_bwd, s_bwd``:
+           dtype: torch.dtype, group_amax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in ``dtype``, and with
+    ``group_amax`` grad_out's per-group column amax ``(E, N)`` fp32 (else ``None``). ``q_bwd, s_bwd``:
     the saved dgrad layout, or ``w`` and its amax over N (``ctx.w_saved``) to quantize it here. Its
     FP8 temporaries (grad_out's, and that layout) are freed on return, before the wgrad runs."""
     fused = get_backend(ctx.backend).fused_quant
     if ctx.w_saved:
         q_bwd, s_bwd = lib.quantize_weight_dgrad_layout(q_bwd, s_bwd, ctx.fmt, ctx.pow2, fused)
-    gq, gs = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused)
-    return lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, dtype)
+    if group_amax:
+        gq, gs, g_amax = lib.quantize_activation_group_amax(grad_out, offs, ctx.fmt, ctx.pow2, fused)
+    else:
+        (gq, gs), g_amax = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused), None
+    return lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, dtype), g_amax
 
 
-def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``dw[g] = grad_out_g^T @ x_g``, ``(E, N, K)`` in the weights' dtype."""
+def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
+           g_amax: torch.Tensor | None) -> torch.Tensor:
+    """``dw[g] = grad_out_g^T @ x_g``, ``(E, N, K)`` in the weights' dtype; ``g_amax``: grad_out's
+    per-group column amax from the dgrad (``None``: reduced here)."""
     if not ctx.fp8_wgrad:
         return lib.bf16_mm_2d2d(ctx.backend, grad_out.to(x.dtype), x, offs).to(ctx.w_dtype)
     backend = get_backend(ctx.backend)
@@ -131,6 +140,6 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> 
     else:
         p_offs, rows = None, 0
     qa, sa, qb, sb = lib.quantize_wgrad_operands(
-        grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows
+        grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows, g_amax
     )
     return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs if p_offs is None else p_offs, ctx.w_dtype)

@@ -25,6 +25,7 @@ __all__ = [
     "bf16_mm_2d3d",
     "bf16_mm_2d2d",
     "quantize_activation",
+    "quantize_activation_group_amax",
     "quantize_weight",
     "quantize_weight_dgrad_layout",
     "quantize_weight_forward_layout",
@@ -59,6 +60,11 @@ def _quantize_activation(x: Tensor, scaling: str, fmt: str, pow2: bool, fused: b
     return quant_seam.quantize_activation(x, scaling, resolve_format(fmt), pow2, fused)
 
 
+def _quantize_activation_group_amax(x: Tensor, offs: Tensor, fmt: str, pow2: bool,
+                                    fused: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return quant_seam.quantize_activation_group_amax(x, offs, resolve_format(fmt), pow2, fused)
+
+
 def _quantize_weight(w: Tensor, scaling: str, fmt: str, pow2: bool,
                      fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return quant_seam.quantize_weight(w, scaling, resolve_format(fmt), pow2, fused)
@@ -74,10 +80,11 @@ def _quantize_weight_dgrad_layout(w: Tensor, col_amax: Tensor, fmt: str, pow2: b
 
 
 def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
-                             padded_offs: Optional[Tensor], padded_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             padded_offs: Optional[Tensor], padded_rows: int,
+                             a_amax: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return quant_seam.quantize_wgrad_operands(
         a, b, offs, scaling, resolve_format(fmt), pow2, fused,
-        padded_offs=padded_offs, padded_rows=padded_rows if padded_offs is not None else None,
+        padded_offs=padded_offs, padded_rows=padded_rows if padded_offs is not None else None, a_amax=a_amax,
     )
 
 
@@ -88,6 +95,9 @@ _op_bf16_mm_2d3d = torch.library.custom_op("moe_fp8::gg_bf16_mm_2d3d", _bf16_mm_
 _op_bf16_mm_2d2d = torch.library.custom_op("moe_fp8::gg_bf16_mm_2d2d", _bf16_mm_2d2d, mutates_args=())
 _op_quantize_activation = torch.library.custom_op(
     "moe_fp8::gg_quantize_activation", _quantize_activation, mutates_args=()
+)
+_op_quantize_activation_group_amax = torch.library.custom_op(
+    "moe_fp8::gg_quantize_activation_group_amax", _quantize_activation_group_amax, mutates_args=()
 )
 _op_quantize_weight = torch.library.custom_op("moe_fp8::gg_quantize_weight", _quantize_weight, mutates_args=())
 _op_quantize_weight_forward_layout = torch.library.custom_op(
@@ -134,6 +144,13 @@ def _(x, scaling, fmt, pow2, fused):
     return x.new_empty(x.shape, dtype=_fp8(fmt)), x.new_empty(_scale_shape(x.shape, scaling), dtype=torch.float32)
 
 
+@_op_quantize_activation_group_amax.register_fake
+def _(x, offs, fmt, pow2, fused):
+    f32 = torch.float32
+    return (x.new_empty(x.shape, dtype=_fp8(fmt)), x.new_empty(x.shape[0], dtype=f32),
+            x.new_empty(offs.shape[0], x.shape[1], dtype=f32))
+
+
 @_op_quantize_weight.register_fake
 def _(w, scaling, fmt, pow2, fused):
     E, N, K = w.shape
@@ -161,7 +178,7 @@ def _(w, col_amax, fmt, pow2, fused):
 
 
 @_op_quantize_wgrad_operands.register_fake
-def _(a, b, offs, scaling, fmt, pow2, fused, padded_offs, padded_rows):
+def _(a, b, offs, scaling, fmt, pow2, fused, padded_offs, padded_rows, a_amax):
     rows = a.shape[0] if padded_offs is None else padded_rows
     E, N, K = offs.shape[0], a.shape[1], b.shape[1]
     qa = a.new_empty(N, rows, dtype=_fp8(fmt)).t()
@@ -176,6 +193,8 @@ mm_2d2d = eager_or_custom_op(_op_mm_2d2d, _mm_2d2d)
 bf16_mm_2d3d = eager_or_custom_op(_op_bf16_mm_2d3d, _bf16_mm_2d3d)
 bf16_mm_2d2d = eager_or_custom_op(_op_bf16_mm_2d2d, _bf16_mm_2d2d)
 quantize_activation = eager_or_custom_op(_op_quantize_activation, _quantize_activation)
+quantize_activation_group_amax = eager_or_custom_op(_op_quantize_activation_group_amax,
+                                                    _quantize_activation_group_amax)
 quantize_weight = eager_or_custom_op(_op_quantize_weight, _quantize_weight)
 quantize_weight_forward_layout = eager_or_custom_op(_op_quantize_weight_forward_layout,
                                                     _quantize_weight_forward_layout)

@@ -22,6 +22,7 @@ from .padding import padded_row_index, scatter_rows_padded
 __all__ = [
     "BLOCK",
     "quantize_activation",
+    "quantize_activation_group_amax",
     "quantize_weight",
     "quantize_weight_dgrad_layout",
     "quantize_weight_forward_layout",
@@ -55,6 +56,19 @@ def quantize_activation(
     if k:
         return kernels.triton_quantize_blockwise(x, fmt, (1, BLOCK), pow2)
     return ref.quantize_blockwise(x, fmt, block=(1, BLOCK), pow2=pow2)
+
+
+def quantize_activation_group_amax(
+    x: torch.Tensor, offs: torch.Tensor, fmt: Float8Format, pow2: bool, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rowwise`` :func:`quantize_activation` of ``x (M, K)`` (grad_out in dgrad), and ``x``'s
+    per-group column amax ``(E, K)`` fp32 over the groups of ``offs``, for
+    :func:`quantize_wgrad_operands` (``a_amax``). The kernels take it from the same read
+    (``K <= 16384``; longer rows, and the reference path, reduce it with torch)."""
+    if _kernels(x, fused) and col_amax_fits(x.shape[1]):
+        return kernels.triton_quantize_rowwise_with_group_amax(x, offs, fmt, pow2)
+    q, s = quantize_activation(x, "rowwise", fmt, pow2, fused)
+    return q, s, ref.group_amax(x, offs)
 
 
 def quantize_weight(
@@ -142,6 +156,7 @@ def quantize_wgrad_operands(
     *,
     padded_offs: torch.Tensor | None = None,
     padded_rows: int | None = None,
+    a_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize both wgrad operands (FP8 wgrad: ``rowwise`` and ``tensorwise`` recipes).
 
@@ -152,16 +167,18 @@ def quantize_wgrad_operands(
         padded_offs, padded_rows: when given, group ``g``'s rows land at the 16-aligned start
             ``padded_offs[g-1]`` of a ``padded_rows``-row buffer; rows outside the groups are
             never read by the GEMM (zero, or tail rows past ``padded_offs[-1]``).
+        a_amax: ``rowwise`` only, optional: ``a``'s per-group column amax ``(E, N)`` from
+            :func:`quantize_activation_group_amax`; ``a`` is then quantized without a reduction.
     Returns:
         ``qa (rows, N)`` and ``qb (rows, K)`` fp8, both column-major (strides ``(1, rows)``),
         ``rows`` = M or ``padded_rows``; scales ``sa (E, N)``, ``sb (E, K)`` (rowwise) or ``()``.
     """
     if scaling == "rowwise" and _kernels(a, fused):
         return kernels.triton_quantize_group_colwise_dual(
-            a, b, offs, fmt, pow2, padded_offs=padded_offs, padded_rows=padded_rows
+            a, b, offs, fmt, pow2, padded_offs=padded_offs, padded_rows=padded_rows, a_amax=a_amax
         )
     if scaling == "rowwise":
-        qa, sa = ref.quantize_group_colwise(a, offs, fmt, pow2=pow2)
+        qa, sa = ref.quantize_group_colwise(a, offs, fmt, pow2=pow2, amax=a_amax)
         qb, sb = ref.quantize_group_colwise(b, offs, fmt, pow2=pow2)
     else:
         qa, sa = quantize_activation(a, "tensorwise", fmt, pow2, fused)

@@ -24,6 +24,7 @@ from .ops import (
     triton_quantize_group_colwise,
     triton_quantize_group_colwise_dual,
     triton_quantize_rowwise,
+    triton_quantize_rowwise_with_group_amax,
     triton_quantize_tensorwise,
 )
 from .recipes import RECIPES, Float8Recipe, get_recipe
@@ -58,5 +59,6 @@ __all__ = [
     "triton_quantize_group_colwise",
     "triton_quantize_group_colwise_dual",
     "triton_quantize_rowwise",
+    "triton_quantize_rowwise_with_group_amax",
     "triton_quantize_tensorwise",
 ]

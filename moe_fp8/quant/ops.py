@@ -20,13 +20,19 @@ from ..checks import check_offsets, check_same_device, check_tensor
 from ..kernel_backend import eager_custom_op
 from .formats import Float8Format, resolve_format
 from .kernels.blockwise import launch_blockwise, supported_block
-from .kernels.colwise import launch_expert_colwise_t, launch_expert_colwise_t_from_amax, launch_group_colwise
-from .kernels.rowwise import col_amax_fits, launch_expert_rowwise_col_amax, launch_rowwise
+from .kernels.colwise import (
+    launch_expert_colwise_t,
+    launch_expert_colwise_t_from_amax,
+    launch_group_colwise,
+    launch_group_colwise_from_amax,
+)
+from .kernels.rowwise import col_amax_fits, launch_expert_rowwise_col_amax, launch_group_rowwise_amax, launch_rowwise
 from .kernels.tensorwise import launch_expert_tensorwise, launch_tensorwise
 from .reference import HIGH_PRECISION_DTYPES
 
 __all__ = [
     "triton_quantize_rowwise",
+    "triton_quantize_rowwise_with_group_amax",
     "triton_quantize_expert_colwise",
     "triton_quantize_expert_colwise_dual",
     "triton_quantize_expert_colwise_from_amax",
@@ -86,6 +92,46 @@ def triton_quantize_rowwise(x: torch.Tensor, fmt=None, pow2: bool = False) -> tu
     """One scale per row: ``x (M, K)`` -> ``q (M, K)`` row-major fp8, ``scale (M,)`` fp32 (dequant)."""
     _hp("x", x, 2)
     return _rowwise_op(x, _format(fmt, x.device).name, bool(pow2))
+
+
+def _check_group_amax(x, offs, fmt: str) -> Float8Format:
+    _hp("x", x, 2)
+    check_offsets(offs, device=x.device)
+    if not col_amax_fits(x.shape[1]):
+        raise ValueError(f"x: rows of K = {x.shape[1]} do not fit the one-read kernel (K <= 16384)")
+    return _format(fmt, x.device)
+
+
+@eager_custom_op("moe_fp8::quantize_rowwise_group_amax")
+def _rowwise_group_amax_op(
+    x: torch.Tensor, offs: torch.Tensor, fmt: str, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    f = _check_group_amax(x, offs, fmt)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=f.torch_dtype, device=x.device)
+    scale = torch.empty((M,), dtype=_F32, device=x.device)
+    amax = torch.zeros((offs.numel(), K), dtype=_F32, device=x.device)
+    launch_group_rowwise_amax(x, q, scale, amax.view(torch.int32), offs, f, pow2)
+    return q, scale, amax
+
+
+@_rowwise_group_amax_op.register_fake
+def _(x, offs, fmt, pow2):
+    f = _check_group_amax(x, offs, fmt)
+    return (x.new_empty(x.shape, dtype=f.torch_dtype), x.new_empty((x.shape[0],), dtype=_F32),
+            x.new_empty((offs.numel(), x.shape[1]), dtype=_F32))
+
+
+def triton_quantize_rowwise_with_group_amax(
+    x: torch.Tensor, offs: torch.Tensor, fmt=None, pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`triton_quantize_rowwise` of ``x (M, K)`` and, from the same read, the per-group column
+    amax ``(E, K)`` fp32 over the jagged row groups of ``offs (E,)`` int32 end offsets (on ``x``'s
+    device, not checked for monotonicity: that would sync; ``reference.group_amax``). Hand it to
+    :func:`triton_quantize_group_colwise_dual` (``a_amax``) so that the wgrad operand ``x`` is
+    quantized per group in one read and one write. ``K`` at most 16384."""
+    _hp("x", x, 2)
+    return _rowwise_group_amax_op(x, offs, _format(fmt, x.device).name, bool(pow2))
 
 
 # ---------------------------------------------------------------------------------- expert colwise
@@ -264,9 +310,12 @@ def triton_quantize_expert_colwise_from_amax(
 # ----------------------------------------------------------------------------------- group colwise
 
 
-def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows) -> tuple[Float8Format, int]:
+def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows, a_amax=None) -> tuple[Float8Format, int]:
     """Validate the per-group operands; return the format and the output row count."""
     _hp("a", a, 2)
+    if a_amax is not None:
+        check_tensor("a_amax", a_amax, dtypes=(_F32,), shape=(offs.numel(), a.shape[1]))
+        check_same_device(a=a, a_amax=a_amax)
     if b is not None:
         _hp("b", b, 2)
         if b.shape[0] != a.shape[0]:
@@ -329,19 +378,24 @@ def _group_dual_op(
     pow2: bool,
     padded_offs: Optional[torch.Tensor],
     padded_rows: Optional[int],
+    a_amax: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows)
+    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows, a_amax)
     E, N, K = offs.numel(), a.shape[1], b.shape[1]
     qa, qb = _col_major(rows, N, f.torch_dtype, a.device), _col_major(rows, K, f.torch_dtype, a.device)
     sa = torch.empty((E, N), dtype=_F32, device=a.device)
     sb = torch.empty((E, K), dtype=_F32, device=a.device)
-    launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, f, pow2)
+    if a_amax is None:
+        launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, f, pow2)
+    else:
+        launch_group_colwise_from_amax(a, qa, sa, a_amax.contiguous().view(torch.int32), offs, padded_offs, f, pow2)
+        launch_group_colwise(b, qb, sb, None, None, None, offs, padded_offs, f, pow2)
     return qa, sa, qb, sb
 
 
 @_group_dual_op.register_fake
-def _(a, b, offs, fmt, pow2, padded_offs, padded_rows):
-    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows)
+def _(a, b, offs, fmt, pow2, padded_offs, padded_rows, a_amax):
+    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows, a_amax)
     E, N, K = offs.numel(), a.shape[1], b.shape[1]
     return (_col_major(rows, N, f.torch_dtype, a.device), a.new_empty((E, N), dtype=_F32),
             _col_major(rows, K, f.torch_dtype, a.device), a.new_empty((E, K), dtype=_F32))
@@ -356,6 +410,7 @@ def triton_quantize_group_colwise_dual(
     *,
     padded_offs: Optional[torch.Tensor] = None,
     padded_rows: Optional[int] = None,
+    a_amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two wgrad operands in one launch: per-group, per-column scales over jagged row groups.
 
@@ -367,6 +422,10 @@ def triton_quantize_group_colwise_dual(
         padded_offs: optional ``(E,)`` int32 end offsets of the padded groups (each group start a
             multiple of 16 and each padded group at least as large as its group), with
         padded_rows: the static row count of the padded outputs (>= ``padded_offs[-1]``).
+        a_amax: optional ``(E, N)`` fp32, ``a``'s per-group column amax (as
+            :func:`triton_quantize_rowwise_with_group_amax` returns it, trusted, not checked): ``a``
+            is then scaled and written without a reduction, in a launch of its own (one read and
+            one write), and ``b`` in a second.
     Returns:
         ``qa (R, N)`` and ``qb (R, K)`` with column-major strides (``qa.t()`` is row-major), where
         ``R = M`` or ``padded_rows``; group ``g``'s rows sit at ``offs[g-1]`` (or the padded start)
@@ -374,7 +433,7 @@ def triton_quantize_group_colwise_dual(
         ``EPS / fmt.max``).
     """
     _hp("a", a, 2)
-    return _group_dual_op(a, b, offs, _format(fmt, a.device).name, bool(pow2), padded_offs, padded_rows)
+    return _group_dual_op(a, b, offs, _format(fmt, a.device).name, bool(pow2), padded_offs, padded_rows, a_amax)
 
 
 # -------------------------------------------------------------------------------------- tensorwise

@@ -35,6 +35,7 @@ __all__ = [
     "quantize_expert_tensorwise",
     "quantize_expert_colwise",
     "expert_amax",
+    "group_amax",
     "quantize_group_colwise",
     "quantize_blockwise",
     "dequantize",
@@ -147,8 +148,31 @@ def expert_amax(w: torch.Tensor, *, transposed: bool = False) -> torch.Tensor:
     return w.abs().amax(dim=dim).float()
 
 
+def group_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``(E, K)`` fp32: the amax of each column of ``x (M, K)`` over each group's rows (0 for an
+    empty group), the groups as in :func:`quantize_group_colwise`."""
+    _check_input("x", x, 2)
+    check_offsets(offs, device=x.device)
+    check_offsets_values(offs, x.shape[0])
+    return _group_amax(x, offs)[: offs.numel()]
+
+
+def _group_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``(E + 1, K)``: :func:`group_amax` and, last, the rows past ``offs[-1]``; and the row groups."""
+    M, K = x.shape
+    amax = torch.zeros(offs.numel() + 1, K, device=x.device, dtype=torch.float32)
+    amax.scatter_reduce_(0, _row_groups(x, offs)[:, None].expand(M, K), x.abs().float(), "amax", include_self=True)
+    return amax
+
+
+def _row_groups(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The group of every row of ``x`` (``E`` for rows past ``offs[-1]``)."""
+    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+    return torch.searchsorted(offs.contiguous(), rows, right=True)
+
+
 def quantize_group_colwise(
-    x: torch.Tensor, offs: torch.Tensor, fmt=None, *, pow2: bool = False
+    x: torch.Tensor, offs: torch.Tensor, fmt=None, *, pow2: bool = False, amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group, per-column scales over jagged row groups: the wgrad operands.
 
@@ -159,6 +183,8 @@ def quantize_group_colwise(
     Args:
         x: ``(M, K)``, bf16/fp16/fp32.
         offs: ``(E,)`` int32 cumulative end offsets, non-decreasing, ``offs[-1] <= M``.
+        amax: ``(E, K)``, the amax the scales come from; ``None`` computes it (:func:`group_amax`).
+            Given, it is trusted: other values give other scales.
     Returns:
         ``q`` ``(M, K)`` row-major fp8, ``scale`` ``(E, K)`` fp32 (flattened, this is the
         ``(E*K,)`` layout of ``torch._scaled_grouped_mm``'s 2D x 2D form).
@@ -167,14 +193,11 @@ def quantize_group_colwise(
     check_offsets(offs, device=x.device)
     check_offsets_values(offs, x.shape[0])
     fmt = resolve_format(fmt, x.device)
-    M, K = x.shape
-    E = offs.numel()
-    rows = torch.arange(M, device=x.device, dtype=torch.int32)
-    group = torch.searchsorted(offs.contiguous(), rows, right=True)  # E for rows past offs[-1]
-    amax = torch.zeros(E + 1, K, device=x.device, dtype=torch.float32)
-    amax.scatter_reduce_(0, group[:, None].expand(M, K), x.abs().float(), "amax", include_self=True)
-    inv, scale = amax_to_scales(amax[:E], fmt, pow2)
-    inv_rows = torch.cat([inv, inv.new_zeros(1, K)])[group]  # rows past the end -> 0
+    K = x.shape[1]
+    if amax is None:
+        amax = _group_amax(x, offs)[: offs.numel()]
+    inv, scale = amax_to_scales(amax, fmt, pow2)
+    inv_rows = torch.cat([inv, inv.new_zeros(1, K)])[_row_groups(x, offs)]  # rows past the end -> 0
     return cast_to_fp8(x, inv_rows, fmt), scale
 
 

@@ -53,7 +53,7 @@ from ..triton_helpers import fp8_scales
 from .common import format_constexprs, multiprocessor_count, to_fp8
 
 __all__ = ["auto_lag", "colwise_config", "launch_expert_colwise_t", "launch_expert_colwise_t_from_amax",
-           "launch_group_colwise"]
+           "launch_group_colwise", "launch_group_colwise_from_amax"]
 
 # What the programs of one launch do (``_colwise_kernel``'s ``ROLES``).
 ROLES_BOTH = tl.constexpr(0)
@@ -563,3 +563,23 @@ def launch_group_colwise(
     strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
     _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt, pow2,
             config, hw_cast)
+
+
+def launch_group_colwise_from_amax(
+    a: torch.Tensor,
+    qa: torch.Tensor,
+    sa: torch.Tensor,
+    amax_bits: torch.Tensor,
+    offs: torch.Tensor,
+    padded_offs: torch.Tensor | None,
+    fmt: Float8Format,
+    pow2: bool,
+    config: dict | None = None,
+    hw_cast: bool | None = None,
+) -> None:
+    """``launch_group_colwise`` of ``a`` alone given its per-group column amax: ``amax_bits (G, C_A)``
+    int32, fp32 bits (``rowwise.launch_group_rowwise_amax`` makes them). Only the workers run, one
+    read and one write per element, nothing waits."""
+    strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
+    _launch(a, qa, sa, None, None, None, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt,
+            pow2, config, hw_cast, amax_bits=amax_bits)

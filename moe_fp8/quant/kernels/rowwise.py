@@ -26,7 +26,14 @@ from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
 from .common import format_constexprs, to_fp8
 
-__all__ = ["rowwise_block", "rowwise_config", "launch_rowwise", "col_amax_fits", "launch_expert_rowwise_col_amax"]
+__all__ = [
+    "rowwise_block",
+    "rowwise_config",
+    "launch_rowwise",
+    "col_amax_fits",
+    "launch_expert_rowwise_col_amax",
+    "launch_group_rowwise_amax",
+]
 
 # Largest row held in registers in one piece; longer rows loop over K twice.
 MAX_SINGLE_PASS_K = 16384
@@ -198,6 +205,76 @@ def _expert_rowwise_col_amax_kernel(
     bits = tl.max(acc, axis=0).to(tl.int32, bitcast=True)
     tl.atomic_max(amax_ptr + e * K + cols, bits, mask=cols < K, sem="relaxed")
 
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _group_rowwise_amax_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    amax_ptr,
+    offs_ptr,
+    M,
+    K,
+    G,
+    stride_r,
+    stride_k,
+    POW2: tl.constexpr,
+    ROWS: tl.constexpr,
+    STAGES: tl.constexpr,
+    G_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr,
+    FP8_NEG_ZERO: tl.constexpr,
+):
+    """Program ``j``: rows ``[j * ROWS, (j + 1) * ROWS)`` of ``x (M, K)`` quantized row by row, and
+    the column amax of each piece of a jagged group among them merged into ``amax (G, K)`` (fp32
+    bits as int32, one relaxed ``atomic_max`` per column and piece). Group ``g`` holds rows
+    ``[end[g-1], end[g])``, ``end`` the running maximum of the offsets clamped to ``[0, M]`` (bad
+    offsets move rows between groups, never outside ``x``); rows at or past ``end[-1]`` are
+    quantized and belong to no group."""
+    r0 = tl.program_id(0) * ROWS
+    r1 = tl.minimum(r0 + ROWS, M)
+    gi = tl.arange(0, G_POW2)
+    raw = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=gi < G, other=0), 0), M)
+    ends = tl.associative_scan(raw, 0, _max_combine)
+    last = tl.max(tl.where(gi < G, ends, 0), axis=0)
+    g = tl.sum(((ends <= r0) & (gi < G)).to(tl.int32), axis=0)  # the first group ending after r0
+    start = tl.sum(tl.where(gi == g - 1, ends, 0), axis=0)
+    cols = tl.arange(0, BLOCK_K)
+    while (g < G) & (start < r1):
+        end = tl.sum(tl.where(gi == g, ends, 0), axis=0)
+        p0 = tl.maximum(start, r0)
+        p1 = tl.minimum(end, r1)
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # in the tiles' layout, as the expert kernel
+        for r in tl.range(p0, p1, BLOCK_M, num_stages=STAGES):
+            rows = r + tl.arange(0, BLOCK_M)
+            row_ok = rows < p1
+            ax = _rows_in_registers(x_ptr, q_ptr, rows.to(tl.int64) * stride_r, rows.to(tl.int64) * K, row_ok,
+                                    s_ptr + rows, K, stride_k, POW2, BLOCK_K, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
+                                    FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+            acc = tl.maximum(acc, ax)
+        if p1 > p0:
+            bits = tl.max(acc, axis=0).to(tl.int32, bitcast=True)
+            tl.atomic_max(amax_ptr + g.to(tl.int64) * K + cols, bits, mask=cols < K, sem="relaxed")
+        g += 1
+        start = end
+    for r in tl.range(tl.maximum(last, r0), r1, BLOCK_M, num_stages=STAGES):  # rows in no group
+        rows = r + tl.arange(0, BLOCK_M)
+        _rows_in_registers(x_ptr, q_ptr, rows.to(tl.int64) * stride_r, rows.to(tl.int64) * K, rows < r1, s_ptr + rows,
+                           K, stride_k, POW2, BLOCK_K, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                           FP8_SUB_SCALE, FP8_NEG_ZERO)
+
 def rowwise_config(M: int, K: int, tile: int = TILE_ELEMENTS, num_warps: int | None = None) -> dict:
     """Block sizes for ``M`` rows of ``K`` (static shapes only: never the token count's value).
 
@@ -277,4 +354,38 @@ def launch_expert_rowwise_col_amax(
     _expert_rowwise_col_amax_kernel[(E, cdiv(N, rows))](
         w, q, scale, amax_bits, N, K, w.stride(0), w.stride(1), w.stride(2),
         POW2=bool(pow2), ROWS=rows, STAGES=stages, **cfg, **format_constexprs(fmt, w.device, hw_cast),
+    )
+
+
+def launch_group_rowwise_amax(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    amax_bits: torch.Tensor,
+    offs: torch.Tensor,
+    fmt: Float8Format,
+    pow2: bool,
+    *,
+    rows_per_program: int = ROWS_PER_PROGRAM,
+    stages: int = ROW_STAGES,
+    hw_cast: bool | None = None,
+) -> None:
+    """``launch_rowwise`` of ``x (M, K)`` (any strides, ``K`` with :func:`col_amax_fits`) into
+    ``q (M, K)`` row-major and ``scale (M,)``, plus, from the same read, the column amax of every
+    group of rows given by the int32 end offsets ``offs (G,)`` (on the device, never synced), merged
+    into ``amax_bits (G, K)`` int32 (fp32 bits; pass zeros): what the wgrad's per-group column scales
+    of ``x`` need (``colwise.launch_group_colwise_from_amax``)."""
+    M, K = x.shape
+    if not col_amax_fits(K):
+        raise ValueError(f"K: rows of {K} elements do not fit in registers (at most {MAX_SINGLE_PASS_K})")
+    if M == 0:
+        return
+    cfg = rowwise_config(M, K)
+    del cfg["SINGLE_PASS"]
+    rows = max(rows_per_program, cfg["BLOCK_M"]) // cfg["BLOCK_M"] * cfg["BLOCK_M"]
+    G = offs.numel()
+    _group_rowwise_amax_kernel[(cdiv(M, rows),)](
+        x, q, scale, amax_bits, offs, M, K, G, x.stride(0), x.stride(1),
+        POW2=bool(pow2), ROWS=rows, STAGES=stages, G_POW2=next_power_of_2(max(G, 1)), **cfg,
+        **format_constexprs(fmt, x.device, hw_cast),
     )
