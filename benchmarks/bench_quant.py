@@ -244,6 +244,11 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
                 table.add(model, "group dual, a from amax, padded", shape, nbytes + (p_rows - M) * (N + K),
                           _time_us(lambda: ops.triton_quantize_group_colwise_dual(
                               a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows, a_amax=a_amax)))
+                _, _, b_amax = ops.triton_quantize_rowwise_with_group_amax(b, routed, E4M3FN, True)
+                table.add(model, "group dual, both from amax, padded", shape, nbytes + (p_rows - M) * (N + K),
+                          _time_us(lambda: ops.triton_quantize_group_colwise_dual(
+                              a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows, a_amax=a_amax,
+                              b_amax=b_amax)))
                 if G == E:
                     table.add(model, "rowwise + group amax (a)", f"{M}x{N} E={G}", M * N * 3 + M * 4 + G * N * 4,
                               _time_us(lambda: ops.triton_quantize_rowwise_with_group_amax(a, routed, E4M3FN, True)))

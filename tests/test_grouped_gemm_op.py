@@ -174,8 +174,9 @@ def test_non_contiguous_inputs():
 
 @pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=needs_interpreter)])
 def test_x_only_or_w_only_gradients(backend, monkeypatch):
-    """Either gradient alone equals the pair's. With both, the dgrad's row quantization of grad_out
-    hands the wgrad grad_out's per-group column amax (one call); with dw alone the wgrad reduces it."""
+    """Either gradient alone equals the pair's. With both, the forward's row quantization of x and
+    the dgrad's of grad_out hand the wgrad their per-group column amaxes (two calls); with either
+    gradient alone nothing does (the wgrad reduces both)."""
     calls = []
     real = quant_seam.quantize_activation_group_amax
     monkeypatch.setattr(quant_seam, "quantize_activation_group_amax", lambda *a: calls.append(1) or real(*a))
@@ -184,8 +185,13 @@ def test_x_only_or_w_only_gradients(backend, monkeypatch):
     (dw,) = torch.autograd.grad(fp8_grouped_mm(x.detach(), w, offs, backend=backend), (w,), g)
     assert not calls
     _, dx2, dw2 = run(x, w, g, offs, backend=backend)
-    assert len(calls) == 1
+    assert len(calls) == 2
     assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
+    calls.clear()  # x's quantization made upstream (FP8MoE's fused kernels): no amax, none asked
+    x_fp8 = moe_fp8.quant.quantize_rowwise(x.detach(), E4M3FN)
+    _, dx3, dw3 = run(x, w, g, offs, backend=backend, x_fp8=x_fp8)
+    assert not calls
+    assert torch.equal(dx, dx3) and torch.equal(dw, dw3)
 
 
 # ----------------------------------------------------------------------------- weight cache

@@ -59,16 +59,19 @@ def _check_dual(a, b, offs, pow2, fmt, padded=False):
 
 
 def _check_from_group_amax(a, b, offs, pow2, fmt, kwargs, want):
-    """``a``'s row quantization with its per-group column amax, then the dual given that amax
-    (``a`` from the amax, ``b`` reduced): the reference's row bytes and amax, the dual's bytes."""
-    q, s, a_amax = triton_quantize_rowwise_with_group_amax(a, offs, fmt, pow2)
-    rq, rs = ref.quantize_rowwise(a, fmt, pow2=pow2)
-    assert_same(q, rq, "rowwise q")
-    assert_same(s, rs, "rowwise scale")
-    assert_same(a_amax, ref.group_amax(a.cpu(), offs.cpu()).to(a.device), "a_amax")
-    got = triton_quantize_group_colwise_dual(a, b, offs, fmt, pow2, a_amax=a_amax, **kwargs)
-    for g, w, name in zip(got, want, ("qa", "sa", "qb", "sb")):
-        assert_same(g, w, f"{name} from a_amax")
+    """Each operand's row quantization with its per-group column amax (the reference's row bytes
+    and amax), then the dual given either amax or both: the dual's bytes."""
+    amaxes = {}
+    for name, x in (("a_amax", a), ("b_amax", b)):
+        q, s, amaxes[name] = triton_quantize_rowwise_with_group_amax(x, offs, fmt, pow2)
+        rq, rs = ref.quantize_rowwise(x, fmt, pow2=pow2)
+        assert_same(q, rq, "rowwise q")
+        assert_same(s, rs, "rowwise scale")
+        assert_same(amaxes[name], ref.group_amax(x.cpu(), offs.cpu()).to(x.device), name)
+    for given in (("a_amax",), ("b_amax",), ("a_amax", "b_amax")):
+        got = triton_quantize_group_colwise_dual(a, b, offs, fmt, pow2, **{n: amaxes[n] for n in given}, **kwargs)
+        for g, w, name in zip(got, want, ("qa", "sa", "qb", "sb")):
+            assert_same(g, w, f"{name} from {given}")
 
 
 def _check_single(x, offs, pow2, fmt):

@@ -21,6 +21,7 @@ from moe_fp8.quant.ops import (
     triton_quantize_expert_rowwise_with_amax,
     triton_quantize_group_colwise_dual,
     triton_quantize_rowwise,
+    triton_quantize_rowwise_with_group_amax,
     triton_quantize_expert_tensorwise,
     triton_quantize_tensorwise,
 )
@@ -159,6 +160,10 @@ BAD = [
     (lambda: triton_quantize_expert_colwise_from_amax(_X[None], torch.ones(1, 4)), ValueError, "col_amax"),
     (lambda: triton_quantize_expert_colwise_from_amax(_X[None], torch.ones(16)), ValueError, "col_amax"),
     (lambda: triton_quantize_group_colwise_dual(_I, _X, _OFFS), TypeError, "a"),
+    (lambda: triton_quantize_group_colwise_dual(_X, _X, _OFFS, a_amax=torch.ones(2, 16, dtype=torch.float16)),
+     TypeError, "a_amax"),
+    (lambda: triton_quantize_group_colwise_dual(_X, _X, _OFFS, b_amax=torch.ones(3, 16)), ValueError, "b_amax"),
+    (lambda: triton_quantize_rowwise_with_group_amax(_X, _OFFS.long()), TypeError, "offs"),
     (lambda: triton_quantize_group_colwise_dual(_X, _X[:3], _OFFS), ValueError, "b"),
     (lambda: triton_quantize_group_colwise_dual(_X, _X, _OFFS.long()), TypeError, "offs"),
     (lambda: triton_quantize_group_colwise_dual(_X, _X, _OFFS[None]), ValueError, "offs"),

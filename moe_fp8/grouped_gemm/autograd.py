@@ -78,12 +78,17 @@ class FP8GroupedMM(torch.autograd.Function):
                 w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
             q_fwd, s_fwd, q_bwd, s_bwd = w_quant
         x = _group_rows_only(x, offs, scaling)  # tensorwise: also the wgrad operand saved below
+        x_amax = None
         if x_quant is not None:
             xq, xs = x_quant
+        elif scaling == "rowwise" and fp8_wgrad and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            # x's per-group column amax from its row quantization: the wgrad then writes x, and
+            # grad_out (whose amax the dgrad takes alike), without a reduction of its own
+            xq, xs, x_amax = lib.quantize_activation_group_amax(x, offs, fmt, pow2, fused)
         else:
             xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused)
         out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
-        ctx.save_for_backward(x, offs, q_bwd, s_bwd)
+        ctx.save_for_backward(x, offs, q_bwd, s_bwd, x_amax)
         return out
 
     @staticmethod
@@ -101,13 +106,13 @@ class FP8GroupedMM(torch.autograd.Function):
             dx = lib.bf16_mm_2d3d(ctx.backend, g, w, offs, False) if need_dx else None
             dw = lib.bf16_mm_2d2d(ctx.backend, g, x, offs) if need_dw else None
             return dx, dw, *_NONES
-        x, offs, q_bwd, s_bwd = ctx.saved_tensors
+        x, offs, q_bwd, s_bwd, x_amax = ctx.saved_tensors
         grad_out = _group_rows_only(grad_out, offs, ctx.scaling)  # once, for dgrad and wgrad
-        # rowwise FP8 wgrad: the dgrad's row quantization of grad_out also reduces its per-group
-        # column amax, so the wgrad quantizes grad_out without a reduction of its own
-        group_amax = need_dw and ctx.fp8_wgrad and ctx.scaling == "rowwise"
+        # with x's amax from the forward, the dgrad's row quantization of grad_out reduces grad_out's
+        # per-group column amax too (only both together pay: BENCHMARKS.md)
+        group_amax = x_amax is not None and need_dx and need_dw
         dx, g_amax = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, x.dtype, group_amax) if need_dx else (None, None)
-        dw = _wgrad(ctx, grad_out, x, offs, g_amax) if need_dw else None
+        dw = _wgrad(ctx, grad_out, x, offs, g_amax, x_amax if group_amax else None) if need_dw else None
         return dx, dw, *_NONES
 
 
@@ -127,10 +132,11 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     return lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, dtype), g_amax
 
 
-def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
-           g_amax: torch.Tensor | None) -> torch.Tensor:
-    """``dw[g] = grad_out_g^T @ x_g``, ``(E, N, K)`` in the weights' dtype; ``g_amax``: grad_out's
-    per-group column amax from the dgrad (``None``: reduced here)."""
+def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, g_amax: torch.Tensor | None,
+           x_amax: torch.Tensor | None) -> torch.Tensor:
+    """``dw[g] = grad_out_g^T @ x_g``, ``(E, N, K)`` in the weights' dtype; ``g_amax``, ``x_amax``:
+    grad_out's and x's per-group column amaxes (from the dgrad and the forward; ``None``: reduced
+    here)."""
     if not ctx.fp8_wgrad:
         return lib.bf16_mm_2d2d(ctx.backend, grad_out.to(x.dtype), x, offs).to(ctx.w_dtype)
     backend = get_backend(ctx.backend)
@@ -140,6 +146,6 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
     else:
         p_offs, rows = None, 0
     qa, sa, qb, sb = lib.quantize_wgrad_operands(
-        grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows, g_amax
+        grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows, g_amax, x_amax
     )
     return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs if p_offs is None else p_offs, ctx.w_dtype)

@@ -157,6 +157,7 @@ def quantize_wgrad_operands(
     padded_offs: torch.Tensor | None = None,
     padded_rows: int | None = None,
     a_amax: torch.Tensor | None = None,
+    b_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize both wgrad operands (FP8 wgrad: ``rowwise`` and ``tensorwise`` recipes).
 
@@ -167,19 +168,20 @@ def quantize_wgrad_operands(
         padded_offs, padded_rows: when given, group ``g``'s rows land at the 16-aligned start
             ``padded_offs[g-1]`` of a ``padded_rows``-row buffer; rows outside the groups are
             never read by the GEMM (zero, or tail rows past ``padded_offs[-1]``).
-        a_amax: ``rowwise`` only, optional: ``a``'s per-group column amax ``(E, N)`` from
-            :func:`quantize_activation_group_amax`; ``a`` is then quantized without a reduction.
+        a_amax, b_amax: ``rowwise`` only, optional: the per-group column amaxes ``(E, N)`` and
+            ``(E, K)`` from :func:`quantize_activation_group_amax`; a tensor with its amax is
+            quantized without a reduction.
     Returns:
         ``qa (rows, N)`` and ``qb (rows, K)`` fp8, both column-major (strides ``(1, rows)``),
         ``rows`` = M or ``padded_rows``; scales ``sa (E, N)``, ``sb (E, K)`` (rowwise) or ``()``.
     """
     if scaling == "rowwise" and _kernels(a, fused):
         return kernels.triton_quantize_group_colwise_dual(
-            a, b, offs, fmt, pow2, padded_offs=padded_offs, padded_rows=padded_rows, a_amax=a_amax
+            a, b, offs, fmt, pow2, padded_offs=padded_offs, padded_rows=padded_rows, a_amax=a_amax, b_amax=b_amax
         )
     if scaling == "rowwise":
         qa, sa = ref.quantize_group_colwise(a, offs, fmt, pow2=pow2, amax=a_amax)
-        qb, sb = ref.quantize_group_colwise(b, offs, fmt, pow2=pow2)
+        qb, sb = ref.quantize_group_colwise(b, offs, fmt, pow2=pow2, amax=b_amax)
     else:
         qa, sa = quantize_activation(a, "tensorwise", fmt, pow2, fused)
         qb, sb = quantize_activation(b, "tensorwise", fmt, pow2, fused)

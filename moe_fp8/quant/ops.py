@@ -310,12 +310,14 @@ def triton_quantize_expert_colwise_from_amax(
 # ----------------------------------------------------------------------------------- group colwise
 
 
-def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows, a_amax=None) -> tuple[Float8Format, int]:
+def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows, a_amax=None,
+                 b_amax=None) -> tuple[Float8Format, int]:
     """Validate the per-group operands; return the format and the output row count."""
     _hp("a", a, 2)
-    if a_amax is not None:
-        check_tensor("a_amax", a_amax, dtypes=(_F32,), shape=(offs.numel(), a.shape[1]))
-        check_same_device(a=a, a_amax=a_amax)
+    for name, amax, x in (("a_amax", a_amax, a), ("b_amax", b_amax, b)):
+        if amax is not None:
+            check_tensor(name, amax, dtypes=(_F32,), shape=(offs.numel(), x.shape[1]))
+            check_same_device(a=a, **{name: amax})
     if b is not None:
         _hp("b", b, 2)
         if b.shape[0] != a.shape[0]:
@@ -379,23 +381,30 @@ def _group_dual_op(
     padded_offs: Optional[torch.Tensor],
     padded_rows: Optional[int],
     a_amax: Optional[torch.Tensor],
+    b_amax: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows, a_amax)
+    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows, a_amax, b_amax)
     E, N, K = offs.numel(), a.shape[1], b.shape[1]
     qa, qb = _col_major(rows, N, f.torch_dtype, a.device), _col_major(rows, K, f.torch_dtype, a.device)
     sa = torch.empty((E, N), dtype=_F32, device=a.device)
     sb = torch.empty((E, K), dtype=_F32, device=a.device)
-    if a_amax is None:
+    if a_amax is not None and b_amax is not None:  # one launch of workers for both
+        bits = torch.cat([a_amax, b_amax], dim=1).view(torch.int32)
+        launch_group_colwise_from_amax(a, qa, sa, b, qb, sb, bits, offs, padded_offs, f, pow2)
+    elif a_amax is None and b_amax is None:
         launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, f, pow2)
-    else:
-        launch_group_colwise_from_amax(a, qa, sa, a_amax.contiguous().view(torch.int32), offs, padded_offs, f, pow2)
-        launch_group_colwise(b, qb, sb, None, None, None, offs, padded_offs, f, pow2)
+    else:  # the tensor with an amax by workers alone, the other reduced
+        (x, qx, sx, amax), (y, qy, sy) = ((a, qa, sa, a_amax), (b, qb, sb)) if b_amax is None else (
+            (b, qb, sb, b_amax), (a, qa, sa))
+        bits = amax.contiguous().view(torch.int32)
+        launch_group_colwise_from_amax(x, qx, sx, None, None, None, bits, offs, padded_offs, f, pow2)
+        launch_group_colwise(y, qy, sy, None, None, None, offs, padded_offs, f, pow2)
     return qa, sa, qb, sb
 
 
 @_group_dual_op.register_fake
-def _(a, b, offs, fmt, pow2, padded_offs, padded_rows, a_amax):
-    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows, a_amax)
+def _(a, b, offs, fmt, pow2, padded_offs, padded_rows, a_amax, b_amax):
+    f, rows = _check_group(a, b, offs, fmt, padded_offs, padded_rows, a_amax, b_amax)
     E, N, K = offs.numel(), a.shape[1], b.shape[1]
     return (_col_major(rows, N, f.torch_dtype, a.device), a.new_empty((E, N), dtype=_F32),
             _col_major(rows, K, f.torch_dtype, a.device), a.new_empty((E, K), dtype=_F32))
@@ -411,6 +420,7 @@ def triton_quantize_group_colwise_dual(
     padded_offs: Optional[torch.Tensor] = None,
     padded_rows: Optional[int] = None,
     a_amax: Optional[torch.Tensor] = None,
+    b_amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two wgrad operands in one launch: per-group, per-column scales over jagged row groups.
 
@@ -422,10 +432,11 @@ def triton_quantize_group_colwise_dual(
         padded_offs: optional ``(E,)`` int32 end offsets of the padded groups (each group start a
             multiple of 16 and each padded group at least as large as its group), with
         padded_rows: the static row count of the padded outputs (>= ``padded_offs[-1]``).
-        a_amax: optional ``(E, N)`` fp32, ``a``'s per-group column amax (as
-            :func:`triton_quantize_rowwise_with_group_amax` returns it, trusted, not checked): ``a``
-            is then scaled and written without a reduction, in a launch of its own (one read and
-            one write), and ``b`` in a second.
+        a_amax, b_amax: optional ``(E, N)`` and ``(E, K)`` fp32, the per-group column amaxes of
+            ``a`` and ``b`` (as :func:`triton_quantize_rowwise_with_group_amax` returns them;
+            trusted, not checked). A tensor with its amax is scaled and written without a
+            reduction (one read and one write); with both, in one launch; with one, the other is
+            reduced in a second launch.
     Returns:
         ``qa (R, N)`` and ``qb (R, K)`` with column-major strides (``qa.t()`` is row-major), where
         ``R = M`` or ``padded_rows``; group ``g``'s rows sit at ``offs[g-1]`` (or the padded start)
@@ -433,7 +444,8 @@ def triton_quantize_group_colwise_dual(
         ``EPS / fmt.max``).
     """
     _hp("a", a, 2)
-    return _group_dual_op(a, b, offs, _format(fmt, a.device).name, bool(pow2), padded_offs, padded_rows, a_amax)
+    return _group_dual_op(a, b, offs, _format(fmt, a.device).name, bool(pow2), padded_offs, padded_rows, a_amax,
+                          b_amax)
 
 
 # -------------------------------------------------------------------------------------- tensorwise

@@ -569,6 +569,9 @@ def launch_group_colwise_from_amax(
     a: torch.Tensor,
     qa: torch.Tensor,
     sa: torch.Tensor,
+    b: torch.Tensor | None,
+    qb: torch.Tensor | None,
+    sb: torch.Tensor | None,
     amax_bits: torch.Tensor,
     offs: torch.Tensor,
     padded_offs: torch.Tensor | None,
@@ -577,9 +580,9 @@ def launch_group_colwise_from_amax(
     config: dict | None = None,
     hw_cast: bool | None = None,
 ) -> None:
-    """``launch_group_colwise`` of ``a`` alone given its per-group column amax: ``amax_bits (G, C_A)``
-    int32, fp32 bits (``rowwise.launch_group_rowwise_amax`` makes them). Only the workers run, one
-    read and one write per element, nothing waits."""
+    """``launch_group_colwise`` given the per-group column amaxes: ``amax_bits (G, C_A + C_B)`` int32,
+    fp32 bits, ``a``'s columns then ``b``'s (``rowwise.launch_group_rowwise_amax`` makes each). Only
+    the workers run, one read and one write per element, nothing waits."""
     strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
-    _launch(a, qa, sa, None, None, None, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt,
+    _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt,
             pow2, config, hw_cast, amax_bits=amax_bits)
