@@ -80,8 +80,8 @@ def _quantize_weight_dgrad_layout(w: Tensor, col_amax: Tensor, fmt: str, pow2: b
 
 
 def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
-                             padded_offs: Optional[Tensor], padded_rows: int, a_amax: Optional[Tensor],
-                             b_amax: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             padded_offs: Optional[Tensor], padded_rows: int, a_amax: Optional[Tensor] = None,
+                             b_amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return quant_seam.quantize_wgrad_operands(
         a, b, offs, scaling, resolve_format(fmt), pow2, fused,
         padded_offs=padded_offs, padded_rows=padded_rows if padded_offs is not None else None, a_amax=a_amax,
@@ -179,7 +179,7 @@ def _(w, col_amax, fmt, pow2, fused):
 
 
 @_op_quantize_wgrad_operands.register_fake
-def _(a, b, offs, scaling, fmt, pow2, fused, padded_offs, padded_rows, a_amax, b_amax):
+def _(a, b, offs, scaling, fmt, pow2, fused, padded_offs, padded_rows, a_amax=None, b_amax=None):
     rows = a.shape[0] if padded_offs is None else padded_rows
     E, N, K = offs.shape[0], a.shape[1], b.shape[1]
     qa = a.new_empty(N, rows, dtype=_fp8(fmt)).t()
