@@ -479,6 +479,14 @@ def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, st
                 maxnreg=maxnreg, TWO_PASS=bool(two_pass))
 
 
+# Workers alone over jagged groups (``launch_group_colwise_from_amax``): 256-row chunks of 32 x 128
+# tiles. Best of 7 configurations on one H200 (2026-11-30; the sweep and its table are in
+# ``benchmarks/results/wgrad_both_amax_ab.md``), on the wgrad operands of four model GEMMs: 5-14%
+# faster than the 512-row chunks of 64 x 64 tiles (DeepSeek-V3 gate_up 293 against 343 µs, 90% of
+# copy; Qwen3 gate_up 358 against 379), where 512-row chunks of 32 x 128 tiles lost 14-16% on Qwen3.
+JAGGED_WORKERS_CONFIG = colwise_config(chunk=256, block_c=128, block_r=32)
+
+
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
             hw_cast, amax_bits=None) -> None:
     """One launch over ``(column blocks of a and b) x 2 x chunks`` (two launches of half that with
@@ -582,7 +590,8 @@ def launch_group_colwise_from_amax(
 ) -> None:
     """``launch_group_colwise`` given the per-group column amaxes: ``amax_bits (G, C_A + C_B)`` int32,
     fp32 bits, ``a``'s columns then ``b``'s (``rowwise.launch_group_rowwise_amax`` makes each). Only
-    the workers run, one read and one write per element, nothing waits."""
+    the workers run, one read and one write per element, nothing waits. ``config=None``:
+    ``JAGGED_WORKERS_CONFIG``."""
     strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
     _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt,
-            pow2, config, hw_cast, amax_bits=amax_bits)
+            pow2, JAGGED_WORKERS_CONFIG if config is None else config, hw_cast, amax_bits=amax_bits)
