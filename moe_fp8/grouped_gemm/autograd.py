@@ -17,6 +17,10 @@ except (``save_w``) when no cache serves a ``rowwise`` weight that the caller ke
 layout's amax (over N) from the same read, ``w`` itself and that ``(E, K)`` amax are saved, and
 the backward quantizes the dgrad layout from them (the same bytes, one read and one write of
 ``w``), so no FP8 weight copy lives from forward to backward.
+With ``rowwise`` FP8 wgrad, both gradients wanted and ``x`` quantized here (not upstream), the
+forward's row quantization of ``x`` and the dgrad's of grad_out also reduce their per-group column
+amaxes, from which the wgrad writes both operands without a reduction of its own (fused kernels
+and rows of at most 16384 elements; otherwise the wgrad reduces them).
 Nothing here syncs with the host; the backends say which layouts they take. Rows at or past
 ``offs[-1]`` belong to no group and never reach a result: with one scale per tensor
 (``tensorwise``) they are zeroed before the amax (they may hold anything, even NaN).
@@ -27,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..autograd_outputs import same_or_cast
+from ..quant.kernels.rowwise import col_amax_fits
 from . import library as lib
 from .backends import get_backend
 from .padding import padded_offsets, padded_rows
@@ -45,6 +50,14 @@ def _group_rows_only(t: torch.Tensor, offs: torch.Tensor, scaling: str | None) -
         return t
     rows = torch.arange(t.shape[0], device=t.device)
     return torch.where((rows < offs[-1])[:, None], t, t.new_zeros(()))
+
+
+def _rows_give_group_amax(fused: bool, k: int, n: int) -> bool:
+    """Whether the row quantizations of ``x (M, k)`` and grad_out ``(M, n)`` can also reduce their
+    per-group column amaxes from the same read: the fused kernels (``fused``), rows of at most
+    16384 elements (``col_amax_fits``). Otherwise the wgrad's dual reduces them, as it would anyway
+    (another reduction here would cost a pass, and the torch one syncs with the host)."""
+    return fused and col_amax_fits(k) and col_amax_fits(n)
 
 
 class FP8GroupedMM(torch.autograd.Function):
@@ -81,7 +94,8 @@ class FP8GroupedMM(torch.autograd.Function):
         x_amax = None
         if x_quant is not None:
             xq, xs = x_quant
-        elif scaling == "rowwise" and fp8_wgrad and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+        elif (scaling == "rowwise" and fp8_wgrad and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
+              and _rows_give_group_amax(fused, x.shape[1], w.shape[1])):
             # x's per-group column amax from its row quantization: the wgrad then writes x, and
             # grad_out (whose amax the dgrad takes alike), without a reduction of its own
             xq, xs, x_amax = lib.quantize_activation_group_amax(x, offs, fmt, pow2, fused)
