@@ -29,16 +29,12 @@ import triton
 import triton.language as tl
 
 from ..launch_math import cdiv, next_power_of_2
+from ..quant.kernels.common import max_combine
 
 __all__ = ["gather_rows_padded_kernel", "launch_gather_rows_padded"]
 
 # Integer types of each element size: the kernel copies bits.
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -70,9 +66,9 @@ def gather_rows_padded_kernel(
         in_e = gi < E
         # lanes past E get end = M, pend = R: they never end at or before a row r < R
         end = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=in_e, other=M), 0), M)
-        end = tl.maximum(tl.associative_scan(end, 0, _max_combine), end_carry)
+        end = tl.maximum(tl.associative_scan(end, 0, max_combine), end_carry)
         pend = tl.minimum(tl.maximum(tl.load(poffs_ptr + gi, mask=in_e, other=R), 0), R)
-        pend = tl.maximum(tl.associative_scan(pend, 0, _max_combine), pend_carry)
+        pend = tl.maximum(tl.associative_scan(pend, 0, max_combine), pend_carry)
         end_carry = tl.max(end, axis=0)
         pend_carry = tl.max(pend, axis=0)
         before = pend[None, :] <= r[:, None]  # the groups ending at or before row r

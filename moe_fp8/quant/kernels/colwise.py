@@ -50,7 +50,7 @@ import triton.language as tl
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .common import format_constexprs, multiprocessor_count, to_fp8
+from .common import format_constexprs, max_combine, multiprocessor_count, to_fp8
 
 __all__ = ["auto_lag", "colwise_config", "launch_expert_colwise_t", "launch_expert_colwise_t_from_amax",
            "launch_group_colwise", "launch_group_colwise_from_amax"]
@@ -162,11 +162,6 @@ def _tile_aligned(row, start, o_start, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def _group_rows(ends, gi, g, G, N_UNI, UNIFORM: tl.constexpr):
     """``(start, end)`` virtual rows of group ``g`` (``ends``: the running-max end offsets, jagged)."""
     if UNIFORM:
@@ -246,7 +241,7 @@ def _column_block(
         g = r0 // tl.maximum(N_UNI, 1)
     else:
         raw = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=gi < G, other=0), 0), rows_in)
-        ends = tl.associative_scan(raw, 0, _max_combine)
+        ends = tl.associative_scan(raw, 0, max_combine)
         g = tl.sum(((ends < r0) & (gi < G)).to(tl.int32), axis=0)  # the first group ending at or after r0
     go = g < G
     while go:

@@ -23,10 +23,16 @@ import triton.language as tl
 from ..formats import Float8Format
 from ..triton_helpers import fp8_constexprs, fp8_quantize
 
-__all__ = ["to_fp8", "hardware_cast_is_exact", "format_constexprs", "multiprocessor_count"]
+__all__ = ["to_fp8", "max_combine", "hardware_cast_is_exact", "format_constexprs", "multiprocessor_count"]
 
 # Programs a persistent launch gets per multiprocessor in the CPU interpreter (no device to ask).
 _INTERPRETER_SMS = 4
+
+
+@triton.jit
+def max_combine(a, b):
+    """``tl.associative_scan``'s combine for a running maximum (group end offsets)."""
+    return tl.maximum(a, b)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton.language as tl
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .common import format_constexprs, to_fp8
+from .common import format_constexprs, max_combine, to_fp8
 
 __all__ = [
     "rowwise_block",
@@ -207,11 +207,6 @@ def _expert_rowwise_col_amax_kernel(
 
 
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def _group_rowwise_amax_kernel(
     x_ptr,
     q_ptr,
@@ -247,7 +242,7 @@ def _group_rowwise_amax_kernel(
     r1 = tl.minimum(r0 + ROWS, M)
     gi = tl.arange(0, G_POW2)
     raw = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=gi < G, other=0), 0), M)
-    ends = tl.associative_scan(raw, 0, _max_combine)
+    ends = tl.associative_scan(raw, 0, max_combine)
     last = tl.max(tl.where(gi < G, ends, 0), axis=0)
     g = tl.sum(((ends <= r0) & (gi < G)).to(tl.int32), axis=0)  # the first group ending after r0
     start = tl.sum(tl.where(gi == g - 1, ends, 0), axis=0)
