@@ -12,7 +12,7 @@ from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poi
 
 from moe_fp8.quant import reference as ref
 from moe_fp8.quant.formats import E4M3FN
-from moe_fp8.quant.kernels.colwise import colwise_config, launch_group_colwise, launch_group_colwise_from_amax
+from moe_fp8.quant.kernels.colwise import colwise_config, launch_group_colwise
 from moe_fp8.quant.kernels.rowwise import launch_group_rowwise_amax
 from moe_fp8.quant.ops import (
     triton_quantize_group_colwise,
@@ -157,7 +157,7 @@ def test_group_colwise_strip_configs_cpu(chunk, tickets, lag, two_pass, padded, 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("ends", [[37, 37, 90, 141], [0, 32, 32, 64, 150, 150], [5, 6, 7, 140]], ids=str)
 def test_group_colwise_from_amax_configs_cpu(chunk, block_c, padded, ends):
-    """The workers alone, given the amaxes (``launch_group_colwise_from_amax``), with tiles small
+    """The workers alone, given the amaxes (``launch_group_colwise(amax_bits=...)``), with tiles small
     enough for groups of several chunks, chunks of several groups and empty groups at their edges."""
     a, b = hard_input((150, 40), seed=14), hard_input((150, 24), seed=15)
     config = colwise_config(chunk=chunk, block_r=16, block_c=block_c)
@@ -165,8 +165,8 @@ def test_group_colwise_from_amax_configs_cpu(chunk, block_c, padded, ends):
 
 
 def _check_launch(a, b, offs, padded, config, from_amax=False):
-    """``launch_group_colwise`` (``from_amax``: ``launch_group_colwise_from_amax`` given the reference
-    amaxes) with ``config`` into poisoned column-major buffers: the reference's bytes."""
+    """``launch_group_colwise`` with ``config`` (``from_amax``: and the reference amaxes as
+    ``amax_bits``) into poisoned column-major buffers: the reference's bytes."""
     G, rows = offs.numel(), a.shape[0]
     padded_offs, rows_out = _padded(offs) if padded else (None, rows)
     if padded_offs is not None:
@@ -177,11 +177,8 @@ def _check_launch(a, b, offs, padded, config, from_amax=False):
     sb = torch.empty(G, b.shape[1], device=a.device)
     for t in (qa, qb, sa, sb):  # poison: every element must be written
         t.view(torch.uint8).fill_(0x55)
-    if from_amax:
-        bits = torch.cat([ref.group_amax(a, offs), ref.group_amax(b, offs)], dim=1).view(torch.int32)
-        launch_group_colwise_from_amax(a, qa, sa, b, qb, sb, bits, offs, padded_offs, E4M3FN, False, config=config)
-    else:
-        launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, False, config=config)
+    bits = torch.cat([ref.group_amax(a, offs), ref.group_amax(b, offs)], dim=1).view(torch.int32) if from_amax else None
+    launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, False, config=config, amax_bits=bits)
     for q, s, x in ((qa, sa, a), (qb, sb, b)):
         if padded:
             rq, rs = _reference_padded(x, offs, padded_offs, rows_out, E4M3FN, False)

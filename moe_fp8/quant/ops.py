@@ -20,12 +20,7 @@ from ..checks import check_offsets, check_same_device, check_tensor
 from ..kernel_backend import eager_custom_op
 from .formats import Float8Format, resolve_format
 from .kernels.blockwise import launch_blockwise, supported_block
-from .kernels.colwise import (
-    launch_expert_colwise_t,
-    launch_expert_colwise_t_from_amax,
-    launch_group_colwise,
-    launch_group_colwise_from_amax,
-)
+from .kernels.colwise import launch_expert_colwise_t, launch_group_colwise
 from .kernels.rowwise import col_amax_fits, launch_expert_rowwise_col_amax, launch_group_rowwise_amax, launch_rowwise
 from .kernels.tensorwise import launch_expert_tensorwise, launch_tensorwise
 from .reference import HIGH_PRECISION_DTYPES
@@ -200,7 +195,7 @@ def _forward_layout_with_amax(w: torch.Tensor, f: Float8Format, pow2: bool):
 def _dgrad_layout_from_amax(w: torch.Tensor, col_amax: torch.Tensor, f: Float8Format, pow2: bool):
     """The dgrad layout ``(q (E, K, N), scale (E, K))`` of ``w`` given its amax over N."""
     q, scale = _layout_buffers(w, f, True)
-    launch_expert_colwise_t_from_amax(w, col_amax.contiguous().view(torch.int32), q, scale, f, pow2)
+    launch_expert_colwise_t(w, q, scale, f, pow2, amax_bits=col_amax.contiguous().view(torch.int32))
     return q, scale
 
 
@@ -390,14 +385,14 @@ def _group_dual_op(
     sb = torch.empty((E, K), dtype=_F32, device=a.device)
     if a_amax is not None and b_amax is not None:  # one launch of workers for both
         bits = torch.cat([a_amax, b_amax], dim=1).view(torch.int32)
-        launch_group_colwise_from_amax(a, qa, sa, b, qb, sb, bits, offs, padded_offs, f, pow2)
+        launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, f, pow2, amax_bits=bits)
     elif a_amax is None and b_amax is None:
         launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, f, pow2)
     else:  # the tensor with an amax by workers alone, the other reduced
         (x, qx, sx, amax), (y, qy, sy) = ((a, qa, sa, a_amax), (b, qb, sb)) if b_amax is None else (
             (b, qb, sb, b_amax), (a, qa, sa))
         bits = amax.contiguous().view(torch.int32)
-        launch_group_colwise_from_amax(x, qx, sx, None, None, None, bits, offs, padded_offs, f, pow2)
+        launch_group_colwise(x, qx, sx, None, None, None, offs, padded_offs, f, pow2, amax_bits=bits)
         launch_group_colwise(y, qy, sy, None, None, None, offs, padded_offs, f, pow2)
     return qa, sa, qb, sb
 

@@ -158,7 +158,7 @@ def group_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def _group_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``(E + 1, K)``: :func:`group_amax` and, last, the rows past ``offs[-1]``; and the row groups."""
+    """``(E + 1, K)``: :func:`group_amax` and, last, the amax of the rows past ``offs[-1]``."""
     M, K = x.shape
     amax = torch.zeros(offs.numel() + 1, K, device=x.device, dtype=torch.float32)
     amax.scatter_reduce_(0, _row_groups(x, offs)[:, None].expand(M, K), x.abs().float(), "amax", include_self=True)

@@ -50,10 +50,9 @@ import triton.language as tl
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .common import format_constexprs, max_combine, multiprocessor_count, to_fp8
+from .common import format_constexprs, group_ends, multiprocessor_count, to_fp8
 
-__all__ = ["auto_lag", "colwise_config", "launch_expert_colwise_t", "launch_expert_colwise_t_from_amax",
-           "launch_group_colwise", "launch_group_colwise_from_amax"]
+__all__ = ["auto_lag", "colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
 
 # What the programs of one launch do (``_colwise_kernel``'s ``ROLES``).
 ROLES_BOTH = tl.constexpr(0)
@@ -240,8 +239,7 @@ def _column_block(
         ends = gi
         g = r0 // tl.maximum(N_UNI, 1)
     else:
-        raw = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=gi < G, other=0), 0), rows_in)
-        ends = tl.associative_scan(raw, 0, max_combine)
+        gi, ends = group_ends(offs_ptr, G, rows_in, G_POW2)
         g = tl.sum(((ends < r0) & (gi < G)).to(tl.int32), axis=0)  # the first group ending at or after r0
     go = g < G
     while go:
@@ -474,7 +472,7 @@ def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, st
                 maxnreg=maxnreg, TWO_PASS=bool(two_pass))
 
 
-# Workers alone over jagged groups (``launch_group_colwise_from_amax``): 256-row chunks of 32 x 128
+# Workers alone over jagged groups (``launch_group_colwise(amax_bits=...)``): 256-row chunks of 32 x 128
 # tiles. Best of 7 configurations on one H200 (2026-11-30; the sweep and its table are in
 # ``benchmarks/results/wgrad_both_amax_ab.md``), on the wgrad operands of four model GEMMs: 5-14%
 # faster than the 512-row chunks of 64 x 64 tiles (DeepSeek-V3 gate_up 293 against 343 µs, 90% of
@@ -526,19 +524,13 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
 
 
 def launch_expert_colwise_t(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
-                            config: dict | None = None, hw_cast: bool | None = None) -> None:
-    """``w (E, N, K)`` (any strides) -> ``q (E, K, N)`` contiguous, ``scale (E, K)`` (amax over N)."""
-    E, N, K = w.shape
-    strides = (w.stride(0), w.stride(1), w.stride(2), K * N, 1, N)
-    _launch(w, q, scale, None, None, None, None, None, E, N, N, N, strides, fmt, pow2, config, hw_cast)
+                            config: dict | None = None, hw_cast: bool | None = None,
+                            amax_bits: torch.Tensor | None = None) -> None:
+    """``w (E, N, K)`` (any strides) -> ``q (E, K, N)`` contiguous, ``scale (E, K)`` (amax over N).
 
-
-def launch_expert_colwise_t_from_amax(w: torch.Tensor, amax_bits: torch.Tensor, q: torch.Tensor,
-                                      scale: torch.Tensor, fmt: Float8Format, pow2: bool, config: dict | None = None,
-                                      hw_cast: bool | None = None) -> None:
-    """``launch_expert_colwise_t`` given the amax over N: ``amax_bits (E, K)`` int32, the fp32 bits
-    of each expert column's amax (``rowwise.launch_expert_rowwise_col_amax`` makes them). Only the
-    workers run, reading ``w`` from HBM: one read and one write per element, nothing waits."""
+    ``amax_bits (E, K)`` int32, the fp32 bits of each expert column's amax
+    (``rowwise.launch_expert_rowwise_col_amax`` makes them): only the workers run, one read and one
+    write of ``w``, nothing waits."""
     E, N, K = w.shape
     strides = (w.stride(0), w.stride(1), w.stride(2), K * N, 1, N)
     _launch(w, q, scale, None, None, None, None, None, E, N, N, N, strides, fmt, pow2, config, hw_cast,
@@ -558,35 +550,17 @@ def launch_group_colwise(
     pow2: bool,
     config: dict | None = None,
     hw_cast: bool | None = None,
+    amax_bits: torch.Tensor | None = None,
 ) -> None:
     """Per-group column scales of ``a (M, C_A)`` (and ``b (M, C_B)``) into the given ``q``/``scale`` buffers.
 
     ``qa``/``qb`` have ``rows_out`` rows and any strides; ``sa (G, C_A)``, ``sb (G, C_B)`` contiguous.
+    ``amax_bits (G, C_A + C_B)`` int32, the per-group column amaxes as fp32 bits, ``a``'s columns
+    then ``b``'s (``rowwise.launch_group_rowwise_amax`` makes each): only the workers run, one read
+    and one write per element, nothing waits; ``config=None`` is then ``JAGGED_WORKERS_CONFIG``.
     """
+    if config is None and amax_bits is not None:
+        config = JAGGED_WORKERS_CONFIG
     strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
     _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt, pow2,
-            config, hw_cast)
-
-
-def launch_group_colwise_from_amax(
-    a: torch.Tensor,
-    qa: torch.Tensor,
-    sa: torch.Tensor,
-    b: torch.Tensor | None,
-    qb: torch.Tensor | None,
-    sb: torch.Tensor | None,
-    amax_bits: torch.Tensor,
-    offs: torch.Tensor,
-    padded_offs: torch.Tensor | None,
-    fmt: Float8Format,
-    pow2: bool,
-    config: dict | None = None,
-    hw_cast: bool | None = None,
-) -> None:
-    """``launch_group_colwise`` given the per-group column amaxes: ``amax_bits (G, C_A + C_B)`` int32,
-    fp32 bits, ``a``'s columns then ``b``'s (``rowwise.launch_group_rowwise_amax`` makes each). Only
-    the workers run, one read and one write per element, nothing waits. ``config=None``:
-    ``JAGGED_WORKERS_CONFIG``."""
-    strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
-    _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt,
-            pow2, JAGGED_WORKERS_CONFIG if config is None else config, hw_cast, amax_bits=amax_bits)
+            config, hw_cast, amax_bits=amax_bits)

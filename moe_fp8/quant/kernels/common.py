@@ -23,7 +23,8 @@ import triton.language as tl
 from ..formats import Float8Format
 from ..triton_helpers import fp8_constexprs, fp8_quantize
 
-__all__ = ["to_fp8", "max_combine", "hardware_cast_is_exact", "format_constexprs", "multiprocessor_count"]
+__all__ = ["to_fp8", "max_combine", "group_ends", "hardware_cast_is_exact", "format_constexprs",
+           "multiprocessor_count"]
 
 # Programs a persistent launch gets per multiprocessor in the CPU interpreter (no device to ask).
 _INTERPRETER_SMS = 4
@@ -33,6 +34,17 @@ _INTERPRETER_SMS = 4
 def max_combine(a, b):
     """``tl.associative_scan``'s combine for a running maximum (group end offsets)."""
     return tl.maximum(a, b)
+
+
+@triton.jit
+def group_ends(offs_ptr, G, rows, G_POW2: tl.constexpr):
+    """``(gi, ends)``: lanes ``gi = 0 .. G_POW2-1`` and the int32 end offsets ``offs[0..G)`` clamped
+    to ``[0, rows]`` and made non-decreasing (their running maximum; lanes past ``G`` repeat the
+    last). Every kernel that splits rows into jagged groups uses these ends, so bad offsets move
+    rows between groups the same way everywhere and never address rows outside ``[0, rows)``."""
+    gi = tl.arange(0, G_POW2)
+    raw = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=gi < G, other=0), 0), rows)
+    return gi, tl.associative_scan(raw, 0, max_combine)
 
 
 @triton.jit

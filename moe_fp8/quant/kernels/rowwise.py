@@ -11,7 +11,7 @@ second pass re-reads the program's rows, which are still in L2).
 
 ``launch_expert_rowwise_col_amax`` writes the same forward expert layout and, from the same read,
 the amax over N of every expert column (what the dgrad layout's scales need): the dgrad layout
-then costs one more read and write of ``w`` (``colwise.launch_expert_colwise_t_from_amax``)
+then costs one more read and write of ``w`` (``colwise.launch_expert_colwise_t(amax_bits=...)``)
 instead of a reduction over strided columns.
 """
 
@@ -24,7 +24,7 @@ import triton.language as tl
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
-from .common import format_constexprs, max_combine, to_fp8
+from .common import format_constexprs, group_ends, to_fp8
 
 __all__ = [
     "rowwise_block",
@@ -240,9 +240,7 @@ def _group_rowwise_amax_kernel(
     quantized and belong to no group."""
     r0 = tl.program_id(0) * ROWS
     r1 = tl.minimum(r0 + ROWS, M)
-    gi = tl.arange(0, G_POW2)
-    raw = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=gi < G, other=0), 0), M)
-    ends = tl.associative_scan(raw, 0, max_combine)
+    gi, ends = group_ends(offs_ptr, G, M, G_POW2)
     last = tl.max(tl.where(gi < G, ends, 0), axis=0)
     g = tl.sum(((ends <= r0) & (gi < G)).to(tl.int32), axis=0)  # the first group ending after r0
     start = tl.sum(tl.where(gi == g - 1, ends, 0), axis=0)
@@ -317,6 +315,16 @@ def col_amax_fits(K: int) -> bool:
     return next_power_of_2(max(K, 16)) <= MAX_SINGLE_PASS_K
 
 
+def _strip_config(M: int, K: int, rows_per_program: int, tile: int, num_warps: int | None) -> tuple[dict, int]:
+    """Block sizes of the column-amax kernels (``rowwise_config`` without its pass choice: whole
+    rows only, else ``ValueError``) and their rows per program, a multiple of the row block."""
+    if not col_amax_fits(K):
+        raise ValueError(f"K: rows of {K} elements do not fit in registers (at most {MAX_SINGLE_PASS_K})")
+    cfg = rowwise_config(M, K, tile=tile, num_warps=num_warps)
+    del cfg["SINGLE_PASS"]
+    return cfg, max(rows_per_program, cfg["BLOCK_M"]) // cfg["BLOCK_M"] * cfg["BLOCK_M"]
+
+
 def launch_expert_rowwise_col_amax(
     w: torch.Tensor,
     q: torch.Tensor,
@@ -339,13 +347,9 @@ def launch_expert_rowwise_col_amax(
     (a multiple of the row block) trades programs for atomics: ``E * K`` per ``rows_per_program`` rows.
     """
     E, N, K = w.shape
-    if not col_amax_fits(K):
-        raise ValueError(f"K: rows of {K} elements do not fit in registers (at most {MAX_SINGLE_PASS_K})")
+    cfg, rows = _strip_config(N, K, rows_per_program, tile, num_warps)
     if E * N == 0:
         return
-    cfg = rowwise_config(N, K, tile=tile, num_warps=num_warps)
-    del cfg["SINGLE_PASS"]
-    rows = max(rows_per_program, cfg["BLOCK_M"]) // cfg["BLOCK_M"] * cfg["BLOCK_M"]
     _expert_rowwise_col_amax_kernel[(E, cdiv(N, rows))](
         w, q, scale, amax_bits, N, K, w.stride(0), w.stride(1), w.stride(2),
         POW2=bool(pow2), ROWS=rows, STAGES=stages, **cfg, **format_constexprs(fmt, w.device, hw_cast),
@@ -369,15 +373,11 @@ def launch_group_rowwise_amax(
     ``q (M, K)`` row-major and ``scale (M,)``, plus, from the same read, the column amax of every
     group of rows given by the int32 end offsets ``offs (G,)`` (on the device, never synced), merged
     into ``amax_bits (G, K)`` int32 (fp32 bits; pass zeros): what the wgrad's per-group column scales
-    of ``x`` need (``colwise.launch_group_colwise_from_amax``)."""
+    of ``x`` need (``colwise.launch_group_colwise(amax_bits=...)``)."""
     M, K = x.shape
-    if not col_amax_fits(K):
-        raise ValueError(f"K: rows of {K} elements do not fit in registers (at most {MAX_SINGLE_PASS_K})")
+    cfg, rows = _strip_config(M, K, rows_per_program, TILE_ELEMENTS, None)
     if M == 0:
         return
-    cfg = rowwise_config(M, K)
-    del cfg["SINGLE_PASS"]
-    rows = max(rows_per_program, cfg["BLOCK_M"]) // cfg["BLOCK_M"] * cfg["BLOCK_M"]
     G = offs.numel()
     _group_rowwise_amax_kernel[(cdiv(M, rows),)](
         x, q, scale, amax_bits, offs, M, K, G, x.stride(0), x.stride(1),
