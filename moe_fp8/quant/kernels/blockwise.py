@@ -79,6 +79,13 @@ def supported_block(block) -> bool:
     return pow2 and bc >= 16 and br * bc <= MAX_BLOCK_ELEMENTS
 
 
+def _num_warps(br: int, tile_elements: int) -> int:
+    """4 warps for a whole block (``br > 1``): 128 x 128 blocks of bf16 weights run at 98-102% of
+    copy bandwidth on one H200 with 4, at 70-72% with 8 (2026-11-30,
+    ``benchmarks/results/blockwise_warps.md``). Row tiles (``br == 1``): 8 from 8192 elements."""
+    return 8 if br == 1 and tile_elements >= 8192 else 4
+
+
 def launch_blockwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
                      block: tuple[int, int], hw_cast: bool | None = None) -> None:
     """``x (B?, R, C)`` -> ``q`` contiguous, ``scale (B?, ceil(R/br), ceil(C/bc))`` contiguous."""
@@ -93,5 +100,5 @@ def launch_blockwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt:
     _blockwise_kernel[grid](
         x3, q, scale, R, C, n_row_tiles, n_col_blocks, cdiv(R, br), x3.stride(0), x3.stride(1), x3.stride(2),
         POW2=bool(pow2), TILE_R=tile_r, ROW_SCALES=br == 1, BLOCK_C=bc,
-        num_warps=8 if tile_r * bc >= 8192 else 4, **format_constexprs(fmt, x.device, hw_cast),
+        num_warps=_num_warps(br, tile_r * bc), **format_constexprs(fmt, x.device, hw_cast),
     )

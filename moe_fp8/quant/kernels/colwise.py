@@ -472,12 +472,14 @@ def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, st
                 maxnreg=maxnreg, TWO_PASS=bool(two_pass))
 
 
-# Workers alone over jagged groups (``launch_group_colwise(amax_bits=...)``): 256-row chunks of 32 x 128
-# tiles. Best of 7 configurations on one H200 (2026-11-30; the sweep and its table are in
-# ``benchmarks/results/wgrad_both_amax_ab.md``), on the wgrad operands of four model GEMMs: 5-14%
-# faster than the 512-row chunks of 64 x 64 tiles (DeepSeek-V3 gate_up 293 against 343 µs, 90% of
-# copy; Qwen3 gate_up 358 against 379), where 512-row chunks of 32 x 128 tiles lost 14-16% on Qwen3.
-JAGGED_WORKERS_CONFIG = colwise_config(chunk=256, block_c=128, block_r=32)
+# Workers alone (``amax_bits`` given, ``config=None``): 256-row chunks of 32 x 128 tiles, over jagged
+# groups and over uniform experts alike. Best of 7 configurations on the wgrad operands of four model
+# GEMMs on one H200 (2026-11-30; ``benchmarks/results/wgrad_both_amax_ab.md``): 5-14% faster than
+# 512-row chunks of 64 x 64 tiles (DeepSeek-V3 gate_up 293 against 343 µs, 90% of copy; Qwen3 gate_up
+# 358 against 379), where 512-row chunks of 32 x 128 tiles lost 14-16% on Qwen3. On the expert
+# weights' dgrad layout (``benchmarks/results/expert_colwise_from_amax.md``): 86-92% of copy against
+# 79-82% with 512-row chunks of 64 x 64 tiles (DeepSeek-V3 W1 180.6 against 201.6 µs).
+WORKERS_CONFIG = colwise_config(chunk=256, block_c=128, block_r=32)
 
 
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
@@ -485,6 +487,8 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     """One launch over ``(column blocks of a and b) x 2 x chunks`` (two launches of half that with
     ``TWO_PASS``); ``offs=None``: ``G`` uniform groups of ``n_uni`` rows. ``amax_bits`` (int32
     ``(G, C_A + C_B)``, the complete amaxes as fp32 bits): the workers alone, in one launch."""
+    if config is None and amax_bits is not None:
+        config = WORKERS_CONFIG
     cfg = {**colwise_config(), "TICKETS": torch.version.hip is not None, **(config or {})}
     if cfg["maxnreg"] is None or not a.is_cuda or torch.version.hip is not None:
         del cfg["maxnreg"]  # a launch option of NVIDIA's compiler only (the interpreter runs on CPU tensors)
@@ -530,7 +534,7 @@ def launch_expert_colwise_t(w: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
 
     ``amax_bits (E, K)`` int32, the fp32 bits of each expert column's amax
     (``rowwise.launch_expert_rowwise_col_amax`` makes them): only the workers run, one read and one
-    write of ``w``, nothing waits."""
+    write of ``w``, nothing waits; ``config=None`` is then ``WORKERS_CONFIG``."""
     E, N, K = w.shape
     strides = (w.stride(0), w.stride(1), w.stride(2), K * N, 1, N)
     _launch(w, q, scale, None, None, None, None, None, E, N, N, N, strides, fmt, pow2, config, hw_cast,
@@ -557,10 +561,8 @@ def launch_group_colwise(
     ``qa``/``qb`` have ``rows_out`` rows and any strides; ``sa (G, C_A)``, ``sb (G, C_B)`` contiguous.
     ``amax_bits (G, C_A + C_B)`` int32, the per-group column amaxes as fp32 bits, ``a``'s columns
     then ``b``'s (``rowwise.launch_group_rowwise_amax`` makes each): only the workers run, one read
-    and one write per element, nothing waits; ``config=None`` is then ``JAGGED_WORKERS_CONFIG``.
+    and one write per element, nothing waits; ``config=None`` is then ``WORKERS_CONFIG``.
     """
-    if config is None and amax_bits is not None:
-        config = JAGGED_WORKERS_CONFIG
     strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
     _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt, pow2,
             config, hw_cast, amax_bits=amax_bits)
