@@ -176,22 +176,26 @@ def test_non_contiguous_inputs():
 def test_x_only_or_w_only_gradients(backend, monkeypatch):
     """Either gradient alone equals the pair's. With both, on the fused kernels (triton), the
     forward's row quantization of x and the dgrad's of grad_out hand the wgrad their per-group
-    column amaxes (two calls); with either gradient alone, or on the reference quantizers
-    (emulated), nothing does (the wgrad reduces both)."""
-    calls = []
+    column amaxes (two calls); with x quantized upstream, a read of x alone gives x's (one call of
+    each); with either gradient alone, or on the reference quantizers (emulated), nothing does
+    (the wgrad reduces both)."""
+    calls, alone = [], []
     real = quant_seam.quantize_activation_group_amax
     monkeypatch.setattr(quant_seam, "quantize_activation_group_amax", lambda *a: calls.append(1) or real(*a))
+    real_alone = quant_seam.group_amax
+    monkeypatch.setattr(quant_seam, "group_amax", lambda *a: alone.append(1) or real_alone(*a))
     x, w, g, offs = make_inputs(48, 32, 16, 2, 40, "skewed", seed=10)
     (dx,) = torch.autograd.grad(fp8_grouped_mm(x, w.detach(), offs, backend=backend), (x,), g)
     (dw,) = torch.autograd.grad(fp8_grouped_mm(x.detach(), w, offs, backend=backend), (w,), g)
     assert not calls
     _, dx2, dw2 = run(x, w, g, offs, backend=backend)
-    assert len(calls) == (2 if backend == "triton" else 0)
+    fused = backend == "triton"
+    assert len(calls) == (2 if fused else 0) and not alone
     assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
-    calls.clear()  # x's quantization made upstream (FP8MoE's fused kernels): no amax, none asked
+    calls.clear()  # x's rows quantized upstream (FP8MoE's fused permute)
     x_fp8 = moe_fp8.quant.quantize_rowwise(x.detach(), E4M3FN)
     _, dx3, dw3 = run(x, w, g, offs, backend=backend, x_fp8=x_fp8)
-    assert not calls
+    assert len(calls) == len(alone) == (1 if fused else 0)
     assert torch.equal(dx, dx3) and torch.equal(dw, dw3)
 
 

@@ -15,6 +15,7 @@ from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.kernels.colwise import colwise_config, launch_group_colwise
 from moe_fp8.quant.kernels.rowwise import launch_group_rowwise_amax
 from moe_fp8.quant.ops import (
+    triton_group_amax,
     triton_quantize_group_colwise,
     triton_quantize_group_colwise_dual,
     triton_quantize_rowwise_with_group_amax,
@@ -265,6 +266,10 @@ def test_group_rowwise_amax_property_cpu(sizes, tail, rows, K, pow2, seed):
     assert_same(q, rq, "q")
     assert_same(s, rs, "scale")
     assert_same(amax, ref.group_amax(x, offs), "amax")
+    alone = torch.zeros(len(sizes), K)  # q = scale = None: the amax alone
+    launch_group_rowwise_amax(x, None, None, alone.view(torch.int32), offs, E4M3FN, pow2, rows_per_program=rows,
+                              stages=1)
+    assert_same(alone, ref.group_amax(x, offs), "amax alone")
 
 
 def _bad_offsets_run(device: str) -> None:
@@ -280,6 +285,7 @@ def _bad_offsets_run(device: str) -> None:
         assert_same(s, rs.to(s.device), "scale")
     _, _, a_amax = triton_quantize_rowwise_with_group_amax(a, offs, E4M3FN)
     assert_same(a_amax, ref.group_amax(a.cpu(), fixed.cpu()).to(device), "a_amax")
+    assert_same(triton_group_amax(a, offs), a_amax, "triton_group_amax")
 
 
 @pytest.mark.interpreter

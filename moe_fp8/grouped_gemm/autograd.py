@@ -17,10 +17,11 @@ except (``save_w``) when no cache serves a ``rowwise`` weight that the caller ke
 layout's amax (over N) from the same read, ``w`` itself and that ``(E, K)`` amax are saved, and
 the backward quantizes the dgrad layout from them (the same bytes, one read and one write of
 ``w``), so no FP8 weight copy lives from forward to backward.
-With ``rowwise`` FP8 wgrad, both gradients wanted and ``x`` quantized here (not upstream), the
-forward's row quantization of ``x`` and the dgrad's of grad_out also reduce their per-group column
-amaxes, from which the wgrad writes both operands without a reduction of its own (fused kernels
-and rows of at most 16384 elements; otherwise the wgrad reduces them).
+With ``rowwise`` FP8 wgrad and both gradients wanted, the forward's row quantization of ``x`` (or,
+when ``x`` comes quantized from upstream, a read of ``x`` alone) and the dgrad's of grad_out also
+reduce their per-group column amaxes, from which the wgrad writes both operands without a
+reduction of its own (fused kernels and rows of at most 16384 elements; otherwise the wgrad
+reduces them).
 Nothing here syncs with the host; the backends say which layouts they take. Rows at or past
 ``offs[-1]`` belong to no group and never reach a result: with one scale per tensor
 (``tensorwise``) they are zeroed before the amax (they may hold anything, even NaN).
@@ -91,13 +92,16 @@ class FP8GroupedMM(torch.autograd.Function):
                 w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
             q_fwd, s_fwd, q_bwd, s_bwd = w_quant
         x = _group_rows_only(x, offs, scaling)  # tensorwise: also the wgrad operand saved below
+        # x's per-group column amax, so that the wgrad writes x, and grad_out (whose amax the dgrad's
+        # row quantization takes alike), without a reduction of its own
         x_amax = None
+        want_amax = (scaling == "rowwise" and fp8_wgrad and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
+                     and _rows_give_group_amax(fused, x.shape[1], w.shape[1]))
         if x_quant is not None:
             xq, xs = x_quant
-        elif (scaling == "rowwise" and fp8_wgrad and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
-              and _rows_give_group_amax(fused, x.shape[1], w.shape[1])):
-            # x's per-group column amax from its row quantization: the wgrad then writes x, and
-            # grad_out (whose amax the dgrad takes alike), without a reduction of its own
+            if want_amax:  # rows quantized upstream (FP8MoE): one more read of x
+                x_amax = lib.group_amax(x, offs, fused)
+        elif want_amax:  # from x's row quantization, the same read
             xq, xs, x_amax = lib.quantize_activation_group_amax(x, offs, fmt, pow2, fused)
         else:
             xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused)

@@ -26,6 +26,7 @@ __all__ = [
     "bf16_mm_2d2d",
     "quantize_activation",
     "quantize_activation_group_amax",
+    "group_amax",
     "quantize_weight",
     "quantize_weight_dgrad_layout",
     "quantize_weight_forward_layout",
@@ -65,6 +66,10 @@ def _quantize_activation_group_amax(x: Tensor, offs: Tensor, fmt: str, pow2: boo
     return quant_seam.quantize_activation_group_amax(x, offs, resolve_format(fmt), pow2, fused)
 
 
+def _group_amax(x: Tensor, offs: Tensor, fused: bool) -> Tensor:
+    return quant_seam.group_amax(x, offs, fused)
+
+
 def _quantize_weight(w: Tensor, scaling: str, fmt: str, pow2: bool,
                      fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return quant_seam.quantize_weight(w, scaling, resolve_format(fmt), pow2, fused)
@@ -100,6 +105,7 @@ _op_quantize_activation = torch.library.custom_op(
 _op_quantize_activation_group_amax = torch.library.custom_op(
     "moe_fp8::gg_quantize_activation_group_amax", _quantize_activation_group_amax, mutates_args=()
 )
+_op_group_amax = torch.library.custom_op("moe_fp8::gg_group_amax", _group_amax, mutates_args=())
 _op_quantize_weight = torch.library.custom_op("moe_fp8::gg_quantize_weight", _quantize_weight, mutates_args=())
 _op_quantize_weight_forward_layout = torch.library.custom_op(
     "moe_fp8::gg_quantize_weight_forward_layout", _quantize_weight_forward_layout, mutates_args=()
@@ -152,6 +158,11 @@ def _(x, offs, fmt, pow2, fused):
             x.new_empty(offs.shape[0], x.shape[1], dtype=f32))
 
 
+@_op_group_amax.register_fake
+def _(x, offs, fused):
+    return x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32)
+
+
 @_op_quantize_weight.register_fake
 def _(w, scaling, fmt, pow2, fused):
     E, N, K = w.shape
@@ -196,6 +207,7 @@ bf16_mm_2d2d = eager_or_custom_op(_op_bf16_mm_2d2d, _bf16_mm_2d2d)
 quantize_activation = eager_or_custom_op(_op_quantize_activation, _quantize_activation)
 quantize_activation_group_amax = eager_or_custom_op(_op_quantize_activation_group_amax,
                                                     _quantize_activation_group_amax)
+group_amax = eager_or_custom_op(_op_group_amax, _group_amax)
 quantize_weight = eager_or_custom_op(_op_quantize_weight, _quantize_weight)
 quantize_weight_forward_layout = eager_or_custom_op(_op_quantize_weight_forward_layout,
                                                     _quantize_weight_forward_layout)

@@ -23,6 +23,7 @@ __all__ = [
     "BLOCK",
     "quantize_activation",
     "quantize_activation_group_amax",
+    "group_amax",
     "quantize_weight",
     "quantize_weight_dgrad_layout",
     "quantize_weight_forward_layout",
@@ -69,6 +70,15 @@ def quantize_activation_group_amax(
         return kernels.triton_quantize_rowwise_with_group_amax(x, offs, fmt, pow2)
     q, s = quantize_activation(x, "rowwise", fmt, pow2, fused)
     return q, s, ref.group_amax(x, offs)
+
+
+def group_amax(x: torch.Tensor, offs: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``x``'s per-group column amax ``(E, K)`` fp32 alone, for an ``x`` whose rows were quantized
+    upstream (:func:`quantize_wgrad_operands`' ``b_amax``): one read of the groups' rows
+    (``K <= 16384``; longer rows, and the reference path, reduce it with torch)."""
+    if _kernels(x, fused) and col_amax_fits(x.shape[1]):
+        return kernels.triton_group_amax(x, offs)
+    return ref.group_amax(x, offs)
 
 
 def quantize_weight(

@@ -28,6 +28,7 @@ from .reference import HIGH_PRECISION_DTYPES
 __all__ = [
     "triton_quantize_rowwise",
     "triton_quantize_rowwise_with_group_amax",
+    "triton_group_amax",
     "triton_quantize_expert_colwise",
     "triton_quantize_expert_colwise_dual",
     "triton_quantize_expert_colwise_from_amax",
@@ -127,6 +128,30 @@ def triton_quantize_rowwise_with_group_amax(
     quantized per group in one read and one write. ``K`` at most 16384."""
     _hp("x", x, 2)
     return _rowwise_group_amax_op(x, offs, _format(fmt, x.device).name, bool(pow2))
+
+
+@eager_custom_op("moe_fp8::group_amax")
+def _group_amax_op(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    f = _check_group_amax(x, offs, None)  # the platform's format: the launch needs one, writes none
+    amax = torch.zeros((offs.numel(), x.shape[1]), dtype=_F32, device=x.device)
+    launch_group_rowwise_amax(x, None, None, amax.view(torch.int32), offs, f, False)
+    return amax
+
+
+@_group_amax_op.register_fake
+def _(x, offs):
+    _check_group_amax(x, offs, None)
+    return x.new_empty((offs.numel(), x.shape[1]), dtype=_F32)
+
+
+def triton_group_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The per-group column amax ``(E, K)`` fp32 of ``x (M, K)`` over the jagged row groups of
+    ``offs (E,)`` int32 end offsets, in one read of the groups' rows (``reference.group_amax``; the
+    offsets are not checked for monotonicity: that would sync). For a tensor whose rows were
+    quantized elsewhere (FP8MoE's fused permute): hand it to
+    :func:`triton_quantize_group_colwise_dual` (``a_amax`` / ``b_amax``). ``K`` at most 16384."""
+    _hp("x", x, 2)
+    return _group_amax_op(x, offs)
 
 
 # ---------------------------------------------------------------------------------- expert colwise

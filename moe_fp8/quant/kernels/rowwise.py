@@ -222,6 +222,7 @@ def _group_rowwise_amax_kernel(
     ROWS: tl.constexpr,
     STAGES: tl.constexpr,
     G_POW2: tl.constexpr,
+    WRITE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -232,12 +233,12 @@ def _group_rowwise_amax_kernel(
     FP8_SUB_SCALE: tl.constexpr,
     FP8_NEG_ZERO: tl.constexpr,
 ):
-    """Program ``j``: rows ``[j * ROWS, (j + 1) * ROWS)`` of ``x (M, K)`` quantized row by row, and
-    the column amax of each piece of a jagged group among them merged into ``amax (G, K)`` (fp32
-    bits as int32, one relaxed ``atomic_max`` per column and piece). Group ``g`` holds rows
-    ``[end[g-1], end[g])``, ``end`` the running maximum of the offsets clamped to ``[0, M]`` (bad
-    offsets move rows between groups, never outside ``x``); rows at or past ``end[-1]`` are
-    quantized and belong to no group."""
+    """Program ``j``: rows ``[j * ROWS, (j + 1) * ROWS)`` of ``x (M, K)`` quantized row by row
+    (``WRITE_ROWS``; else only read), and the column amax of each piece of a jagged group among
+    them merged into ``amax (G, K)`` (fp32 bits as int32, one relaxed ``atomic_max`` per column and
+    piece). Group ``g`` holds rows ``[end[g-1], end[g])``, ``end`` the running maximum of the
+    offsets clamped to ``[0, M]`` (bad offsets move rows between groups, never outside ``x``); rows
+    at or past ``end[-1]`` belong to no group (quantized with ``WRITE_ROWS``, else not read)."""
     r0 = tl.program_id(0) * ROWS
     r1 = tl.minimum(r0 + ROWS, M)
     gi, ends = group_ends(offs_ptr, G, M, G_POW2)
@@ -253,20 +254,27 @@ def _group_rowwise_amax_kernel(
         for r in tl.range(p0, p1, BLOCK_M, num_stages=STAGES):
             rows = r + tl.arange(0, BLOCK_M)
             row_ok = rows < p1
-            ax = _rows_in_registers(x_ptr, q_ptr, rows.to(tl.int64) * stride_r, rows.to(tl.int64) * K, row_ok,
-                                    s_ptr + rows, K, stride_k, POW2, BLOCK_K, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
-                                    FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+            if WRITE_ROWS:
+                ax = _rows_in_registers(x_ptr, q_ptr, rows.to(tl.int64) * stride_r, rows.to(tl.int64) * K, row_ok,
+                                        s_ptr + rows, K, stride_k, POW2, BLOCK_K, OUT_DTYPE, HW_CAST, FP8_MAX,
+                                        FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+            else:
+                x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_k,
+                            mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+                ax = tl.abs(x.to(tl.float32))
             acc = tl.maximum(acc, ax)
         if p1 > p0:
             bits = tl.max(acc, axis=0).to(tl.int32, bitcast=True)
             tl.atomic_max(amax_ptr + g.to(tl.int64) * K + cols, bits, mask=cols < K, sem="relaxed")
         g += 1
         start = end
-    for r in tl.range(tl.maximum(last, r0), r1, BLOCK_M, num_stages=STAGES):  # rows in no group
-        rows = r + tl.arange(0, BLOCK_M)
-        _rows_in_registers(x_ptr, q_ptr, rows.to(tl.int64) * stride_r, rows.to(tl.int64) * K, rows < r1, s_ptr + rows,
-                           K, stride_k, POW2, BLOCK_K, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
-                           FP8_SUB_SCALE, FP8_NEG_ZERO)
+    if WRITE_ROWS:
+        for r in tl.range(tl.maximum(last, r0), r1, BLOCK_M, num_stages=STAGES):  # rows in no group
+            rows = r + tl.arange(0, BLOCK_M)
+            _rows_in_registers(x_ptr, q_ptr, rows.to(tl.int64) * stride_r, rows.to(tl.int64) * K, rows < r1,
+                               s_ptr + rows, K, stride_k, POW2, BLOCK_K, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
+                               FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+
 
 def rowwise_config(M: int, K: int, tile: int = TILE_ELEMENTS, num_warps: int | None = None) -> dict:
     """Block sizes for ``M`` rows of ``K`` (static shapes only: never the token count's value).
@@ -358,8 +366,8 @@ def launch_expert_rowwise_col_amax(
 
 def launch_group_rowwise_amax(
     x: torch.Tensor,
-    q: torch.Tensor,
-    scale: torch.Tensor,
+    q: torch.Tensor | None,
+    scale: torch.Tensor | None,
     amax_bits: torch.Tensor,
     offs: torch.Tensor,
     fmt: Float8Format,
@@ -373,14 +381,16 @@ def launch_group_rowwise_amax(
     ``q (M, K)`` row-major and ``scale (M,)``, plus, from the same read, the column amax of every
     group of rows given by the int32 end offsets ``offs (G,)`` (on the device, never synced), merged
     into ``amax_bits (G, K)`` int32 (fp32 bits; pass zeros): what the wgrad's per-group column scales
-    of ``x`` need (``colwise.launch_group_colwise(amax_bits=...)``)."""
+    of ``x`` need (``colwise.launch_group_colwise(amax_bits=...)``). ``q = scale = None``: the amax
+    alone (the rows are read, nothing else is written; rows past the groups are not read)."""
     M, K = x.shape
     cfg, rows = _strip_config(M, K, rows_per_program, TILE_ELEMENTS, None)
     if M == 0:
         return
     G = offs.numel()
+    write = q is not None
     _group_rowwise_amax_kernel[(cdiv(M, rows),)](
-        x, q, scale, amax_bits, offs, M, K, G, x.stride(0), x.stride(1),
-        POW2=bool(pow2), ROWS=rows, STAGES=stages, G_POW2=next_power_of_2(max(G, 1)), **cfg,
-        **format_constexprs(fmt, x.device, hw_cast),
+        x, q if write else amax_bits, scale if write else amax_bits, amax_bits, offs, M, K, G, x.stride(0),
+        x.stride(1), POW2=bool(pow2), ROWS=rows, STAGES=stages, G_POW2=next_power_of_2(max(G, 1)),
+        WRITE_ROWS=write, **cfg, **format_constexprs(fmt, x.device, hw_cast),
     )
