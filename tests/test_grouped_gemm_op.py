@@ -13,7 +13,7 @@ import torch
 
 import moe_fp8
 from moe_fp8 import Fp8WeightCache, fp8_grouped_mm
-from moe_fp8.grouped_gemm import emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d, quant_seam
+from moe_fp8.grouped_gemm import autograd, emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d, quant_seam
 from moe_fp8.quant import E4M3FN, quantize_expert_colwise, quantize_group_colwise, quantize_rowwise
 from moe_fp8.testing import OFFSET_KINDS, random_offsets, sqnr
 
@@ -177,7 +177,7 @@ def test_x_only_or_w_only_gradients(backend, monkeypatch):
     """Either gradient alone equals the pair's. With both, on the fused kernels (triton), the
     forward's row quantization of x and the dgrad's of grad_out hand the wgrad their per-group
     column amaxes (two calls); with x quantized upstream, a read of x alone gives x's (one call of
-    each); with either gradient alone, or on the reference quantizers (emulated), nothing does
+    each) where its groups average ``UPSTREAM_AMAX_MIN_ROWS_PER_GROUP`` rows or more; with either gradient alone, or on the reference quantizers (emulated), nothing does
     (the wgrad reduces both)."""
     calls, alone = [], []
     real = quant_seam.quantize_activation_group_amax
@@ -192,11 +192,14 @@ def test_x_only_or_w_only_gradients(backend, monkeypatch):
     fused = backend == "triton"
     assert len(calls) == (2 if fused else 0) and not alone
     assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
-    calls.clear()  # x's rows quantized upstream (FP8MoE's fused permute)
-    x_fp8 = moe_fp8.quant.quantize_rowwise(x.detach(), E4M3FN)
-    _, dx3, dw3 = run(x, w, g, offs, backend=backend, x_fp8=x_fp8)
-    assert len(calls) == len(alone) == (1 if fused else 0)
-    assert torch.equal(dx, dx3) and torch.equal(dw, dw3)
+    x_fp8 = moe_fp8.quant.quantize_rowwise(x.detach(), E4M3FN)  # x's rows quantized upstream (FP8MoE)
+    for min_rows, asked in ((24, fused), (25, False)):  # 48 rows in 2 groups: 24 per group
+        calls.clear()
+        alone.clear()
+        monkeypatch.setattr(autograd, "UPSTREAM_AMAX_MIN_ROWS_PER_GROUP", min_rows)
+        _, dx3, dw3 = run(x, w, g, offs, backend=backend, x_fp8=x_fp8)
+        assert len(calls) == len(alone) == int(asked), min_rows
+        assert torch.equal(dx, dx3) and torch.equal(dw, dw3)
 
 
 @needs_interpreter

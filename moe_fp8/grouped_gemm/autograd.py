@@ -18,7 +18,8 @@ layout's amax (over N) from the same read, ``w`` itself and that ``(E, K)`` amax
 the backward quantizes the dgrad layout from them (the same bytes, one read and one write of
 ``w``), so no FP8 weight copy lives from forward to backward.
 With ``rowwise`` FP8 wgrad and both gradients wanted, the forward's row quantization of ``x`` (or,
-when ``x`` comes quantized from upstream, a read of ``x`` alone) and the dgrad's of grad_out also
+when ``x`` comes quantized from upstream and its groups average at least
+``UPSTREAM_AMAX_MIN_ROWS_PER_GROUP`` rows, a read of ``x`` alone) and the dgrad's of grad_out also
 reduce their per-group column amaxes, from which the wgrad writes both operands without a
 reduction of its own (fused kernels and rows of at most 16384 elements; otherwise the wgrad
 reduces them).
@@ -61,6 +62,21 @@ def _rows_give_group_amax(fused: bool, k: int, n: int) -> bool:
     return fused and col_amax_fits(k) and col_amax_fits(n)
 
 
+# With x quantized upstream, its group amax costs one more read of x and one more launch (76 µs of
+# host time per call on the H200's host). Uncached FP8MoE step at 4096 tokens on one H200
+# (2026-11-30, ``benchmarks/results/layer_upstream_amax_ab.md``): DeepSeek-V3 E=8 (4096 rows per
+# group) 10.42-10.45 -> 10.17 ms in CUDA graphs, 11.54-11.61 -> 11.36-11.46 eager; Qwen3-30B-A3B
+# (256 rows per group) 4.16 -> 4.15 ms in graphs but 5.08-6.57 -> 5.47-6.99 eager (host-bound).
+# The threshold lies between the two measured points; it was not swept.
+UPSTREAM_AMAX_MIN_ROWS_PER_GROUP = 1024
+
+
+def _upstream_amax_pays(m: int, groups: int) -> bool:
+    """Whether to read an upstream-quantized ``x (m, K)`` once more for its group amax: at least
+    ``UPSTREAM_AMAX_MIN_ROWS_PER_GROUP`` rows per group on average (static shapes only)."""
+    return m >= UPSTREAM_AMAX_MIN_ROWS_PER_GROUP * groups
+
+
 class FP8GroupedMM(torch.autograd.Function):
     """``apply(x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w)``.
 
@@ -99,7 +115,7 @@ class FP8GroupedMM(torch.autograd.Function):
                      and _rows_give_group_amax(fused, x.shape[1], w.shape[1]))
         if x_quant is not None:
             xq, xs = x_quant
-            if want_amax:  # rows quantized upstream (FP8MoE): one more read of x
+            if want_amax and _upstream_amax_pays(x.shape[0], offs.shape[0]):  # one more read of x
                 x_amax = lib.group_amax(x, offs, fused)
         elif want_amax:  # from x's row quantization, the same read
             xq, xs, x_amax = lib.quantize_activation_group_amax(x, offs, fmt, pow2, fused)
