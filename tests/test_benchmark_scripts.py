@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
@@ -31,6 +32,7 @@ def test_benchmark_compiles(script):
     ("ab_layer_backends.py", [], ["ab_layer_backends.json", "ab_layer_backends.md"]),
     ("ab_layer_backends.py", ["--uncached"], ["ab_layer_backends.md"]),
     ("ab_triton_wgrad_padding.py", [], ["ab_triton_wgrad_padding.json", "ab_triton_wgrad_padding.md"]),
+    ("sm90_resources.py", [], [f"sm90_resources_triton{triton.__version__}.md"]),
 ])
 def test_benchmark_smoke(script, extra, outputs, tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
