@@ -15,6 +15,7 @@ from .dispatch import (
 )
 from .formats import E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, Float8Format, detect_format, resolve_format
 from .ops import (
+    triton_group_amax,
     triton_quantize_blockwise,
     triton_quantize_expert_colwise,
     triton_quantize_expert_colwise_dual,
@@ -50,6 +51,7 @@ __all__ = [
     "quantize_rowwise",
     "quantize_tensorwise",
     "resolve_format",
+    "triton_group_amax",
     "triton_quantize_blockwise",
     "triton_quantize_expert_colwise",
     "triton_quantize_expert_colwise_dual",
