@@ -9,6 +9,7 @@ Median GPU time of CUDA-graph replays; ``colwise_config``'s defaults otherwise.
 
     python benchmarks/sweep_colwise_lag.py [--out DIR]    # -> DIR/colwise_lag.{json,md}
     python benchmarks/sweep_colwise_lag.py --block-c 32 --chunk 1024 --kinds dgrad
+    python benchmarks/sweep_colwise_lag.py --chunk 512 --block-r 64 --block-c 64   # the tile before 2026-11-30
     python benchmarks/sweep_colwise_lag.py --smoke        # tiny shapes, interpreter: checks the script
 """
 
@@ -39,6 +40,7 @@ WGRAD = [("DeepSeek-V3", 32768, 4096, 7168, 8), ("DeepSeek-V3", 65536, 4096, 716
 SMOKE_DGRAD = [("smoke", 2, 32, 48)]
 SMOKE_WGRAD = [("smoke", 64, 32, 48, 3)]
 BLOCK_C = None  # columns per column block (--block-c); None: colwise_config's default
+BLOCK_R = None  # rows per tile (--block-r); None: colwise_config's default
 CHUNK = None  # rows per chunk (--chunk); None: colwise_config's default
 
 
@@ -46,10 +48,10 @@ def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
     """Times ``make_fn(config)`` at every lag; ``auto`` is the lag the default config resolves to.
     ``kind``: "dgrad" (uniform groups) or "wgrad" (jagged)."""
     cfg = colwise_config()
-    block_c, chunk = BLOCK_C or cfg["BLOCK_C"], CHUNK or cfg["CHUNK"]
+    block_c, block_r, chunk = BLOCK_C or cfg["BLOCK_C"], BLOCK_R or cfg["BLOCK_R"], CHUNK or cfg["CHUNK"]
     n_chunks = cdiv(rows, chunk)
     auto = auto_lag(n_chunks, multiprocessor_count(torch.device(device)), jagged=kind == "wgrad")
-    us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag, block_c=block_c, chunk=chunk)))
+    us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag, block_c=block_c, block_r=block_r, chunk=chunk)))
           for lag in range(MAX_LAG + 1)}
     best = min(us, key=us.get)
     row = dict(kind=kind, model=model, shape=shape, chunks=n_chunks, block_mib=round(rows * block_c * 2 / 2**20, 1),
@@ -87,7 +89,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
     lines = ["# Column-wise quantizer: worker lag", "",
              f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
              f"{meta['sms']} multiprocessors. "
-             f"BLOCK_C {meta['block_c']}, CHUNK {meta['chunk']}. µs: median of CUDA-graph replays. `block MiB`: "
+             f"BLOCK_R x BLOCK_C {meta['block_r']} x {meta['block_c']}, CHUNK {meta['chunk']}. µs: median of CUDA-graph replays. `block MiB`: "
              "one column block of all rows (bf16). `chunks`: member programs per column block. `auto`: "
              "`auto_lag`'s choice (largest lag <= 4 with (lag + 1) x chunks <= 3 per multiprocessor; at least 1 for "
              "wgrad).", "",
@@ -106,6 +108,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results", help="folder for colwise_lag.json and colwise_lag.md")
     p.add_argument("--kinds", default="dgrad,wgrad", help="dgrad (expert, uniform) and/or wgrad (jagged)")
     p.add_argument("--block-c", type=int, default=None, help="columns per column block (default: colwise_config's)")
+    p.add_argument("--block-r", type=int, default=None, help="rows per tile (default: colwise_config's)")
     p.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: colwise_config's)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
     args = p.parse_args()
@@ -113,13 +116,13 @@ def main() -> None:
         bench_quant.DEVICE = "cpu"
     elif not torch.cuda.is_available():
         sys.exit("sweep_colwise_lag.py needs a CUDA GPU (or --smoke)")
-    global BLOCK_C, CHUNK
-    BLOCK_C, CHUNK = args.block_c, args.chunk
+    global BLOCK_C, BLOCK_R, CHUNK
+    BLOCK_C, BLOCK_R, CHUNK = args.block_c, args.block_r, args.chunk
     rows = run(args.smoke, tuple(args.kinds.split(",")))
     dev = torch.device(bench_quant.DEVICE)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke run)",
-                block_c=BLOCK_C or colwise_config()["BLOCK_C"],
+                block_c=BLOCK_C or colwise_config()["BLOCK_C"], block_r=BLOCK_R or colwise_config()["BLOCK_R"],
                 chunk=CHUNK or colwise_config()["CHUNK"], torch=torch.__version__, triton=triton.__version__,
                 sms=multiprocessor_count(dev))
     os.makedirs(args.out, exist_ok=True)

@@ -442,6 +442,9 @@ def _colwise_kernel(
 # Qwen3 and DeepSeek-V3 E=32 dgrad) every lag lost 3-9% to lag 0; with fewer the lag that fits
 # gained up to 10%; in jagged launches lag 0 was the slowest or next slowest on every shape. The
 # same rule in L2 bytes fits the 64-column sweep alike but mispredicts at 32 columns by up to 16%.
+# At the default 256-row chunks of 32 x 128 tiles (lags 0, 1, 2, 4 and auto on 19 launches,
+# ``benchmarks/results/colwise_default_ab.md``) the lag it picks was within 1.3% of the best on 18;
+# on DeepSeek-V3 W2's dgrad (224 chunks: lag 0) lag 1 was 13% faster (143 against 161 µs).
 # Only NVIDIA's H200 was measured; elsewhere (ROCm: 304 CUs on an MI300X) the rule is applied as is.
 MAX_LAG = 4
 _PROGRAMS_PER_SM = 3
@@ -454,15 +457,22 @@ def auto_lag(n_chunks: int, sms: int, jagged: bool) -> int:
     return max(int(jagged), min(MAX_LAG, _PROGRAMS_PER_SM * sms // max(n_chunks, 1) - 1))
 
 
-def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, stages: int = 3,
+def colwise_config(*, chunk: int = 256, block_r: int = 32, block_c: int = 128, stages: int = 3,
                    lag: int | None = None, num_warps: int = 4, maxnreg: int | None = 96,
                    two_pass: bool = False) -> dict:
     """Chunk rows, tile shape, software-pipeline stages of the row loops, how many column blocks the
     workers trail their members by (see ``_colwise_kernel``; ``None``: ``auto_lag`` per launch),
     warps, a cap on registers per thread (NVIDIA only, ignored elsewhere; ``None``: no cap), and
     ``two_pass``: members and workers in two launches (no waiting; ``lag`` unused) instead of one.
-    Defaults: best of a sweep on one H200 (see BENCHMARKS.md); the cap of 96 lets 5 programs share a
-    multiprocessor instead of 4."""
+
+    Defaults (every launch: members and workers, workers alone, jagged groups and uniform experts):
+    256-row chunks of 32 x 128 tiles, best on one H200 (2026-11-30). Members and workers
+    (``benchmarks/results/colwise_default_ab.md``, auto lag, 19 launches of three models): 3-21%
+    faster than 512-row chunks of 64 x 64 on 17 (group dual 8-21%, Llama 4 dgrad 6%), level on
+    Qwen3's second dgrad, 8% slower on DeepSeek-V3's second dgrad (161 against 149 µs; lag 1 would
+    take 143: ``auto_lag`` gives 0 there). Workers alone (``benchmarks/results/wgrad_both_amax_ab.md``,
+    ``expert_colwise_from_amax.md``): 5-14% faster on the wgrad operands, 86-92% of copy on the
+    dgrad layout against 79-82%. The cap of 96 lets 5 programs share a multiprocessor instead of 4."""
     for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
@@ -472,23 +482,11 @@ def colwise_config(*, chunk: int = 512, block_r: int = 64, block_c: int = 64, st
                 maxnreg=maxnreg, TWO_PASS=bool(two_pass))
 
 
-# Workers alone (``amax_bits`` given, ``config=None``): 256-row chunks of 32 x 128 tiles, over jagged
-# groups and over uniform experts alike. Best of 7 configurations on the wgrad operands of four model
-# GEMMs on one H200 (2026-11-30; ``benchmarks/results/wgrad_both_amax_ab.md``): 5-14% faster than
-# 512-row chunks of 64 x 64 tiles (DeepSeek-V3 gate_up 293 against 343 µs, 90% of copy; Qwen3 gate_up
-# 358 against 379), where 512-row chunks of 32 x 128 tiles lost 14-16% on Qwen3. On the expert
-# weights' dgrad layout (``benchmarks/results/expert_colwise_from_amax.md``): 86-92% of copy against
-# 79-82% with 512-row chunks of 64 x 64 tiles (DeepSeek-V3 W1 180.6 against 201.6 µs).
-WORKERS_CONFIG = colwise_config(chunk=256, block_c=128, block_r=32)
-
-
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
             hw_cast, amax_bits=None) -> None:
     """One launch over ``(column blocks of a and b) x 2 x chunks`` (two launches of half that with
     ``TWO_PASS``); ``offs=None``: ``G`` uniform groups of ``n_uni`` rows. ``amax_bits`` (int32
     ``(G, C_A + C_B)``, the complete amaxes as fp32 bits): the workers alone, in one launch."""
-    if config is None and amax_bits is not None:
-        config = WORKERS_CONFIG
     cfg = {**colwise_config(), "TICKETS": torch.version.hip is not None, **(config or {})}
     if cfg["maxnreg"] is None or not a.is_cuda or torch.version.hip is not None:
         del cfg["maxnreg"]  # a launch option of NVIDIA's compiler only (the interpreter runs on CPU tensors)
@@ -534,7 +532,7 @@ def launch_expert_colwise_t(w: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
 
     ``amax_bits (E, K)`` int32, the fp32 bits of each expert column's amax
     (``rowwise.launch_expert_rowwise_col_amax`` makes them): only the workers run, one read and one
-    write of ``w``, nothing waits; ``config=None`` is then ``WORKERS_CONFIG``."""
+    write of ``w``, nothing waits."""
     E, N, K = w.shape
     strides = (w.stride(0), w.stride(1), w.stride(2), K * N, 1, N)
     _launch(w, q, scale, None, None, None, None, None, E, N, N, N, strides, fmt, pow2, config, hw_cast,
@@ -561,7 +559,7 @@ def launch_group_colwise(
     ``qa``/``qb`` have ``rows_out`` rows and any strides; ``sa (G, C_A)``, ``sb (G, C_B)`` contiguous.
     ``amax_bits (G, C_A + C_B)`` int32, the per-group column amaxes as fp32 bits, ``a``'s columns
     then ``b``'s (``rowwise.launch_group_rowwise_amax`` makes each): only the workers run, one read
-    and one write per element, nothing waits; ``config=None`` is then ``WORKERS_CONFIG``.
+    and one write per element, nothing waits.
     """
     strides = (0, a.stride(0), a.stride(1), 0, qa.stride(0), qa.stride(1))
     _launch(a, qa, sa, b, qb, sb, offs, padded_offs, offs.numel(), 1, a.shape[0], qa.shape[0], strides, fmt, pow2,
