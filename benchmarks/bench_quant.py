@@ -55,7 +55,7 @@ STRIP_SWEEP = [(512, 64, 64, 3, 0, 4, 96, False), (512, 64, 64, 3, 4, 4, 96, Fal
                (512, 64, 64, 3, 0, 4, None, False), (512, 64, 64, 3, 0, 4, 96, True),
                (512, 64, 64, 3, 0, 4, None, True), (1024, 64, 64, 3, 0, 4, None, True),
                (2048, 64, 64, 3, 0, 4, None, True),
-               # the workers' own best tiles (WORKERS_CONFIG: 256-row chunks of 32 x 128), members included
+               # 256-row chunks of 32 x 128: colwise_config's default since fbd3600 (at auto_lag)
                (256, 32, 128, 3, 0, 4, 96, False), (256, 32, 128, 3, 2, 4, 96, False),
                (512, 32, 128, 3, 0, 4, 96, False), (256, 32, 128, 3, 0, 4, 96, True)]
 ROW_SWEEP = [(4096, 4), (8192, 8)]

@@ -5,7 +5,7 @@ uses reports registers and spills. A GPU sweep then need not find out that a con
 and a Triton version other than the device's can be checked. The configurations: the Triton wgrad
 GEMM's variants (``bench_grouped_gemm_triton.VARIANTS_2D2D``, column-major operands, rowwise
 scales) and the column-wise quantization kernel's (``bench_quant.STRIP_SWEEP``, plus the workers
-alone at ``WORKERS_CONFIG``) on the expert dgrad layout and the group dual. ``pipelined``: the
+alone at ``colwise_config``'s default) on the expert dgrad layout and the group dual. ``pipelined``: the
 GEMM's main loop waits for its oldest operand slices only (a software pipeline).
 
     python benchmarks/sm90_resources.py --out benchmarks/results   # -> sm90_resources_triton<version>.json / .md
@@ -139,7 +139,7 @@ def main() -> None:
     args = p.parse_args()
     variants = dict(list(VARIANTS_2D2D.items())[:1]) if args.smoke else VARIANTS_2D2D
     configs = [(_strip_label(v), _strip_config(*v)) for v in (STRIP_SWEEP[:1] if args.smoke else STRIP_SWEEP)]
-    configs.append(("WORKERS_CONFIG, workers alone", dict(colwise.WORKERS_CONFIG, workers_only=True)))
+    configs.append(("default, workers alone", dict(colwise.colwise_config(), workers_only=True)))
     rows = wgrad_rows(variants) + colwise_rows(configs)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 triton=triton.__version__, torch=torch.__version__, ptxas=Path(_ptxas()).name)
