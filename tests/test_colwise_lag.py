@@ -2,8 +2,10 @@
 
 The rule (the largest lag, at most ``MAX_LAG``, with ``(lag + 1) * n_chunks <= 3 * multiprocessors``,
 at least 1 in jagged launches) against the H200 sweeps it was fitted to
-(``benchmarks/results/colwise_lag.md``, ``colwise_lag_block32.md``), its bounds, and that a launch
-without an explicit lag uses it.
+(``benchmarks/results/colwise_lag.md``, ``colwise_lag_block32.md``; 512-row chunks of 64 x 64 tiles,
+the default then: the model shapes named below have twice the chunks at today's 256-row chunks,
+whose lags ``colwise_default_ab.md`` checked), its bounds, and that a launch without an explicit lag
+uses it.
 """
 
 import pytest
