@@ -1,8 +1,9 @@
 """The column-wise quantizer's worker lag on one GPU: every lag 0..MAX_LAG against ``auto_lag``'s choice.
 
-``auto_lag`` picks the largest lag whose ``lag + 1`` column blocks have at most 3 chunks (member
+``auto_lag`` picks the largest lag whose ``lag + 1`` column blocks have at most 3.5 chunks (member
 programs) per multiprocessor, at least 1 in jagged (wgrad) launches
-(``moe_fp8/quant/kernels/colwise.py``; the rule was fitted to this script's shapes): the expert
+(``moe_fp8/quant/kernels/colwise.py``; first fitted, with 3 per multiprocessor, to this script's shapes at
+512-row chunks of 64 x 64 tiles, then to ``results/colwise_default_ab.md`` at the default tile): the expert
 dgrad layout of every model's weights (incl. DeepSeek-V3 with 32 local experts) and the wgrad
 dual of DeepSeek-V3 over 8 groups at 32768, 65536 and 131072 rows, of Llama 4 and of Qwen3.
 Median GPU time of CUDA-graph replays; ``colwise_config``'s defaults otherwise.
@@ -91,7 +92,7 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['sms']} multiprocessors. "
              f"BLOCK_R x BLOCK_C {meta['block_r']} x {meta['block_c']}, CHUNK {meta['chunk']}. µs: median of CUDA-graph replays. `block MiB`: "
              "one column block of all rows (bf16). `chunks`: member programs per column block. `auto`: "
-             "`auto_lag`'s choice (largest lag <= 4 with (lag + 1) x chunks <= 3 per multiprocessor; at least 1 for "
+             "`auto_lag`'s choice (largest lag <= 4 with (lag + 1) x chunks <= 3.5 per multiprocessor; at least 1 for "
              "wgrad).", "",
              "| kind | model | shape | chunks | block MiB | " + " | ".join(f"lag {k} µs" for k in lags)
              + " | auto | best | auto / best | lag 0 / auto |",

@@ -434,27 +434,29 @@ def _colwise_kernel(
 
 
 # Workers trail their members by up to MAX_LAG column blocks: as many as keep the members of the
-# ``lag + 1`` column blocks in between (``lag + 1`` times the chunks of a column block) within 3
-# programs per multiprocessor, and at least one in jagged (wgrad) launches (``auto_lag``). Fitted
-# to H200 sweeps of lags 0-4 (132 multiprocessors; ``benchmarks/sweep_colwise_lag.py``,
-# BENCHMARKS.md): 12 shapes at 64 columns per block, where the lag it picks is within 1% of the
-# best, and 7 at 32 columns, within 5%. Where one column block has 256 chunks or more (Llama 4,
-# Qwen3 and DeepSeek-V3 E=32 dgrad) every lag lost 3-9% to lag 0; with fewer the lag that fits
-# gained up to 10%; in jagged launches lag 0 was the slowest or next slowest on every shape. The
-# same rule in L2 bytes fits the 64-column sweep alike but mispredicts at 32 columns by up to 16%.
-# At the default 256-row chunks of 32 x 128 tiles (lags 0, 1, 2, 4 and auto on 19 launches,
-# ``benchmarks/results/colwise_default_ab.md``) the lag it picks was within 1.3% of the best on 18;
-# on DeepSeek-V3 W2's dgrad (224 chunks: lag 0) lag 1 was 13% faster (143 against 161 µs).
+# ``lag + 1`` column blocks in between (``lag + 1`` times the chunks of a column block) within 3.5
+# programs per multiprocessor, and at least one in jagged (wgrad) launches (``auto_lag``).
+# Fitted to the default tile (256-row chunks of 32 x 128) on one H200 (132 multiprocessors;
+# ``benchmarks/results/colwise_default_ab.md``: lags 0, 1, 2 and 4 on 19 launches of three models):
+# on every launch the lag it picks was the fastest measured or within 1.3% of it (lag 3 was not
+# timed, and the rule picks it for none of them). The bound sits between 3.39 per multiprocessor,
+# below which DeepSeek-V3 W2's dgrad (224 chunks) falls back to lag 0 (13% slower: 161 against
+# 143 µs), and 3.88, from which DeepSeek-V3 W1's dgrad and its wgrad operands (128 chunks) would
+# take lag 3. Where one column block has 512 chunks or more (Llama 4 and Qwen3 dgrad) lag 0 won,
+# by 1-5%; in jagged launches lag 0 was slowest or next slowest on every shape. An earlier fit of
+# 3 per multiprocessor at 512-row chunks of 64 x 64 tiles (``colwise_lag.md``; lags 0-4): under
+# this bound its picks there are within 3.1% of the best (DeepSeek-V3 W2: lag 3 against 2), at 32
+# columns (``colwise_lag_block32.md``) within 6%.
 # Only NVIDIA's H200 was measured; elsewhere (ROCm: 304 CUs on an MI300X) the rule is applied as is.
 MAX_LAG = 4
-_PROGRAMS_PER_SM = 3
+_MEMBERS_PER_TWO_SMS = 7  # 3.5 member programs per multiprocessor, in integers
 
 
 def auto_lag(n_chunks: int, sms: int, jagged: bool) -> int:
-    """Largest ``lag <= MAX_LAG`` with ``(lag + 1) * n_chunks <= 3 * sms``: the member programs of the
+    """Largest ``lag <= MAX_LAG`` with ``(lag + 1) * n_chunks <= 3.5 * sms``: the member programs of the
     column blocks that have been read and not yet written (``n_chunks`` members per column block)
-    within 3 per multiprocessor. At least 1 when ``jagged`` (groups from offsets), else at least 0."""
-    return max(int(jagged), min(MAX_LAG, _PROGRAMS_PER_SM * sms // max(n_chunks, 1) - 1))
+    within 3.5 per multiprocessor. At least 1 when ``jagged`` (groups from offsets), else at least 0."""
+    return max(int(jagged), min(MAX_LAG, _MEMBERS_PER_TWO_SMS * sms // (2 * max(n_chunks, 1)) - 1))
 
 
 def colwise_config(*, chunk: int = 256, block_r: int = 32, block_c: int = 128, stages: int = 3,
