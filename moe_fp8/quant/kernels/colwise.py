@@ -472,9 +472,10 @@ def colwise_config(*, chunk: int = 256, block_r: int = 32, block_c: int = 128, s
     (``benchmarks/results/colwise_default_ab.md``, auto lag, 19 launches of three models): 3-21%
     faster than 512-row chunks of 64 x 64 on 17 (group dual 8-21%, Llama 4 dgrad 6%), level on
     Qwen3's second dgrad; on DeepSeek-V3's second dgrad 8% slower at lag 0 (161 against 149 µs) and
-    4% faster at lag 1 (143), which ``auto_lag`` gives it since its refit. Workers alone (``benchmarks/results/wgrad_both_amax_ab.md``,
-    ``expert_colwise_from_amax.md``): 5-14% faster on the wgrad operands, 86-92% of copy on the
-    dgrad layout against 79-82%. The cap of 96 lets 5 programs share a multiprocessor instead of 4."""
+    4% faster at lag 1 (143), which ``auto_lag`` gives it since its refit. Workers alone
+    (``benchmarks/results/wgrad_both_amax_ab.md``, ``expert_colwise_from_amax.md``): 5-14% faster
+    on the wgrad operands, 86-92% of copy on the dgrad layout against 79-82%. The cap of 96 lets 5
+    programs share a multiprocessor instead of 4."""
     for name, v in (("chunk", chunk), ("block_r", block_r), ("block_c", block_c)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {v}")
