@@ -156,7 +156,9 @@ def _resources(jit_fn, before: dict) -> str:
     return ", ".join(f"{getattr(k, 'n_regs', '?')} regs, {getattr(k, 'n_spills', '?')} spills" for k in new)
 
 
-def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
+def run(models, sweep: bool, deadline: float, ao, on_model_done=None) -> tuple[Table, list[dict]]:
+    """Times every kernel on each model in turn; ``on_model_done(table, sweeps)`` after each model
+    (``main`` writes the tables then, so a run cut short keeps the models it finished)."""
     table = Table(_copy_gbps())
     print(f"device-to-device copy: {table.copy:.0f} GB/s (read + write)", flush=True)
     sweeps: list[dict] = []
@@ -266,6 +268,8 @@ def run(models, sweep: bool, deadline: float, ao) -> tuple[Table, list[dict]]:
             del a, b
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+        if on_model_done is not None:
+            on_model_done(table, sweeps)
     return table, sweeps
 
 
@@ -274,7 +278,8 @@ def _markdown(meta: dict, table: Table, sweeps: list[dict]) -> str:
         "# FP8 quantization kernels: bandwidth",
         "",
         f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
-        f"torchao {meta['torchao'] or 'not installed'}. Device-to-device copy: **{meta['copy_gbps']:.0f} GB/s** "
+        f"torchao {meta['torchao'] or 'not installed'}. Models: {', '.join(meta.get('models', []))}. "
+        f"Device-to-device copy: **{meta['copy_gbps']:.0f} GB/s** "
         "(read + write). GB/s count each input read once and each output and scale written once; "
         "`% copy` is that over the copy bandwidth. Median GPU time of `triton.testing.do_bench_cudagraph` "
         "(CUDA-graph replay: no Python or launch overhead, for both libraries).",
@@ -313,17 +318,22 @@ def main() -> None:
     ao, ao_version = _torchao() if DEVICE == "cuda" else (None, None)
     start = time.time()
     models = list(SMOKE_MODELS) if args.smoke else [m.strip() for m in args.models.split(",")]
-    table, sweeps = run(models, args.sweep, start + args.budget_s, ao)
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run)"
-    meta = dict(date=datetime.date.today().isoformat(), gpu=gpu, torch=torch.__version__,
-                triton=triton.__version__, torchao=ao_version, python=platform.python_version(),
-                copy_gbps=round(table.copy, 1), seconds=round(time.time() - start, 1))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "quant.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=table.rows, sweep=sweeps), f, indent=1)
-    with open(os.path.join(args.out, "quant.md"), "w") as f:
-        f.write(_markdown(meta, table, sweeps))
-    print(f"wrote {args.out}/quant.json and quant.md in {meta['seconds']} s")
+
+    def write(table: Table, sweeps: list[dict]) -> None:
+        meta = dict(date=datetime.date.today().isoformat(), gpu=gpu, torch=torch.__version__,
+                    triton=triton.__version__, torchao=ao_version, python=platform.python_version(),
+                    copy_gbps=round(table.copy, 1), seconds=round(time.time() - start, 1),
+                    models=sorted({r["model"] for r in table.rows}, key=models.index))
+        with open(os.path.join(args.out, "quant.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=table.rows, sweep=sweeps), f, indent=1)
+        with open(os.path.join(args.out, "quant.md"), "w") as f:
+            f.write(_markdown(meta, table, sweeps))
+        print(f"wrote {args.out}/quant.json and quant.md ({', '.join(meta['models'])}) at {meta['seconds']} s",
+              flush=True)
+
+    run(models, args.sweep, start + args.budget_s, ao, on_model_done=write)
 
 
 if __name__ == "__main__":

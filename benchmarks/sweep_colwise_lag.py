@@ -66,7 +66,9 @@ def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
     return row
 
 
-def run(smoke: bool, kinds: tuple[str, ...]) -> list[dict]:
+def run(smoke: bool, kinds: tuple[str, ...], on_row=None) -> list[dict]:
+    """Every lag on every shape of ``kinds``; ``on_row(rows)`` after each shape (``main`` writes the
+    tables then, so a run cut short keeps the shapes it finished)."""
     dev = bench_quant.DEVICE
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -75,6 +77,8 @@ def run(smoke: bool, kinds: tuple[str, ...]) -> list[dict]:
         rows.append(_row("dgrad", model, f"{E}x{N}x{K}", E * N, E * N * K * 3 + E * K * 4,
                          lambda cfg: bench_quant._expert_t_variant(w, cfg, None), dev))
         del w
+        if on_row is not None:
+            on_row(rows)
     for model, M, N, K, G in (SMOKE_WGRAD if smoke else WGRAD) if "wgrad" in kinds else ():
         a = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
         b = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -82,6 +86,8 @@ def run(smoke: bool, kinds: tuple[str, ...]) -> list[dict]:
         rows.append(_row("wgrad", model, f"{M}x({N}+{K}) E={G}", M, M * (N + K) * 3 + G * (N + K) * 4,
                          lambda cfg: bench_quant._group_variant(a, b, offs, cfg, None), dev))
         del a, b
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -119,7 +125,6 @@ def main() -> None:
         sys.exit("sweep_colwise_lag.py needs a CUDA GPU (or --smoke)")
     global BLOCK_C, BLOCK_R, CHUNK
     BLOCK_C, BLOCK_R, CHUNK = args.block_c, args.block_r, args.chunk
-    rows = run(args.smoke, tuple(args.kinds.split(",")))
     dev = torch.device(bench_quant.DEVICE)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke run)",
@@ -127,11 +132,15 @@ def main() -> None:
                 chunk=CHUNK or colwise_config()["CHUNK"], torch=torch.__version__, triton=triton.__version__,
                 sms=multiprocessor_count(dev))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "colwise_lag.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(os.path.join(args.out, "colwise_lag.md"), "w") as f:
-        f.write(_markdown(meta, rows))
-    print(f"wrote {args.out}/colwise_lag.json and colwise_lag.md")
+
+    def write(rows: list[dict]) -> None:
+        with open(os.path.join(args.out, "colwise_lag.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        with open(os.path.join(args.out, "colwise_lag.md"), "w") as f:
+            f.write(_markdown(meta, rows))
+        print(f"wrote {args.out}/colwise_lag.json and colwise_lag.md ({len(rows)} shapes)", flush=True)
+
+    run(args.smoke, tuple(args.kinds.split(",")), on_row=write)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ def test_benchmark_compiles(script):
     ("ab_layer_backends.py", ["--uncached"], ["ab_layer_backends.md"]),
     ("ab_triton_wgrad_padding.py", [], ["ab_triton_wgrad_padding.json", "ab_triton_wgrad_padding.md"]),
     ("sm90_resources.py", [], [f"sm90_resources_triton{triton.__version__}.md"]),
+    ("sweep_colwise_lag.py", ["--kinds", "dgrad"], ["colwise_lag.json", "colwise_lag.md"]),
 ])
 def test_benchmark_smoke(script, extra, outputs, tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
@@ -41,3 +42,19 @@ def test_benchmark_smoke(script, extra, outputs, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     for name in outputs:
         assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.interpreter
+def test_bench_quant_reports_each_model_as_it_ends(monkeypatch):
+    """``bench_quant.run`` hands the table to its callback after every model (``main`` writes the
+    files then), so a run stopped by a time limit keeps the models it finished."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_quant
+
+    monkeypatch.setattr(bench_quant, "DEVICE", "cpu")
+    two = {"one": bench_quant.SMOKE_MODELS["smoke"], "two": bench_quant.SMOKE_MODELS["smoke"]}
+    monkeypatch.setattr(bench_quant, "SMOKE_MODELS", two)
+    seen = []
+    bench_quant.run(["one", "two"], False, 0.0, None,
+                    on_model_done=lambda table, sweeps: seen.append(sorted({r["model"] for r in table.rows})))
+    assert seen == [["one"], ["one", "two"]]
