@@ -42,8 +42,6 @@ class GemmConfig:
     fast_accum: bool = True
 
 
-
-
 def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
 
