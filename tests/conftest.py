@@ -18,6 +18,32 @@ if not torch.cuda.is_available():
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter cannot run our kernels with these versions, or ``None``.
+
+    Below triton 3.7 the interpreter turns a loop bound into an int with ``int()`` of a one-element
+    array, which numpy 2.4 refuses (triton-lang/triton#9171): every kernel with a runtime loop bound
+    fails with "only 0-dimensional arrays can be converted to Python scalars"."""
+    def major_minor(v: str) -> tuple[int, int]:
+        major, minor = v.split(".")[:2]
+        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
+        return (f"triton {triton_version}'s interpreter fails with numpy {numpy_version} (triton-lang/triton#9171, "
+                "fixed in triton 3.7): install 'numpy<2.4' or triton >= 3.7 to run the interpreter tests")
+    return None
+
+
+def pytest_configure(config):
+    if INTERPRETING:
+        import numpy
+        import triton
+
+        problem = interpreter_numpy_problem(triton.__version__, numpy.__version__)
+        if problem:
+            raise pytest.UsageError(problem)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the H200)")
     skip_interp = pytest.mark.skip(reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
