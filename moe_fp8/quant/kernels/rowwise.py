@@ -323,7 +323,7 @@ def col_amax_fits(K: int) -> bool:
     return next_power_of_2(max(K, 16)) <= MAX_SINGLE_PASS_K
 
 
-def _strip_config(M: int, K: int, rows_per_program: int, tile: int, num_warps: int | None) -> tuple[dict, int]:
+def _col_amax_config(M: int, K: int, rows_per_program: int, tile: int, num_warps: int | None) -> tuple[dict, int]:
     """Block sizes of the column-amax kernels (``rowwise_config`` without its pass choice: whole
     rows only, else ``ValueError``) and their rows per program, a multiple of the row block."""
     if not col_amax_fits(K):
@@ -355,7 +355,7 @@ def launch_expert_rowwise_col_amax(
     (a multiple of the row block) trades programs for atomics: ``E * K`` per ``rows_per_program`` rows.
     """
     E, N, K = w.shape
-    cfg, rows = _strip_config(N, K, rows_per_program, tile, num_warps)
+    cfg, rows = _col_amax_config(N, K, rows_per_program, tile, num_warps)
     if E * N == 0:
         return
     _expert_rowwise_col_amax_kernel[(E, cdiv(N, rows))](
@@ -384,7 +384,7 @@ def launch_group_rowwise_amax(
     of ``x`` need (``colwise.launch_group_colwise(amax_bits=...)``). ``q = scale = None``: the amax
     alone (the rows are read, nothing else is written; rows past the groups are not read)."""
     M, K = x.shape
-    cfg, rows = _strip_config(M, K, rows_per_program, TILE_ELEMENTS, None)
+    cfg, rows = _col_amax_config(M, K, rows_per_program, TILE_ELEMENTS, None)
     if M == 0:
         return
     G = offs.numel()
