@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_fp8.grouped_gemm import padding
 from moe_fp8.grouped_gemm.backends.base import GroupedGemmBackend
@@ -38,6 +40,17 @@ def random_rows(M: int, C: int, dtype: torch.dtype, *, seed: int, device="cpu") 
 
 def offsets(sizes, device="cpu") -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+@given(m=st.integers(0, 70000), e=st.integers(1, 300), kind=st.sampled_from(OFFSET_KINDS), seed=st.integers(0, 99))
+@settings(max_examples=60, deadline=None)
+def test_padded_rows_bound(m, e, kind, seed):
+    """A multiple of 128 (each column of a column-major FP8 operand starts a 128-byte line), within
+    127 rows of the worst case, and never short of the padded groups of any routing."""
+    rows = padded_rows(m, e)
+    assert rows % 128 == 0 and m + 15 * e <= rows < m + 15 * e + 128
+    offs = random_offsets(m, e, kind, generator=torch.Generator().manual_seed(seed))
+    assert int(padded_offsets(offs)[-1]) <= rows
 
 
 def check(x: torch.Tensor, offs: torch.Tensor, *, wrapper: bool = True, **launch_kw) -> None:
