@@ -8,6 +8,7 @@ beside it when ``torchao`` imports. Inputs are random normal bf16 (never zeros).
 
     python benchmarks/bench_quant.py                      # table -> benchmarks/results/quant.{json,md}
     python benchmarks/bench_quant.py --sweep --out DIR    # also time kernel configurations
+    python benchmarks/bench_quant.py --models "Llama 4" --kernels padded   # only the rows named so
 
 Needs a CUDA GPU (``--smoke``: tiny shapes on the CPU, kernels in the Triton interpreter, to check
 the script itself; its numbers mean nothing). Shapes: DeepSeek-V3 (A 32768x7168, W 8x4096x7168 and 8x7168x2048), Llama 4
@@ -92,9 +93,22 @@ def _copy_gbps() -> float:
 
 
 class Table:
-    def __init__(self, copy_gbps: float):
+    """Rows of the bandwidth table; ``kernels``: substrings of the kernel names to time (None: all)."""
+
+    def __init__(self, copy_gbps: float, kernels: list[str] | None = None):
         self.copy = copy_gbps
+        self.kernels = kernels
         self.rows: list[dict] = []
+
+    def wants(self, kernel: str) -> bool:
+        return self.kernels is None or any(k in kernel for k in self.kernels)
+
+    def time(self, model, kernel, shape, nbytes, ours_fn, ao_fns=(), **extra) -> None:
+        """Times ``ours_fn`` and the TorchAO callables ``ao_fns`` (their medians summed: TorchAO's
+        counterpart may be two kernels) and adds the row, if ``kernel`` is wanted."""
+        if self.wants(kernel):
+            ao_us = sum(_time_us(f) for f in ao_fns) if ao_fns else None
+            self.add(model, kernel, shape, nbytes, _time_us(ours_fn), ao_us, **extra)
 
     def add(self, model, kernel, shape, nbytes, ours_us, ao_us=None, **extra):
         row = dict(model=model, kernel=kernel, shape=shape, bytes=nbytes, ours_us=round(ours_us, 2),
@@ -156,10 +170,11 @@ def _resources(jit_fn, before: dict) -> str:
     return ", ".join(f"{getattr(k, 'n_regs', '?')} regs, {getattr(k, 'n_spills', '?')} spills" for k in new)
 
 
-def run(models, sweep: bool, deadline: float, ao, on_model_done=None) -> tuple[Table, list[dict]]:
+def run(models, sweep: bool, deadline: float, ao, on_model_done=None,
+        kernels: list[str] | None = None) -> tuple[Table, list[dict]]:
     """Times every kernel on each model in turn; ``on_model_done(table, sweeps)`` after each model
     (``main`` writes the tables then, so a run cut short keeps the models it finished)."""
-    table = Table(_copy_gbps())
+    table = Table(_copy_gbps(), kernels)
     print(f"device-to-device copy: {table.copy:.0f} GB/s (read + write)", flush=True)
     sweeps: list[dict] = []
     gen = torch.Generator().manual_seed(0)
@@ -179,18 +194,17 @@ def run(models, sweep: bool, deadline: float, ao, on_model_done=None) -> tuple[T
         x = torch.randn(M, H, device=DEVICE, dtype=torch.bfloat16)
         shape = f"{M}x{H}"
         nbytes = M * H * 3 + M * 4
-        ao_fn = (lambda: ao.triton_fp8_rowwise_2d_scale_and_cast(x, FP8, True)) if ao else None
-        table.add(model, "rowwise (A)", shape, nbytes, _time_us(lambda: ops.triton_quantize_rowwise(x, E4M3FN, True)),
-                  _time_us(ao_fn) if ao else None)
+        table.time(model, "rowwise (A)", shape, nbytes, lambda: ops.triton_quantize_rowwise(x, E4M3FN, True),
+                   [lambda: ao.triton_fp8_rowwise_2d_scale_and_cast(x, FP8, True)] if ao else ())
         if sweep and time.time() < deadline:
             for tile, warps in ROW_SWEEP:
                 for hw in ((True, False) if (tile, warps) == ROW_SWEEP[0] else (True,)):
                     sweep_row(model, "rowwise", shape, nbytes, f"tile={tile} warps={warps} hw_cast={hw}",
                               _rowwise_variant(x, tile, warps, hw))
-        table.add(model, "blockwise 1x128 (A)", shape, M * H * 3 + M * triton.cdiv(H, 128) * 4,
-                  _time_us(lambda: ops.triton_quantize_blockwise(x, E4M3FN, (1, 128), True)))
-        table.add(model, "tensorwise (A)", shape, nbytes - M * 4 + 4,
-                  _time_us(lambda: ops.triton_quantize_tensorwise(x, E4M3FN, True)))
+        table.time(model, "blockwise 1x128 (A)", shape, M * H * 3 + M * triton.cdiv(H, 128) * 4,
+                   lambda: ops.triton_quantize_blockwise(x, E4M3FN, (1, 128), True))
+        table.time(model, "tensorwise (A)", shape, nbytes - M * 4 + 4,
+                   lambda: ops.triton_quantize_tensorwise(x, E4M3FN, True))
         del x
 
         for E, N, K in spec["weights"]:
@@ -198,23 +212,23 @@ def run(models, sweep: bool, deadline: float, ao, on_model_done=None) -> tuple[T
             w_t = w.transpose(-2, -1)  # TorchAO's B_t: (E, K, N) column-major
             shape = f"{E}x{N}x{K}"
             base = E * N * K * 3
-            table.add(model, "expert colwise fwd (W)", shape, base + E * N * 4,
-                      _time_us(lambda: ops.triton_quantize_expert_colwise(w, E4M3FN, True, False)),
-                      _time_us(lambda: ao.triton_fp8_colwise_3d_scale_and_cast(w_t, FP8, True)) if ao else None)
-            ao_t = _time_us(lambda: ao.triton_fp8_rowwise_3d_transpose_rhs(w_t, FP8, True)) if ao else None
-            table.add(model, "expert colwise dgrad (W)", shape, base + E * K * 4,
-                      _time_us(lambda: ops.triton_quantize_expert_colwise(w, E4M3FN, True, True)), ao_t)
-            ao_f = table.rows[-2].get("torchao_us")
-            table.add(model, "expert dual fwd+dgrad (W)", shape, E * N * K * 4 + (E * N + E * K) * 4,
-                      _time_us(lambda: ops.triton_quantize_expert_colwise_dual(w, E4M3FN, True)),
-                      (ao_f + ao_t) if ao else None, torchao_note="sum of TorchAO's two kernels" if ao else None)
-            _, _, col_amax = ops.triton_quantize_expert_rowwise_with_amax(w, E4M3FN, True)
-            table.add(model, "expert fwd + col amax (W)", shape, base + E * N * 4 + E * K * 4,
-                      _time_us(lambda: ops.triton_quantize_expert_rowwise_with_amax(w, E4M3FN, True)))
-            table.add(model, "expert dgrad from amax (W)", shape, base + E * K * 8,
-                      _time_us(lambda: ops.triton_quantize_expert_colwise_from_amax(w, col_amax, E4M3FN, True)))
-            table.add(model, "blockwise 128x128 (W)", shape, base + E * triton.cdiv(N, 128) * triton.cdiv(K, 128) * 4,
-                      _time_us(lambda: ops.triton_quantize_blockwise(w, E4M3FN, (128, 128), True)))
+            ao_fwd = (lambda: ao.triton_fp8_colwise_3d_scale_and_cast(w_t, FP8, True)) if ao else None
+            ao_dgrad = (lambda: ao.triton_fp8_rowwise_3d_transpose_rhs(w_t, FP8, True)) if ao else None
+            table.time(model, "expert colwise fwd (W)", shape, base + E * N * 4,
+                       lambda: ops.triton_quantize_expert_colwise(w, E4M3FN, True, False), [ao_fwd] if ao else ())
+            table.time(model, "expert colwise dgrad (W)", shape, base + E * K * 4,
+                       lambda: ops.triton_quantize_expert_colwise(w, E4M3FN, True, True), [ao_dgrad] if ao else ())
+            table.time(model, "expert dual fwd+dgrad (W)", shape, E * N * K * 4 + (E * N + E * K) * 4,
+                       lambda: ops.triton_quantize_expert_colwise_dual(w, E4M3FN, True), [ao_fwd, ao_dgrad] if ao else (),
+                       **({"torchao_note": "sum of TorchAO's two kernels"} if ao else {}))
+            table.time(model, "expert fwd + col amax (W)", shape, base + E * N * 4 + E * K * 4,
+                       lambda: ops.triton_quantize_expert_rowwise_with_amax(w, E4M3FN, True))
+            if table.wants("expert dgrad from amax (W)"):
+                _, _, col_amax = ops.triton_quantize_expert_rowwise_with_amax(w, E4M3FN, True)
+                table.time(model, "expert dgrad from amax (W)", shape, base + E * K * 8,
+                           lambda: ops.triton_quantize_expert_colwise_from_amax(w, col_amax, E4M3FN, True))
+            table.time(model, "blockwise 128x128 (W)", shape, base + E * triton.cdiv(N, 128) * triton.cdiv(K, 128) * 4,
+                       lambda: ops.triton_quantize_blockwise(w, E4M3FN, (128, 128), True))
             if sweep and time.time() < deadline:
                 for v in STRIP_SWEEP:
                     for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):
@@ -229,36 +243,38 @@ def run(models, sweep: bool, deadline: float, ao, on_model_done=None) -> tuple[T
                 offs = random_offsets(M, G, "balanced", multiple_of=16, generator=gen).to(DEVICE)
                 shape = f"{M}x({N}+{K}) E={G}"
                 nbytes = M * (N + K) * 3 + G * (N + K) * 4
-                table.add(model, "group colwise dual (wgrad)", shape, nbytes,
-                          _time_us(lambda: ops.triton_quantize_group_colwise_dual(a, b, offs, E4M3FN, True)),
-                          _time_us(lambda: ao.triton_fp8_per_group_colwise_scales_dual(a, b, offs, FP8, True))
-                          if ao else None)
+                table.time(model, "group colwise dual (wgrad)", shape, nbytes,
+                           lambda: ops.triton_quantize_group_colwise_dual(a, b, offs, E4M3FN, True),
+                           [lambda: ao.triton_fp8_per_group_colwise_scales_dual(a, b, offs, FP8, True)] if ao else ())
                 if G == E:
                     skew = random_offsets(M, E, "skewed", multiple_of=16, generator=gen).to(DEVICE)
-                    table.add(model, "group colwise dual, skewed", shape, nbytes,
-                              _time_us(lambda: ops.triton_quantize_group_colwise_dual(a, b, skew, E4M3FN, True)),
-                              group_sizes=torch.diff(skew, prepend=skew.new_zeros(1)).tolist())
+                    table.time(model, "group colwise dual, skewed", shape, nbytes,
+                               lambda: ops.triton_quantize_group_colwise_dual(a, b, skew, E4M3FN, True),
+                               group_sizes=torch.diff(skew, prepend=skew.new_zeros(1)).tolist())
                 # as the FP8MoE wgrad calls it: routed (unaligned) groups, written 16-row padded
                 routed = random_offsets(M, G, "balanced", generator=gen).to(DEVICE)
                 p_offs, p_rows = padded_offsets(routed), padded_rows(M, G)
-                table.add(model, "group colwise dual, padded out", shape, nbytes + (p_rows - M) * (N + K),
-                          _time_us(lambda: ops.triton_quantize_group_colwise_dual(
-                              a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows)))
+                p_bytes = nbytes + (p_rows - M) * (N + K)
+                table.time(model, "group colwise dual, padded out", shape, p_bytes,
+                           lambda: ops.triton_quantize_group_colwise_dual(
+                               a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows))
                 # the backward since the dgrad's row quantization of grad_out (a) returns its group amax
-                _, _, a_amax = ops.triton_quantize_rowwise_with_group_amax(a, routed, E4M3FN, True)
-                table.add(model, "group dual, a from amax, padded", shape, nbytes + (p_rows - M) * (N + K),
-                          _time_us(lambda: ops.triton_quantize_group_colwise_dual(
-                              a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows, a_amax=a_amax)))
-                _, _, b_amax = ops.triton_quantize_rowwise_with_group_amax(b, routed, E4M3FN, True)
-                table.add(model, "group dual, both from amax, padded", shape, nbytes + (p_rows - M) * (N + K),
-                          _time_us(lambda: ops.triton_quantize_group_colwise_dual(
-                              a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows, a_amax=a_amax,
-                              b_amax=b_amax)))
+                if table.wants("group dual, a from amax, padded") or table.wants("group dual, both from amax, padded"):
+                    _, _, a_amax = ops.triton_quantize_rowwise_with_group_amax(a, routed, E4M3FN, True)
+                    table.time(model, "group dual, a from amax, padded", shape, p_bytes,
+                               lambda: ops.triton_quantize_group_colwise_dual(
+                                   a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows, a_amax=a_amax))
+                if table.wants("group dual, both from amax, padded"):
+                    _, _, b_amax = ops.triton_quantize_rowwise_with_group_amax(b, routed, E4M3FN, True)
+                    table.time(model, "group dual, both from amax, padded", shape, p_bytes,
+                               lambda: ops.triton_quantize_group_colwise_dual(
+                                   a, b, routed, E4M3FN, True, padded_offs=p_offs, padded_rows=p_rows, a_amax=a_amax,
+                                   b_amax=b_amax))
                 if G == E:
-                    table.add(model, "rowwise + group amax (a)", f"{M}x{N} E={G}", M * N * 3 + M * 4 + G * N * 4,
-                              _time_us(lambda: ops.triton_quantize_rowwise_with_group_amax(a, routed, E4M3FN, True)))
-                    table.add(model, "rowwise (a)", f"{M}x{N}", M * N * 3 + M * 4,
-                              _time_us(lambda: ops.triton_quantize_rowwise(a, E4M3FN, True)))
+                    table.time(model, "rowwise + group amax (a)", f"{M}x{N} E={G}", M * N * 3 + M * 4 + G * N * 4,
+                               lambda: ops.triton_quantize_rowwise_with_group_amax(a, routed, E4M3FN, True))
+                    table.time(model, "rowwise (a)", f"{M}x{N}", M * N * 3 + M * 4,
+                               lambda: ops.triton_quantize_rowwise(a, E4M3FN, True))
                 if sweep and time.time() < deadline:
                     for v in STRIP_SWEEP:
                         for hw in ((True, False) if v == STRIP_SWEEP[0] else (True,)):
@@ -309,6 +325,8 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time kernel configurations")
     p.add_argument("--budget-s", type=float, default=400, help="skip further sweeps after this many seconds")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): checks the script")
+    p.add_argument("--kernels", help="comma-separated substrings of the kernel names to time (default: all), "
+                   "e.g. 'padded' for the three padded group duals")
     args = p.parse_args()
     global DEVICE
     if args.smoke:
@@ -333,7 +351,8 @@ def main() -> None:
         print(f"wrote {args.out}/quant.json and quant.md ({', '.join(meta['models'])}) at {meta['seconds']} s",
               flush=True)
 
-    run(models, args.sweep, start + args.budget_s, ao, on_model_done=write)
+    kernels = [k.strip() for k in args.kernels.split(",")] if args.kernels else None
+    run(models, args.sweep, start + args.budget_s, ao, on_model_done=write, kernels=kernels)
 
 
 if __name__ == "__main__":

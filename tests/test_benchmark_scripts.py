@@ -58,3 +58,16 @@ def test_bench_quant_reports_each_model_as_it_ends(monkeypatch):
     bench_quant.run(["one", "two"], False, 0.0, None,
                     on_model_done=lambda table, sweeps: seen.append(sorted({r["model"] for r in table.rows})))
     assert seen == [["one"], ["one", "two"]]
+
+
+@pytest.mark.interpreter
+def test_bench_quant_kernel_filter(monkeypatch):
+    """``--kernels`` times only the rows whose kernel name contains one of its substrings."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_quant
+
+    monkeypatch.setattr(bench_quant, "DEVICE", "cpu")
+    table, _ = bench_quant.run(["smoke"], False, 0.0, None, kernels=["padded", "tensorwise"])
+    kernels = {r["kernel"] for r in table.rows}
+    assert kernels == {"tensorwise (A)", "group colwise dual, padded out", "group dual, a from amax, padded",
+                       "group dual, both from amax, padded"}
