@@ -36,7 +36,9 @@ def test_benchmark_compiles(script):
     ("sweep_colwise_lag.py", ["--kinds", "dgrad"], ["colwise_lag.json", "colwise_lag.md"]),
 ])
 def test_benchmark_smoke(script, extra, outputs, tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    # ROOT first, then the caller's path (a torch/triton pair run from side folders stays the one tested)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *extra, "--out", str(tmp_path)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
