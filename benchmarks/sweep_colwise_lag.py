@@ -45,11 +45,16 @@ BLOCK_R = None  # rows per tile (--block-r); None: colwise_config's default
 CHUNK = None  # rows per chunk (--chunk); None: colwise_config's default
 
 
+def _tile() -> tuple[int, int, int]:
+    """``(BLOCK_C, BLOCK_R, CHUNK)``: the command line's, else ``colwise_config``'s defaults."""
+    cfg = colwise_config()
+    return BLOCK_C or cfg["BLOCK_C"], BLOCK_R or cfg["BLOCK_R"], CHUNK or cfg["CHUNK"]
+
+
 def _row(kind, model, shape, rows, nbytes, make_fn, device) -> dict:
     """Times ``make_fn(config)`` at every lag; ``auto`` is the lag the default config resolves to.
     ``kind``: "dgrad" (uniform groups) or "wgrad" (jagged)."""
-    cfg = colwise_config()
-    block_c, block_r, chunk = BLOCK_C or cfg["BLOCK_C"], BLOCK_R or cfg["BLOCK_R"], CHUNK or cfg["CHUNK"]
+    block_c, block_r, chunk = _tile()
     n_chunks = cdiv(rows, chunk)
     auto = auto_lag(n_chunks, multiprocessor_count(torch.device(device)), jagged=kind == "wgrad")
     us = {lag: bench_quant._time_us(make_fn(colwise_config(lag=lag, block_c=block_c, block_r=block_r, chunk=chunk)))
@@ -126,10 +131,10 @@ def main() -> None:
     global BLOCK_C, BLOCK_R, CHUNK
     BLOCK_C, BLOCK_R, CHUNK = args.block_c, args.block_r, args.chunk
     dev = torch.device(bench_quant.DEVICE)
+    block_c, block_r, chunk = _tile()
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke run)",
-                block_c=BLOCK_C or colwise_config()["BLOCK_C"], block_r=BLOCK_R or colwise_config()["BLOCK_R"],
-                chunk=CHUNK or colwise_config()["CHUNK"], torch=torch.__version__, triton=triton.__version__,
+                block_c=block_c, block_r=block_r, chunk=chunk, torch=torch.__version__, triton=triton.__version__,
                 sms=multiprocessor_count(dev))
     os.makedirs(args.out, exist_ok=True)
 

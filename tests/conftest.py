@@ -24,9 +24,10 @@ def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | 
     Below triton 3.7 the interpreter turns a loop bound into an int with ``int()`` of a one-element
     array, which numpy 2.4 refuses (triton-lang/triton#9171): every kernel with a runtime loop bound
     fails with "only 0-dimensional arrays can be converted to Python scalars"."""
-    def major_minor(v: str) -> tuple[int, int]:
-        major, minor = v.split(".")[:2]
-        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+    from packaging.version import Version  # pytest's own dependency
+
+    def major_minor(v: str) -> tuple[int, ...]:
+        return Version(v).release[:2]  # release candidates count as their release: 2.4.0rc1 -> (2, 4)
 
     if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
         return (f"triton {triton_version}'s interpreter fails with numpy {numpy_version} (triton-lang/triton#9171, "

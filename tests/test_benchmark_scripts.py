@@ -46,14 +46,20 @@ def test_benchmark_smoke(script, extra, outputs, tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
-@pytest.mark.interpreter
-def test_bench_quant_reports_each_model_as_it_ends(monkeypatch):
-    """``bench_quant.run`` hands the table to its callback after every model (``main`` writes the
-    files then), so a run stopped by a time limit keeps the models it finished."""
+@pytest.fixture
+def bench_quant(monkeypatch):
+    """``benchmarks/bench_quant.py`` imported, its kernels on the CPU (the interpreter)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_quant
 
     monkeypatch.setattr(bench_quant, "DEVICE", "cpu")
+    return bench_quant
+
+
+@pytest.mark.interpreter
+def test_bench_quant_reports_each_model_as_it_ends(bench_quant, monkeypatch):
+    """``bench_quant.run`` hands the table to its callback after every model (``main`` writes the
+    files then), so a run stopped by a time limit keeps the models it finished."""
     two = {"one": bench_quant.SMOKE_MODELS["smoke"], "two": bench_quant.SMOKE_MODELS["smoke"]}
     monkeypatch.setattr(bench_quant, "SMOKE_MODELS", two)
     seen = []
@@ -63,12 +69,8 @@ def test_bench_quant_reports_each_model_as_it_ends(monkeypatch):
 
 
 @pytest.mark.interpreter
-def test_bench_quant_kernel_filter(monkeypatch):
+def test_bench_quant_kernel_filter(bench_quant):
     """``--kernels`` times only the rows whose kernel name contains one of its substrings."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench_quant
-
-    monkeypatch.setattr(bench_quant, "DEVICE", "cpu")
     table, _ = bench_quant.run(["smoke"], False, 0.0, None, kernels=["padded", "tensorwise"])
     kernels = {r["kernel"] for r in table.rows}
     assert kernels == {"tensorwise (A)", "group colwise dual, padded out", "group dual, a from amax, padded",
