@@ -93,7 +93,8 @@ def wgrad_rows(variants: dict) -> list[dict]:
 
 def colwise_rows(configs: list[tuple[str, dict]]) -> list[dict]:
     """The column-wise kernel per configuration, on the expert dgrad layout (uniform experts, one
-    tensor) and on the group dual (jagged groups, two tensors): bf16 row-major in, fp8 column-major out."""
+    tensor) and on the group dual (jagged groups, two tensors; unpadded and padded): bf16 row-major
+    in, fp8 column-major out."""
     fn = colwise._colwise_kernel
     pointers = {"a_ptr": "*bf16", "qa_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*bf16", "qb_ptr": "*fp8e4nv",
                 "sb_ptr": "*fp32", "offs_ptr": "*i32", "poffs_ptr": "*i32", "amax_ptr": "*i32", "cnt_ptr": "*i32"}
@@ -101,7 +102,8 @@ def colwise_rows(configs: list[tuple[str, dict]]) -> list[dict]:
                "rows_in", "rows_out"]
     fmt = format_constexprs(E4M3FN, torch.device("cpu"), hw_cast=True)
     rows = []
-    for kind, uniform, g_pow2 in (("expert dgrad", True, 8), ("group dual", False, 128)):
+    for kind, uniform, padded, g_pow2 in (("expert dgrad", True, False, 8), ("group dual", False, False, 128),
+                                          ("group dual, padded", False, True, 128)):
         for label, cfg in configs:
             cfg = dict(cfg)
             roles = colwise.ROLES_WORKERS if cfg.pop("workers_only", False) else colwise.ROLES_BOTH
@@ -109,8 +111,8 @@ def colwise_rows(configs: list[tuple[str, dict]]) -> list[dict]:
             options = dict(num_warps=cfg.pop("num_warps"), **({"maxnreg": cfg.pop("maxnreg")} if cfg["maxnreg"] else {}))
             cfg.pop("maxnreg", None)
             lag = 0 if cfg["LAG"] is None or two_pass else cfg["LAG"]
-            meta = dict(cfg, LAG=lag, POW2=True, HAS_B=not uniform, TICKETS=False, UNIFORM=uniform, PADDED=False,
-                        G_POW2=g_pow2, ROLES=colwise.ROLES_MEMBERS if two_pass else roles, stride_ac=1, stride_qar=1,
+            meta = dict(cfg, LAG=lag, POW2=True, HAS_B=not uniform, TICKETS=False, UNIFORM=uniform, PADDED=padded,
+                        ZERO_FILL=16 if uniform or padded else 1, G_POW2=g_pow2, ROLES=colwise.ROLES_MEMBERS if two_pass else roles, stride_ac=1, stride_qar=1,
                         stride_bc=1, stride_qbr=1, **fmt)
             res = compile_sm90(fn, pointers, meta, [a for a in aligned if a not in meta], options)
             rows.append(dict(kernel=f"colwise {kind}", variant=label + (" (members' pass)" if two_pass else ""),

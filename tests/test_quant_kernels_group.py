@@ -23,11 +23,12 @@ from moe_fp8.quant.ops import (
 from moe_fp8.testing import random_offsets
 
 
-def _padded(offs: torch.Tensor, align: int = 16) -> tuple[torch.Tensor, int]:
-    """End offsets of groups whose starts are multiples of ``align`` (each padded group >= its group)."""
+def _padded(offs: torch.Tensor, align: int = 16, tail: int = 16) -> tuple[torch.Tensor, int]:
+    """End offsets of groups whose starts are multiples of ``align`` (each padded group >= its group)
+    and a row count ``tail`` rows past the last."""
     sizes = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
     padded_sizes = (sizes + align - 1) // align * align
-    return torch.cumsum(padded_sizes, 0).to(torch.int32), int(padded_sizes.sum()) + align
+    return torch.cumsum(padded_sizes, 0).to(torch.int32), int(padded_sizes.sum()) + tail
 
 
 def _reference_padded(x, offs, padded_offs, rows_out, fmt, pow2):
@@ -165,11 +166,27 @@ def test_group_colwise_from_amax_configs_cpu(chunk, block_c, padded, ends):
     _check_launch(a, b, torch.tensor(ends, dtype=torch.int32), padded, config, from_amax=True)
 
 
-def _check_launch(a, b, offs, padded, config, from_amax=False):
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block_r,chunk", [(32, 32), (64, 64), (32, 128)])
+@pytest.mark.parametrize("tail", [16, 23])
+@pytest.mark.parametrize("from_amax", [False, True])
+def test_group_colwise_padded_half_tiles_cpu(block_r, chunk, tail, from_amax):
+    """Padded groups that start and end inside ``block_r``-row tiles (at odd multiples of 16 rows):
+    the partial tiles at group edges store 16-row vectors holding the group's rows and its pad
+    zeros, and no row of a neighbour. ``tail`` rows follow the last padded group (23: the row count
+    is no multiple of 16, so the launch keeps per-row masks)."""
+    a, b = hard_input((200, 40), seed=16), hard_input((200, 24), seed=17)
+    ends = torch.tensor([16, 16, 61, 80, 150, 197], dtype=torch.int32)  # padded starts 0, 16, 16, 64, 96, 176
+    config = colwise_config(chunk=chunk, block_r=block_r, block_c=16)
+    _check_launch(a, b, ends, True, config, from_amax=from_amax, tail=tail)
+
+
+def _check_launch(a, b, offs, padded, config, from_amax=False, tail=16):
     """``launch_group_colwise`` with ``config`` (``from_amax``: and the reference amaxes as
-    ``amax_bits``) into poisoned column-major buffers: the reference's bytes."""
+    ``amax_bits``) into poisoned column-major buffers: the reference's bytes (padded: ``tail`` rows
+    past the last padded group)."""
     G, rows = offs.numel(), a.shape[0]
-    padded_offs, rows_out = _padded(offs) if padded else (None, rows)
+    padded_offs, rows_out = _padded(offs, tail=tail) if padded else (None, rows)
     if padded_offs is not None:
         padded_offs = padded_offs.to(a.device)
     qa = torch.empty_strided((rows_out, a.shape[1]), (1, rows_out), dtype=torch.float8_e4m3fn, device=a.device)

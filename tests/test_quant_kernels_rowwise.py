@@ -13,7 +13,7 @@ from quant_kernel_cases import FORMAT_IDS, FORMATS, assert_same, hard_input, poi
 from moe_fp8.grouped_gemm import quant_seam
 from moe_fp8.quant import reference as ref
 from moe_fp8.quant.formats import E4M3FN
-from moe_fp8.quant.kernels.colwise import launch_expert_colwise_t
+from moe_fp8.quant.kernels.colwise import colwise_config, launch_expert_colwise_t
 from moe_fp8.quant.kernels.rowwise import col_amax_fits, launch_expert_rowwise_col_amax, launch_rowwise
 from moe_fp8.quant.ops import (
     triton_quantize_expert_colwise,
@@ -209,6 +209,23 @@ def test_expert_colwise_t_strip_configs_cpu(chunk, tickets, lag, two_pass):
     launch_expert_colwise_t(w, q, s, E4M3FN, False,
                             config=dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets, LAG=lag,
                                         TWO_PASS=two_pass))
+    rq, rs = ref.quantize_expert_colwise(w, E4M3FN, transposed=True)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("N,block_r,chunk", [(48, 32, 32), (80, 64, 64), (112, 32, 64)])
+def test_expert_colwise_t_half_tiles_cpu(N, block_r, chunk):
+    """Experts of 16k rows that end inside ``block_r``-row tiles, in chunks straddling experts: the
+    partial tiles store 16-row vectors (``ZERO_FILL``) that write every row of their expert and none
+    of the next one's."""
+    w = hard_input((3, N, 40), seed=N)
+    q = torch.empty((3, 40, N), dtype=torch.float8_e4m3fn)
+    s = torch.empty((3, 40))
+    for t in (q, s):
+        t.view(torch.uint8).fill_(0x55)
+    launch_expert_colwise_t(w, q, s, E4M3FN, False, config=colwise_config(chunk=chunk, block_r=block_r, block_c=16))
     rq, rs = ref.quantize_expert_colwise(w, E4M3FN, transposed=True)
     assert_same(q, rq, "q")
     assert_same(s, rs, "scale")

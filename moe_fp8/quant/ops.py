@@ -449,8 +449,9 @@ def triton_quantize_group_colwise_dual(
         b: ``(M, K)`` (activations), same rows.
         offs: ``(E,)`` int32 cumulative end offsets on the same device (values are not checked:
             that would sync; offsets past ``M`` are clamped so memory stays safe).
-        padded_offs: optional ``(E,)`` int32 end offsets of the padded groups (each group start a
-            multiple of 16 and each padded group at least as large as its group), with
+        padded_offs: optional ``(E,)`` int32 end offsets of the padded groups (every offset a
+            multiple of 16, as ``grouped_gemm.padding.padded_offsets`` makes them, and each padded
+            group at least as large as its group; not checked: that would sync), with
         padded_rows: the static row count of the padded outputs (>= ``padded_offs[-1]``).
         a_amax, b_amax: optional ``(E, N)`` and ``(E, K)`` fp32, the per-group column amaxes of
             ``a`` and ``b`` (as :func:`triton_quantize_rowwise_with_group_amax` returns them;

@@ -38,7 +38,9 @@ Users:
 
 Output row ``o`` of a group, column ``c``, lives at ``out_base + o * stride_qr + c * stride_qc``;
 rows are stored in tiles aligned to ``BLOCK_R`` output rows so that interior tiles take
-unmasked, vectorized stores along the output's contiguous dim.
+unmasked, vectorized stores along the output's contiguous dim; where every group starts and ends
+on a multiple of 16 output rows (uniform groups of 16k rows, padded groups), the partial tiles at
+group edges store 16-row vectors too, writing their pad rows' zeros in the same stores.
 """
 
 from __future__ import annotations
@@ -67,12 +69,14 @@ def _store_rows(
     o0,
     o_start,
     o_end,
+    s_end,
     in_start,
     stride_r,
     stride_qr,
     inv_scale,
     col_ok,
     MASK_ROWS: tl.constexpr,
+    ZERO_FILL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     HW_CAST: tl.constexpr,
@@ -82,18 +86,29 @@ def _store_rows(
     FP8_SUB_SCALE: tl.constexpr,
     FP8_NEG_ZERO: tl.constexpr,
 ):
-    """Quantize output rows ``o0 + [0, BLOCK_R)`` (only those in ``[o_start, o_end)`` when ``MASK_ROWS``)."""
+    """Quantize output rows ``o0 + [0, BLOCK_R)``; with ``MASK_ROWS`` only some are stored: with
+    ``ZERO_FILL == 1`` the rows in ``[o_start, o_end)``; else those in ``[o_start, s_end)``, the
+    rows past ``o_end`` as 0, under a mask computed on ``o // ZERO_FILL``: constant over runs of
+    ``ZERO_FILL`` rows, so the compiler keeps ``ZERO_FILL``-element vector stores along the
+    output's contiguous dim (under a per-row mask it stores single bytes). ``o_start`` and
+    ``s_end`` must then be multiples of ``ZERO_FILL``."""
     o = o0 + tl.arange(0, BLOCK_R)
     src = x_cols + (o - o_start + in_start).to(tl.int64)[:, None] * stride_r
     dst = q_cols + o.to(tl.int64)[:, None] * stride_qr
     if MASK_ROWS:
-        mask = ((o >= o_start) & (o < o_end))[:, None] & col_ok[None, :]
+        load_mask = ((o >= o_start) & (o < o_end))[:, None] & col_ok[None, :]
+        if ZERO_FILL == 1:  # the input's rows only: one mask for both (``_store_strip`` writes the zeros)
+            store_mask = load_mask
+        else:
+            ov = o // ZERO_FILL
+            store_mask = ((ov >= o_start // ZERO_FILL) & (ov < s_end // ZERO_FILL))[:, None] & col_ok[None, :]
     else:
-        mask = col_ok[None, :]
-    x = tl.load(src, mask=mask, other=0.0)
+        load_mask = col_ok[None, :]
+        store_mask = load_mask
+    x = tl.load(src, mask=load_mask, other=0.0)
     q = to_fp8(x, inv_scale[None, :], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                FP8_NEG_ZERO)
-    tl.store(dst, q, mask=mask)
+    tl.store(dst, q, mask=store_mask)
 
 
 @triton.jit
@@ -109,6 +124,7 @@ def _store_strip(
     stride_qr,
     inv_scale,
     col_ok,
+    ZERO_FILL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     STAGES: tl.constexpr,
@@ -123,31 +139,36 @@ def _store_strip(
     """Rows ``[in_start, in_end)`` times ``inv_scale`` to output rows ``[o_start, ...)``, then zeros
     up to ``o_zero_end``; nothing at or past ``o_limit``.
 
-    Walks backwards (the rows read last, the freshest in L2, first): the partial tile at the end,
-    the full tiles, the partial tile at the start. Full tiles get no row mask, so their stores along
-    the output's contiguous dim stay vectorized (a shared masked store would not be).
+    First the tile past the last full one (the input's partial last tile), then the full tiles
+    walking backwards (the rows read last, the freshest in L2, first), the partial tile at the
+    start, and last the zeros (first, they made triton 3.9's allocator keep three pipelined loops'
+    buffers live at once: 48 instead of 16 KiB of shared memory). Full tiles get no row mask, so
+    their stores along the output's contiguous dim stay vectorized; with ``ZERO_FILL > 1`` the
+    partial ones store ``ZERO_FILL``-row vectors and their rows' zeros (``_store_rows``).
     """
     o_end = tl.minimum(o_start + (in_end - in_start), o_limit)
+    s_end = tl.maximum(tl.minimum(o_zero_end, o_limit), o_end)
     full_lo = tl.cdiv(o_start, BLOCK_R) * BLOCK_R
     full_hi = tl.maximum((o_end // BLOCK_R) * BLOCK_R, full_lo)
-    if full_hi < o_end:
-        _store_rows(x_cols, q_cols, full_hi, o_start, o_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
-                    True, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+    if full_hi < s_end:
+        _store_rows(x_cols, q_cols, full_hi, o_start, o_end, s_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
+                    True, ZERO_FILL, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                     FP8_NEG_ZERO)
     for j in tl.range(0, (full_hi - full_lo) // BLOCK_R, num_stages=STAGES):
         o0 = tl.multiple_of(full_hi - (j + 1) * BLOCK_R, BLOCK_R)
-        _store_rows(x_cols, q_cols, o0, o_start, o_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
-                    False, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+        _store_rows(x_cols, q_cols, o0, o_start, o_end, s_end, in_start, stride_r, stride_qr, inv_scale, col_ok,
+                    False, ZERO_FILL, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                     FP8_NEG_ZERO)
-    if (o_start < full_lo) & (o_start < o_end):
-        _store_rows(x_cols, q_cols, full_lo - BLOCK_R, o_start, o_end, in_start, stride_r, stride_qr, inv_scale,
-                    col_ok, True, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
-                    FP8_NEG_ZERO)
+    if (o_start < full_lo) & (o_start < s_end):
+        _store_rows(x_cols, q_cols, full_lo - BLOCK_R, o_start, o_end, s_end, in_start, stride_r, stride_qr,
+                    inv_scale, col_ok, True, ZERO_FILL, BLOCK_R, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
+                    FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+    # zeros only (no loads to pipeline): past the tiles above, or with per-row masks past o_end
+    z0 = full_hi + BLOCK_R if ZERO_FILL > 1 else o_end
     zero = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32).to(OUT_DTYPE)
-    z_end = tl.minimum(o_zero_end, o_limit)
-    for o0 in range((o_end // BLOCK_R) * BLOCK_R, z_end, BLOCK_R):
+    for o0 in range((z0 // BLOCK_R) * BLOCK_R, s_end, BLOCK_R):
         o = o0 + tl.arange(0, BLOCK_R)
-        ok = (o >= o_end) & (o < z_end)
+        ok = (o >= z0) & (o // ZERO_FILL < s_end // ZERO_FILL)
         tl.store(q_cols + o.to(tl.int64)[:, None] * stride_qr, zero, mask=ok[:, None] & col_ok[None, :])
 
 
@@ -206,6 +227,7 @@ def _column_block(
     PADDED: tl.constexpr,
     NO_WAIT: tl.constexpr,
     G_POW2: tl.constexpr,
+    ZERO_FILL: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -289,7 +311,7 @@ def _column_block(
                         w1 = tl.where(p1 == end, p1, _tile_aligned(p1, start, o_start, BLOCK_R))
                     z_end = tl.where(p1 == end, o_zero_end, o_start + (w1 - start))
                     _store_strip(x_cols, q_cols, w0 - shift, w1 - shift, stride_r, o_start + (w0 - start), z_end,
-                                 o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
+                                 o_limit, stride_qr, inv_scale, col_ok, ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
                                  FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
                 else:
                     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
@@ -310,7 +332,7 @@ def _column_block(
                 inv_scale, scale = fp8_scales(tl.zeros((BLOCK_C,), dtype=tl.float32), FP8_MAX, POW2)
                 tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok)
                 _store_strip(x_cols, q_cols, start - shift, start - shift, stride_r, o_start, o_zero_end,
-                             o_limit, stride_qr, inv_scale, col_ok, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
+                             o_limit, stride_qr, inv_scale, col_ok, ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
                              FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
         g += 1
         nxt, _ = _group_rows(ends, gi, g, G, N_UNI, UNIFORM)
@@ -325,13 +347,13 @@ def _column_block(
             pt = tl.minimum(tl.maximum(tl.load(poffs_ptr + G - 1, mask=G > 0, other=0), 0), rows_out)
             z0 = pt + c * tail_per_chunk
             _store_strip(x_cols, q_cols, 0, 0, stride_r, z0, z0 + tail_per_chunk, rows_out, stride_qr,
-                         zero_scale, col_ok, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
+                         zero_scale, col_ok, ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
                          FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
         else:  # rows [end[-1], rows_in) are written as x * 0 (-0 for negative x, like the reference)
             z0 = tl.maximum(t, r0)
             z1 = tl.maximum(r1, z0)
             _store_strip(x_cols, q_cols, z0, z1, stride_r, z0, z1, rows_out, stride_qr, zero_scale, col_ok,
-                         BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                         ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
                          FP8_NEG_ZERO)
 
 
@@ -373,6 +395,7 @@ def _colwise_kernel(
     UNIFORM: tl.constexpr,
     PADDED: tl.constexpr,
     G_POW2: tl.constexpr,
+    ZERO_FILL: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -423,13 +446,13 @@ def _colwise_kernel(
         _column_block(a_ptr, qa_ptr, sa_ptr, cb, C_A, stride_ag, stride_ar, stride_ac, stride_qag, stride_qar,
                       stride_qac, amax_ptr, 0, amax_stride, cnt_ptr, 0, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
                       n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, no_wait, G_POW2,
-                      CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                      ZERO_FILL, CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
                       FP8_SUB_SCALE, FP8_NEG_ZERO)
     elif HAS_B & (cb >= NB_A) & (cb < NB_A + NB_B):
         _column_block(b_ptr, qb_ptr, sb_ptr, cb - NB_A, C_B, 0, stride_br, stride_bc, 0, stride_qbr, stride_qbc,
                       amax_ptr, C_A, amax_stride, cnt_ptr, NB_A, cnt_stride, offs_ptr, poffs_ptr, c, is_worker,
                       n_chunks, G, N_UNI, rows_in, rows_out, tail_per_chunk, POW2, UNIFORM, PADDED, no_wait, G_POW2,
-                      CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                      ZERO_FILL, CHUNK, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
                       FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
@@ -520,11 +543,16 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
         if cfg.get("LAG") is None:
             cfg["LAG"] = auto_lag(n_chunks, multiprocessor_count(dev), jagged=not uniform)
         launches = [((nb_a + nb_b + cfg["LAG"]) * 2 * n_chunks, ROLES_BOTH)]
+    padded = padded_offs is not None
+    # Output row boundaries all multiples of 16 (uniform groups of 16k rows; padded groups in 16k
+    # rows, which padded offsets promise): partial tiles store 16-row vectors (``_store_rows``).
+    zero_fill = 16 if (uniform and n_uni % 16 == 0) or (padded and rows_out % 16 == 0) else 1
+    tail_per_chunk = cdiv(cdiv(rows_out, n_chunks), cfg["BLOCK_R"]) * cfg["BLOCK_R"]
     for grid, roles in launches:
         _colwise_kernel[(grid,)](
-            a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded_offs is not None else offs, amax, cnt,
-            G, n_uni, rows_in, rows_out, n_chunks, cdiv(rows_out, n_chunks), nb_a, nb_b,
-            POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded_offs is not None,
+            a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded else offs, amax, cnt,
+            G, n_uni, rows_in, rows_out, n_chunks, tail_per_chunk, nb_a, nb_b,
+            POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded, ZERO_FILL=zero_fill,
             G_POW2=next_power_of_2(max(G, 1)), ROLES=roles.value, **cfg,
             **format_constexprs(fmt, dev, hw_cast),
         )
