@@ -32,6 +32,7 @@ def test_benchmark_compiles(script):
     ("ab_layer_backends.py", [], ["ab_layer_backends.json", "ab_layer_backends.md"]),
     ("ab_layer_backends.py", ["--uncached"], ["ab_layer_backends.md"]),
     ("ab_triton_wgrad_padding.py", [], ["ab_triton_wgrad_padding.json", "ab_triton_wgrad_padding.md"]),
+    ("ab_padded_rows.py", [], ["ab_padded_rows.json", "ab_padded_rows.md"]),
     ("sm90_resources.py", [], [f"sm90_resources_triton{triton.__version__}.md"]),
     ("sweep_colwise_lag.py", ["--kinds", "dgrad"], ["colwise_lag.json", "colwise_lag.md"]),
 ])
