@@ -9,8 +9,8 @@ also the column stride of the column-major FP8 wgrad operands: a multiple of 128
 column on a 128-byte line, so the quantizer's 32-row tile stores fill whole 32-byte sectors (with
 a multiple of 16 only, as Llama 4's 16384 + 15 x 16 = 16624 rows gave, every odd column's stores
 straddled two sectors). Measured on one H200 (``benchmarks/results/ab_padded_rows.md``): Llama 4's
-padded wgrad quantization from amaxes 301 -> 187 µs (16624 -> 16640 rows); DeepSeek-V3 with 32
-groups (33248 -> 33280 rows) within 1%.
+padded wgrad quantization from amaxes 295 -> 183 µs (16624 -> 16640 rows), with its own amaxes
+309 -> 291 µs; DeepSeek-V3 with 32 groups (33248 -> 33280 rows) within 0.4%.
 
 ``gather_rows_padded`` builds a row-major padded copy in one Triton launch (``padding_kernels.py``)
 on GPUs and in the interpreter, else with ``padded_row_index`` + ``scatter_rows_padded`` (the
