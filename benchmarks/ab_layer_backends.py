@@ -15,13 +15,10 @@ clock) to check the script itself.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-from pathlib import Path
 
 import torch
-import triton
+from ab_report import run_env, write_report
 from timing import alternated_rounds, wall_median_ms
 
 from bench_moe_layer import LAYERS, SMOKE_LAYERS, fwd_bwd, make_moe, timed
@@ -75,20 +72,13 @@ def main() -> None:
         del steps
         if device == "cuda":
             torch.cuda.empty_cache()
-    env = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               gpu=torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)", torch=torch.__version__,
-               triton=triton.__version__)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ab_layer_backends.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    lines = ["# FP8MoE rowwise forward+backward per grouped-GEMM backend (`benchmarks/ab_layer_backends.py`)", "",
-             f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · "
-             f"{args.rounds} alternated rounds of {'`do_bench`' if device == 'cuda' else 'wall-clock'} medians", "",
-             "| layer | tokens | variant | median ms | range ms | vs bf16 recipe |", "|---|---|---|---|---|---|"]
+    lines = ["| layer | tokens | variant | median ms | range ms | vs bf16 recipe |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['layer']} | {r['tokens']} | {r['variant']} | {r['ms']:.3f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} "
               f"| {r['speedup_vs_bf16']:.3f}x |" for r in rows]
-    (out / "ab_layer_backends.md").write_text("\n".join(lines) + "\n")
-
+    write_report(args.out, "ab_layer_backends", run_env(device), rows,
+                 "FP8MoE rowwise forward+backward per grouped-GEMM backend (`benchmarks/ab_layer_backends.py`)",
+                 f"{args.rounds} alternated rounds of {'`do_bench`' if device == 'cuda' else 'wall-clock'} medians",
+                 lines)
 
 if __name__ == "__main__":
     main()

@@ -16,13 +16,10 @@ to check the script.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-from pathlib import Path
 
 import torch
-import triton
+from ab_report import run_env, write_report
 from timing import alternated_rounds, wall_median_ms
 from triton.testing import do_bench_cudagraph
 
@@ -76,18 +73,11 @@ def main() -> None:
                              us={n: [t * 1e3 for t in ts] for n, ts in times.items()}, same_bytes=same))
             print(_line(rows[-1]), flush=True)
         del a, b
-    env = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               gpu=torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)", torch=torch.__version__,
-               triton=triton.__version__, rounds=rounds)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ab_padded_rows.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    lines = ["# Padded wgrad buffer rows: rounded to 128 vs 16 (`benchmarks/ab_padded_rows.py`)", "",
-             f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · padded group dual "
-             f"quantization, {rounds} alternated round(s), median µs [range]", ""]
-    lines += [f"* {_line(r)}" for r in rows]
-    (out / "ab_padded_rows.md").write_text("\n".join(lines) + "\n")
-
+    env = run_env(device, rounds=rounds)
+    write_report(args.out, "ab_padded_rows", env, rows,
+                 "Padded wgrad buffer rows: rounded to 128 vs 16 (`benchmarks/ab_padded_rows.py`)",
+                 f"padded group dual quantization, {rounds} alternated round(s), median µs [range]",
+                 [f"* {_line(r)}" for r in rows])
 
 def _line(r: dict) -> str:
     cells = {n: f"{statistics.median(t):.1f} µs [{min(t):.1f}-{max(t):.1f}]" for n, t in r["us"].items()}

@@ -14,13 +14,10 @@ wall clock) to check the script.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-from pathlib import Path
 
 import torch
-import triton
+from ab_report import run_env, write_report
 from timing import alternated_rounds, wall_median_ms
 from triton.testing import do_bench
 
@@ -71,18 +68,11 @@ def main() -> None:
             print(_line(rows[-1]), flush=True)
     finally:
         TritonBackend.pads_wgrad_groups = default
-    env = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               gpu=torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)", torch=torch.__version__,
-               triton=triton.__version__, rounds=rounds)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ab_triton_wgrad_padding.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    lines = ["# Triton backend, wgrad operands padded vs unpadded (`benchmarks/ab_triton_wgrad_padding.py`)", "",
-             f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · fp8_grouped_mm "
-             f"rowwise forward+backward, {rounds} alternated round(s), median [range]", ""]
-    lines += [f"* {_line(r)}" for r in rows]
-    (out / "ab_triton_wgrad_padding.md").write_text("\n".join(lines) + "\n")
-
+    env = run_env(device, rounds=rounds)
+    write_report(args.out, "ab_triton_wgrad_padding", env, rows,
+                 "Triton backend, wgrad operands padded vs unpadded (`benchmarks/ab_triton_wgrad_padding.py`)",
+                 f"fp8_grouped_mm rowwise forward+backward, {rounds} alternated round(s), median [range]",
+                 [f"* {_line(r)}" for r in rows])
 
 def _line(r: dict) -> str:
     cells = [f"{statistics.median(t):.3f} ms [{min(t):.3f}-{max(t):.3f}]" for t in (r["unpadded_ms"], r["padded_ms"])]
