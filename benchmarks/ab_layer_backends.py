@@ -80,5 +80,6 @@ def main() -> None:
                  f"{args.rounds} alternated rounds of {'`do_bench`' if device == 'cuda' else 'wall-clock'} medians",
                  lines)
 
+
 if __name__ == "__main__":
     main()

@@ -62,7 +62,7 @@ def main() -> None:
         _, _, a_amax = ops.triton_quantize_rowwise_with_group_amax(a, offs, E4M3FN, True)
         _, _, b_amax = ops.triton_quantize_rowwise_with_group_amax(b, offs, E4M3FN, True)
         for variant, kw in (("own amax", {}), ("both from amax", dict(a_amax=a_amax, b_amax=b_amax))):
-            steps = {name: (lambda r=r: ops.triton_quantize_group_colwise_dual(
+            steps = {name: (lambda r=r, kw=kw, a=a, b=b: ops.triton_quantize_group_colwise_dual(
                 a, b, offs, E4M3FN, True, padded_offs=p_offs, padded_rows=r, **kw)) for name, r in counts.items()}
             outs = {name: step() for name, step in steps.items()}
             shared = min(counts.values())
@@ -78,6 +78,7 @@ def main() -> None:
                  "Padded wgrad buffer rows: rounded to 128 vs 16 (`benchmarks/ab_padded_rows.py`)",
                  f"padded group dual quantization, {rounds} alternated round(s), median µs [range]",
                  [f"* {_line(r)}" for r in rows])
+
 
 def _line(r: dict) -> str:
     cells = {n: f"{statistics.median(t):.1f} µs [{min(t):.1f}-{max(t):.1f}]" for n, t in r["us"].items()}

@@ -25,6 +25,6 @@ def write_report(out: str | Path, stem: str, env: dict, rows: list[dict], title:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    head = [f"# {title}", "", f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · {method}",
-            ""]
+    env_line = f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · {method}"
+    head = [f"# {title}", "", env_line, ""]
     (out / f"{stem}.md").write_text("\n".join(head + body) + "\n")

@@ -74,6 +74,7 @@ def main() -> None:
                  f"fp8_grouped_mm rowwise forward+backward, {rounds} alternated round(s), median [range]",
                  [f"* {_line(r)}" for r in rows])
 
+
 def _line(r: dict) -> str:
     cells = [f"{statistics.median(t):.3f} ms [{min(t):.3f}-{max(t):.3f}]" for t in (r["unpadded_ms"], r["padded_ms"])]
     return (f"M={r['M']} K={r['K']} N={r['N']} E={r['E']}: unpadded {cells[0]}, padded {cells[1]}, "

@@ -311,8 +311,8 @@ def _column_block(
                         w1 = tl.where(p1 == end, p1, _tile_aligned(p1, start, o_start, BLOCK_R))
                     z_end = tl.where(p1 == end, o_zero_end, o_start + (w1 - start))
                     _store_strip(x_cols, q_cols, w0 - shift, w1 - shift, stride_r, o_start + (w0 - start), z_end,
-                                 o_limit, stride_qr, inv_scale, col_ok, ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
-                                 FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+                                 o_limit, stride_qr, inv_scale, col_ok, ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE,
+                                 HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
                 else:
                     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
                     for r in tl.range(p0 - shift, p1 - shift, BLOCK_R, num_stages=STAGES):
@@ -332,8 +332,8 @@ def _column_block(
                 inv_scale, scale = fp8_scales(tl.zeros((BLOCK_C,), dtype=tl.float32), FP8_MAX, POW2)
                 tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok)
                 _store_strip(x_cols, q_cols, start - shift, start - shift, stride_r, o_start, o_zero_end,
-                             o_limit, stride_qr, inv_scale, col_ok, ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST,
-                             FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+                             o_limit, stride_qr, inv_scale, col_ok, ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE,
+                             HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
         g += 1
         nxt, _ = _group_rows(ends, gi, g, G, N_UNI, UNIFORM)
         go = (g < G) & ((nxt < r1) | last_chunk)
@@ -353,8 +353,8 @@ def _column_block(
             z0 = tl.maximum(t, r0)
             z1 = tl.maximum(r1, z0)
             _store_strip(x_cols, q_cols, z0, z1, stride_r, z0, z1, rows_out, stride_qr, zero_scale, col_ok,
-                         ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
-                         FP8_NEG_ZERO)
+                         ZERO_FILL, BLOCK_R, BLOCK_C, STAGES, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                         FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
 @triton.jit
