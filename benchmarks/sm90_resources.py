@@ -112,7 +112,7 @@ def colwise_rows(configs: list[tuple[str, dict]]) -> list[dict]:
             cfg.pop("maxnreg", None)
             lag = 0 if cfg["LAG"] is None or two_pass else cfg["LAG"]
             meta = dict(cfg, LAG=lag, POW2=True, HAS_B=not uniform, TICKETS=False, UNIFORM=uniform, PADDED=padded,
-                        ZERO_FILL=16 if uniform or padded else 1, G_POW2=g_pow2,
+                        ZERO_FILL=colwise.zero_fill(uniform, 4096, padded, 4096), G_POW2=g_pow2,
                         ROLES=colwise.ROLES_MEMBERS if two_pass else roles, stride_ac=1, stride_qar=1, stride_bc=1,
                         stride_qbr=1, **fmt)
             res = compile_sm90(fn, pointers, meta, [a for a in aligned if a not in meta], options)

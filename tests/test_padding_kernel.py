@@ -49,6 +49,8 @@ def test_padded_rows_bound(m, e, kind, seed):
     127 rows of the worst case, and never short of the padded groups of any routing."""
     rows = padded_rows(m, e)
     assert rows % 128 == 0 and m + 15 * e <= rows < m + 15 * e + 128
+    rows16 = padded_rows(m, e, rows_align=16)  # the alignment the A/B benchmark compares against
+    assert rows16 % 16 == 0 and m + 15 * e <= rows16 < m + 15 * e + 16 and rows16 <= rows
     offs = random_offsets(m, e, kind, generator=torch.Generator().manual_seed(seed))
     assert int(padded_offsets(offs)[-1]) <= rows
 

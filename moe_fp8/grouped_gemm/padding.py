@@ -39,10 +39,10 @@ ALIGN = 16  # rows per group
 ROWS_ALIGN = 128  # rows of the whole buffer (see the module docstring)
 
 
-def padded_rows(num_rows: int, num_groups: int) -> int:
-    """Static row count, a multiple of 128, of a buffer that holds any grouping of ``num_rows`` rows
-    padded to 16."""
-    return -(-(num_rows + (ALIGN - 1) * num_groups) // ROWS_ALIGN) * ROWS_ALIGN
+def padded_rows(num_rows: int, num_groups: int, rows_align: int = ROWS_ALIGN) -> int:
+    """Static row count, a multiple of ``rows_align`` (128; see the module docstring), of a buffer
+    that holds any grouping of ``num_rows`` rows padded to 16."""
+    return -(-(num_rows + (ALIGN - 1) * num_groups) // rows_align) * rows_align
 
 
 def padded_offsets(offs: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
 from .common import format_constexprs, group_ends, multiprocessor_count, to_fp8
 
-__all__ = ["auto_lag", "colwise_config", "launch_expert_colwise_t", "launch_group_colwise"]
+__all__ = ["auto_lag", "colwise_config", "launch_expert_colwise_t", "launch_group_colwise", "zero_fill"]
 
 # What the programs of one launch do (``_colwise_kernel``'s ``ROLES``).
 ROLES_BOTH = tl.constexpr(0)
@@ -484,6 +484,13 @@ def auto_lag(n_chunks: int, sms: int, jagged: bool) -> int:
     return max(int(jagged), min(MAX_LAG, _MEMBERS_PER_TWO_SMS * sms // (2 * max(n_chunks, 1)) - 1))
 
 
+def zero_fill(uniform: bool, n_uni: int, padded: bool, rows_out: int) -> int:
+    """``_colwise_kernel``'s ``ZERO_FILL``: 16 where every output row boundary is a multiple of 16
+    (uniform groups of ``n_uni`` = 16k rows; padded groups, whose offsets are multiples of 16, in a
+    buffer of ``rows_out`` = 16k rows), so partial tiles store 16-row vectors; else 1."""
+    return 16 if (uniform and n_uni % 16 == 0) or (padded and rows_out % 16 == 0) else 1
+
+
 def colwise_config(*, chunk: int = 256, block_r: int = 32, block_c: int = 128, stages: int = 3,
                    lag: int | None = None, num_warps: int = 4, maxnreg: int | None = 96,
                    two_pass: bool = False) -> dict:
@@ -544,15 +551,13 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
             cfg["LAG"] = auto_lag(n_chunks, multiprocessor_count(dev), jagged=not uniform)
         launches = [((nb_a + nb_b + cfg["LAG"]) * 2 * n_chunks, ROLES_BOTH)]
     padded = padded_offs is not None
-    # Output row boundaries all multiples of 16 (uniform groups of 16k rows; padded groups in 16k
-    # rows, which padded offsets promise): partial tiles store 16-row vectors (``_store_rows``).
-    zero_fill = 16 if (uniform and n_uni % 16 == 0) or (padded and rows_out % 16 == 0) else 1
     tail_per_chunk = cdiv(cdiv(rows_out, n_chunks), cfg["BLOCK_R"]) * cfg["BLOCK_R"]
     for grid, roles in launches:
         _colwise_kernel[(grid,)](
             a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded else offs, amax, cnt,
             G, n_uni, rows_in, rows_out, n_chunks, tail_per_chunk, nb_a, nb_b,
-            POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded, ZERO_FILL=zero_fill,
+            POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded,
+            ZERO_FILL=zero_fill(uniform, n_uni, padded, rows_out),
             G_POW2=next_power_of_2(max(G, 1)), ROLES=roles.value, **cfg,
             **format_constexprs(fmt, dev, hw_cast),
         )
