@@ -306,7 +306,8 @@ def test_2d3d_blockwise_partial_tiles(poisoned_empty):
 def test_2d2d_partial_tiles(cfg, layout, poisoned_empty):
     # Group bodies (16-aligned row ranges) of 32, 80 and 16 rows: with BK = 32 / 64 the last body
     # block of a group runs past body_end into the group's tail rows and the next group's rows,
-    # which the row mask must cut. Empty groups, a group inside one 16-row block, 8 tail rows.
+    # and the first block starts at the multiple of BK below body_start, in the previous group's
+    # rows: the row mask must cut both. Empty groups, a group inside one 16-row block, 8 tail rows.
     sizes = [0, 37, 5, 90, 0, 16, 51, 33]
     offs = _offs_from_sizes(sizes)
     M, N, K = 240, 48, 80

@@ -17,8 +17,9 @@ How the work is laid out, with no host sync (nothing is read from ``offs`` on th
 * 2D x 2D: one program per ``(group, output tile)``; it loops over its group's rows (any count:
   no 16-row padding is needed) and an empty group stores zeros. The rows are split into a
   16-aligned body, loaded as 16-byte vectors when the rows are the contiguous dim (column-major
-  operands, ``M % 16 == 0``), and up to 15 head and 15 tail rows handled in one masked slice,
-  skipped when the group has none.
+  operands, ``M % 16 == 0``) in ``BK``-row blocks aligned to multiples of ``BK`` (the first one
+  masked), and up to 15 head and 15 tail rows handled in one masked slice, skipped when the group
+  has none.
 * fp32 accumulation with ``tl.dot`` on the FP8 operands; scales are applied in the epilogue as
   ``scale_b[col] * (scale_a[row] * acc)`` like the CUDA kernel (blockwise: per 128-deep slice in
   the main loop); pointer offsets are int64.
@@ -211,12 +212,15 @@ def _grouped_mm_2d2d_kernel(
     body_end = end // 16 * 16
     head_end = tl.minimum(body_start, end)
     tail_start = tl.maximum(body_end, head_end)
+    # The body's blocks start at multiples of BK (the first one masked below body_start), so that
+    # with column-major operands each block row is whole aligned cache lines: blocks that start at
+    # the group's 16-aligned first row straddle two lines per row and ran 1.2-1.4x slower (H200).
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     r = tl.arange(0, BK)
-    for r0 in range(body_start, body_end, BK):
+    for r0 in range(body_start // BK * BK, body_end, BK):
         rows = r0 + r
-        acc = _dot_rows(a_ptr, b_ptr, rows, rows < body_end, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
-                        acc, MAX_IMPRECISE)  # fmt: skip
+        acc = _dot_rows(a_ptr, b_ptr, rows, (rows >= body_start) & (rows < body_end), ns_ld, ks_ld,
+                        stride_ar, stride_an, stride_br, stride_bk, acc, MAX_IMPRECISE)  # fmt: skip
     if (start < body_start) | (body_end < end):
         i = tl.arange(0, 32)
         rows = tl.where(i < 16, start // 16 * 16 + i, body_end + i - 16)
