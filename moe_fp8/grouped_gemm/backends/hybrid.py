@@ -3,7 +3,8 @@
 Opt-in (``backend="hybrid"`` or ``MOE_FP8_BACKEND=hybrid``); it needs what ``cuda`` needs. Why it
 exists: on one H200 our Triton kernel ran the forward-form GEMM alone (2D x 3D, rowwise scales,
 fast accumulation) at 0.99-1.27x the speed of ``_scaled_grouped_mm`` on the MoE shapes of
-BENCHMARKS.md (two runs), while its 2D x 2D wgrad form ran at only 0.53-0.72x. This backend takes
+BENCHMARKS.md (two runs), while its 2D x 2D wgrad form ran at only 0.53-0.72x then (0.86-1.06x
+since its row blocks were aligned, 2026-12-01; ``triton`` takes both). This backend takes
 ``mm_2d3d`` (forward and dgrad) from the ``triton`` backend and ``mm_2d2d`` (with the 16-row wgrad
 padding, the 1023-group limit and the bf16-only output) from ``cuda``.
 
