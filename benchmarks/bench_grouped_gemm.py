@@ -165,7 +165,7 @@ def bench_gemms_alone(x, w, g, offs, flop, device, rep_ms):
             p_offs, rows = padded_offsets(offs), padded_rows(x.shape[0], offs.numel())
         else:
             p_offs, rows = None, 0
-        qa, sa, qb, sb = library.quantize_wgrad_operands(g, x, offs, "rowwise", "e4m3fn", False, True, p_offs, rows)
+        qa, sa, qb, sb = library.quantize_wgrad_operands(g, x, offs, "e4m3fn", False, True, p_offs, rows)
         w_offs = offs if p_offs is None else p_offs
         t_fwd = timer(lambda: be.mm_2d3d(xq, xs, wq, ws, offs, torch.bfloat16), rep_ms)
         t_wgrad = timer(lambda: be.mm_2d2d(qa, sa, qb, sb, w_offs, torch.bfloat16), rep_ms)

@@ -20,9 +20,10 @@ from moe_fp8.grouped_gemm.backends.cuda import CudaBackend
 from moe_fp8.grouped_gemm.backends.cuda_auto import CudaAutoBackend
 from moe_fp8.grouped_gemm.emulated import emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d
 from moe_fp8.grouped_gemm.padding import padded_offsets, padded_row_index, padded_rows
-from moe_fp8.grouped_gemm.quant_seam import quantize_wgrad_operands
+from moe_fp8.grouped_gemm.quant_seam import quantize_wgrad_operands, wgrad_operand_layout
 from moe_fp8.grouped_gemm.tail import launch_zero_rows_kernel, zero_rows_past_end
 from moe_fp8.quant import E4M3FN
+from moe_fp8.quant.reference import quantize_tensorwise
 from moe_fp8.testing import OFFSET_KINDS, group_sizes, random_offsets
 
 needs_interpreter = pytest.mark.interpreter  # skipped by tests/conftest.py unless TRITON_INTERPRET=1
@@ -362,6 +363,13 @@ def test_padded_layout(kind, M, used, E):
     assert torch.all(dest[used:] >= int(p_offs[-1]))  # tail rows land past every group
 
 
+def _tensorwise_wgrad_operands(a, b, offs, fused, **padding):
+    """The tensorwise wgrad operands as the op makes them: each tensor quantized (as the forward and
+    the dgrad do), then laid out by ``wgrad_operand_layout``."""
+    (qa, sa), (qb, sb) = quantize_tensorwise(a, E4M3FN), quantize_tensorwise(b, E4M3FN)
+    return (wgrad_operand_layout(qa, offs, fused, **padding), sa, wgrad_operand_layout(qb, offs, fused, **padding), sb)
+
+
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=needs_interpreter)])
 @pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
 def test_padded_wgrad_operands_match_unpadded(scaling, fused):
@@ -369,10 +377,16 @@ def test_padded_wgrad_operands_match_unpadded(scaling, fused):
     a, b = torch.randn(50, 32, generator=gen), torch.randn(50, 48, generator=gen)
     offs = torch.tensor([7, 7, 30, 45], dtype=torch.int32)
     p_offs, rows = padded_offsets(offs), padded_rows(50, 4)
-    qa, sa, qb, sb = quantize_wgrad_operands(a, b, offs, scaling, E4M3FN, False, False)  # the reference
-    pa, psa, pb, psb = quantize_wgrad_operands(
-        a, b, offs, scaling, E4M3FN, False, fused, padded_offs=p_offs, padded_rows=rows
-    )
+    if scaling == "rowwise":
+        qa, sa, qb, sb = quantize_wgrad_operands(a, b, offs, E4M3FN, False, False)  # the reference
+        pa, psa, pb, psb = quantize_wgrad_operands(a, b, offs, E4M3FN, False, fused, padded_offs=p_offs,
+                                                   padded_rows=rows)
+    else:
+        qa, sa, qb, sb = _tensorwise_wgrad_operands(a, b, offs, False)
+        pa, psa, pb, psb = _tensorwise_wgrad_operands(a, b, offs, fused, padded_offs=p_offs, padded_rows=rows)
+        fa, _, fb, _ = _tensorwise_wgrad_operands(a, b, offs, fused)  # unpadded through the kernel
+        assert fa.stride() == (1, 50) and torch.equal(fa.view(torch.uint8), qa.view(torch.uint8))
+        assert torch.equal(fb.view(torch.uint8), qb.view(torch.uint8))
     assert qa.stride() == (1, 50) and pa.stride() == (1, rows) and pb.stride() == (1, rows)
     assert torch.equal(sa, psa) and torch.equal(sb, psb)
     dest = padded_row_index(offs, p_offs, 50)

@@ -55,18 +55,22 @@ def test_padded_rows_bound(m, e, kind, seed):
     assert int(padded_offsets(offs)[-1]) <= rows
 
 
-def check(x: torch.Tensor, offs: torch.Tensor, *, wrapper: bool = True, **launch_kw) -> None:
-    """The wrapper and/or (with ``launch_kw``) the launcher on a poisoned buffer against the reference."""
+def check(x: torch.Tensor, offs: torch.Tensor, *, wrapper: bool = True, column_major: bool = False,
+          **launch_kw) -> None:
+    """The wrapper and/or (with ``launch_kw``) the launcher on a poisoned buffer against the reference,
+    row-major or column-major (strides ``(1, R)``)."""
     M, E = x.shape[0], offs.numel()
     p_offs, R = padded_offsets(offs), padded_rows(M, E)
-    want = gather_rows_padded_reference(x, offs, p_offs, R)
+    want = gather_rows_padded_reference(x, offs, p_offs, R, column_major)
     if wrapper:
-        got = gather_rows_padded(x, offs, p_offs, R)
-        assert got.shape == (R, x.shape[1]) and got.dtype == x.dtype and got.is_contiguous()
+        got = gather_rows_padded(x, offs, p_offs, R, column_major=column_major)
+        assert got.shape == (R, x.shape[1]) and got.dtype == x.dtype
+        assert got.stride() == ((1, R) if column_major else (x.shape[1], 1))
         assert torch.equal(bits(got), bits(want))
     if launch_kw:
-        poison = torch.full((R, x.shape[1] * x.element_size()), 0x7F, dtype=torch.uint8, device=x.device)
-        out = poison.view(x.dtype)
+        shape = (x.shape[1], R) if column_major else (R, x.shape[1])
+        poison = torch.full((shape[0], shape[1] * x.element_size()), 0x7F, dtype=torch.uint8, device=x.device)
+        out = poison.view(x.dtype).t() if column_major else poison.view(x.dtype)
         launch_gather_rows_padded(x, offs, p_offs, out, **launch_kw)
         assert torch.equal(bits(out), bits(want))
 
@@ -90,6 +94,16 @@ def test_matches_reference(case, dtype):
     seed = len(case) + dtype.itemsize
     # C = 300: full and partial column blocks at the default 512-byte width (bf16, fp32)
     check(random_rows(M, 300, dtype, seed=seed), offsets(sizes), block_r=4, block_bytes=32)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(SIZES))
+def test_column_major_matches_reference(case, dtype):
+    # C = 70 with 32-byte chunks: full and partial column chunks, one program per tile (the
+    # row-major launch above has one program per row block looping over all chunks)
+    sizes, M = SIZES[case]
+    check(random_rows(M, 70, dtype, seed=len(case)), offsets(sizes), column_major=True, block_r=8, block_bytes=32)
 
 
 @pytest.mark.interpreter

@@ -103,6 +103,40 @@ def test_tensorwise_zeros_strides_empty_cpu():
     _check_tensorwise(torch.randn(0, 3).bfloat16(), False, E4M3FN)
 
 
+def _check_tensorwise_rows(x, n):
+    """The amax over the first ``n`` rows only (the kernel, the reference, and the reference on
+    ``x[:n]`` agree on the scale and on those rows' bytes; the other rows share the scale)."""
+    rows = torch.tensor([n, 123], dtype=torch.int32, device=x.device)  # only the first element counts
+    q, s = triton_quantize_tensorwise(x, E4M3FN, rows=rows)
+    rq, rs = ref.quantize_tensorwise(x, E4M3FN, rows=rows)
+    assert_same(s, rs, "scale")
+    assert_same(q[: max(n, 0)], rq[: max(n, 0)], "q")
+    head = x[: max(n, 0)]
+    if head.numel():
+        hq, hs = ref.quantize_tensorwise(head, E4M3FN)
+        assert_same(s, hs, "scale of the head")
+        assert_same(q[:n], hq, "q of the head")
+    else:  # no row counts: the scale of an all-zero tensor
+        assert_same(s, ref.quantize_tensorwise(torch.zeros(1), E4M3FN)[1], "scale")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n", [0, 5, 37, 40, 60])
+def test_tensorwise_rows_cpu(n):
+    # rows past n hold NaN and huge values: with n < 40 they must not reach the scale
+    x = hard_input((40, 300), seed=3)
+    x[max(n, 0):] = float("nan") if n % 2 else 1e30
+    _check_tensorwise_rows(x.bfloat16(), n)
+
+
+def test_tensorwise_rows_bad_arguments():
+    x = torch.randn(4, 16)
+    with pytest.raises(TypeError, match="rows"):
+        triton_quantize_tensorwise(x, E4M3FN, rows=torch.tensor([2]))  # int64
+    with pytest.raises(ValueError, match="rows"):
+        triton_quantize_tensorwise(x, E4M3FN, rows=torch.zeros(0, dtype=torch.int32))
+
+
 @pytest.mark.interpreter
 def test_dispatch_uses_triton_under_interpreter_and_reference_without(monkeypatch):
     calls = []
@@ -237,7 +271,10 @@ def test_blockwise_gpu(shape):
 
 @pytest.mark.gpu
 def test_tensorwise_gpu():
-    _check_tensorwise(hard_input((8192, 7168), seed=6, device="cuda"), False, E4M3FN)
+    x = hard_input((8192, 7168), seed=6, device="cuda")
+    _check_tensorwise(x, False, E4M3FN)
+    x[5000:] = float("nan")
+    _check_tensorwise_rows(x, 5000)
     _check_tensorwise(hard_input((1000, 999), torch.float32, seed=7, device="cuda"), True, E4M3FN)
     _check_tensorwise(hard_input((8, 2048, 7168), seed=8, device="cuda"), False, E4M3FN, per_expert=True)
     _check_tensorwise(hard_input((128, 1536, 2048), seed=9, device="cuda"), True, E4M3FN, per_expert=True)

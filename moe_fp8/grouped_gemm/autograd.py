@@ -11,7 +11,9 @@
 | bf16            | ``torch._grouped_mm``      | ``torch._grouped_mm``          | ``torch._grouped_mm``            |
 
 The weights are quantized once per call in both layouts (or come from an ``Fp8WeightCache``)
-and only their FP8 copies are saved for backward, with ``x`` (the wgrad operand) and ``offs``;
+and only their FP8 copies are saved for backward, with ``x`` (the wgrad operand; in FP8 for the
+``tensorwise`` FP8 wgrad, whose operands are the forward's FP8 ``x`` and the dgrad's FP8 grad_out,
+laid out again, not quantized again) and ``offs``;
 except (``save_w``) when no cache serves a ``rowwise`` weight that the caller keeps alive anyway
 (a parameter or a view of one): then the forward quantizes the forward layout and takes the dgrad
 layout's amax (over N) from the same read, ``w`` itself and that ``(E, K)`` amax are saved, and
@@ -25,7 +27,7 @@ reduction of its own (fused kernels and rows of at most 16384 elements; otherwis
 reduces them).
 Nothing here syncs with the host; the backends say which layouts they take. Rows at or past
 ``offs[-1]`` belong to no group and never reach a result: with one scale per tensor
-(``tensorwise``) they are zeroed before the amax (they may hold anything, even NaN).
+(``tensorwise``) the amax leaves them out (they may hold anything, even NaN).
 """
 
 from __future__ import annotations
@@ -43,15 +45,11 @@ __all__ = ["FP8GroupedMM"]
 _NONES = (None,) * 10  # gradients of the non-tensor arguments of ``apply``
 
 
-def _group_rows_only(t: torch.Tensor, offs: torch.Tensor, scaling: str | None) -> torch.Tensor:
-    """``t (M, C)`` with its rows at or past ``offs[-1]`` zeroed, for a ``tensorwise`` amax: a copy
-    in one pass on device, no sync (``t`` is the caller's: ``tail.zero_rows_past_end`` would zero
-    it in place); ``t`` itself for every other recipe (their scales are per row or group). Made
-    once for x in forward (saved for wgrad in place of x) and once for grad_out in backward."""
-    if scaling != "tensorwise":
-        return t
-    rows = torch.arange(t.shape[0], device=t.device)
-    return torch.where((rows < offs[-1])[:, None], t, t.new_zeros(()))
+def _routed_rows(offs: torch.Tensor, scaling: str | None) -> torch.Tensor | None:
+    """For a ``tensorwise`` amax, the rows it covers: ``offs[-1:]`` (read on the device; the rows
+    past ``offs[-1]`` may hold anything, even NaN, and enter no GEMM); ``None`` for the other
+    recipes (their scales are per row or group)."""
+    return offs[-1:] if scaling == "tensorwise" else None
 
 
 def _rows_give_group_amax(fused: bool, k: int, n: int) -> bool:
@@ -107,7 +105,6 @@ class FP8GroupedMM(torch.autograd.Function):
             if w_quant is None:
                 w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
             q_fwd, s_fwd, q_bwd, s_bwd = w_quant
-        x = _group_rows_only(x, offs, scaling)  # tensorwise: also the wgrad operand saved below
         # x's per-group column amax, so that the wgrad writes x, and grad_out (whose amax the dgrad's
         # row quantization takes alike), without a reduction of its own
         x_amax = None
@@ -120,9 +117,13 @@ class FP8GroupedMM(torch.autograd.Function):
         elif want_amax:  # from x's row quantization, the same read
             xq, xs, x_amax = lib.quantize_activation_group_amax(x, offs, fmt, pow2, fused)
         else:
-            xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused)
+            xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused, _routed_rows(offs, scaling))
         out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
-        ctx.save_for_backward(x, offs, q_bwd, s_bwd, x_amax)
+        ctx.x_dtype = x.dtype
+        # tensorwise FP8 wgrad takes x's FP8 bytes as they are (one scale for the tensor): x is saved
+        # in FP8, with its scale in the amax's place
+        ctx.x_fp8 = scaling == "tensorwise" and fp8_wgrad
+        ctx.save_for_backward(xq if ctx.x_fp8 else x, offs, q_bwd, s_bwd, xs if ctx.x_fp8 else x_amax)
         return out
 
     @staticmethod
@@ -140,30 +141,42 @@ class FP8GroupedMM(torch.autograd.Function):
             dx = lib.bf16_mm_2d3d(ctx.backend, g, w, offs, False) if need_dx else None
             dw = lib.bf16_mm_2d2d(ctx.backend, g, x, offs) if need_dw else None
             return dx, dw, *_NONES
-        x, offs, q_bwd, s_bwd, x_amax = ctx.saved_tensors
-        grad_out = _group_rows_only(grad_out, offs, ctx.scaling)  # once, for dgrad and wgrad
+        x, offs, q_bwd, s_bwd, x_extra = ctx.saved_tensors
+        if ctx.x_fp8:  # tensorwise: the wgrad reuses the FP8 x of the forward and grad_out of the dgrad
+            dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, False) if need_dx else (None, None)
+            dw = _wgrad_tensorwise(ctx, grad_out, g_fp8, (x, x_extra), offs) if need_dw else None
+            return dx, dw, *_NONES
         # with x's amax from the forward, the dgrad's row quantization of grad_out reduces grad_out's
         # per-group column amax too (only both together pay: BENCHMARKS.md)
-        group_amax = x_amax is not None and need_dx and need_dw
-        dx, g_amax = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, x.dtype, group_amax) if need_dx else (None, None)
-        dw = _wgrad(ctx, grad_out, x, offs, g_amax, x_amax if group_amax else None) if need_dw else None
+        group_amax = x_extra is not None and need_dx and need_dw
+        dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, group_amax) if need_dx else (None, None)
+        g_amax = g_fp8[2] if group_amax else None
+        dw = _wgrad(ctx, grad_out, x, offs, g_amax, x_extra if group_amax else None) if need_dw else None
         return dx, dw, *_NONES
 
 
 def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor | None, offs: torch.Tensor,
-           dtype: torch.dtype, group_amax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in ``dtype``, and with
-    ``group_amax`` grad_out's per-group column amax ``(E, N)`` fp32 (else ``None``). ``q_bwd, s_bwd``:
-    the saved dgrad layout, or ``w`` and its amax over N (``ctx.w_saved``) to quantize it here. Its
-    FP8 temporaries (grad_out's, and that layout) are freed on return, before the wgrad runs."""
+           group_amax: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in x's dtype, and grad_out's FP8
+    ``(q, scale)``, with ``group_amax`` also its per-group column amax ``(E, N)`` fp32. ``q_bwd,
+    s_bwd``: the saved dgrad layout, or ``w`` and its amax over N (``ctx.w_saved``) to quantize it
+    here (freed on return, before the wgrad runs)."""
     fused = get_backend(ctx.backend).fused_quant
     if ctx.w_saved:
         q_bwd, s_bwd = lib.quantize_weight_dgrad_layout(q_bwd, s_bwd, ctx.fmt, ctx.pow2, fused)
     if group_amax:
-        gq, gs, g_amax = lib.quantize_activation_group_amax(grad_out, offs, ctx.fmt, ctx.pow2, fused)
+        g_fp8 = lib.quantize_activation_group_amax(grad_out, offs, ctx.fmt, ctx.pow2, fused)
     else:
-        (gq, gs), g_amax = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused), None
-    return lib.mm_2d3d(ctx.backend, gq, gs, q_bwd, s_bwd, offs, dtype), g_amax
+        rows = _routed_rows(offs, ctx.scaling)
+        g_fp8 = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused, rows)
+    return lib.mm_2d3d(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, s_bwd, offs, ctx.x_dtype), g_fp8
+
+
+def _wgrad_padding(backend, m: int, offs: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """The padded wgrad offsets and buffer rows the backend's wgrad GEMM takes (``None, 0``: unpadded)."""
+    if backend.pads_wgrad_groups:
+        return padded_offsets(offs), padded_rows(m, offs.numel())
+    return None, 0
 
 
 def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, g_amax: torch.Tensor | None,
@@ -174,12 +187,23 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, g_a
     if not ctx.fp8_wgrad:
         return lib.bf16_mm_2d2d(ctx.backend, grad_out.to(x.dtype), x, offs).to(ctx.w_dtype)
     backend = get_backend(ctx.backend)
-    if backend.pads_wgrad_groups:
-        p_offs = padded_offsets(offs)
-        rows = padded_rows(x.shape[0], offs.numel())
-    else:
-        p_offs, rows = None, 0
+    p_offs, rows = _wgrad_padding(backend, x.shape[0], offs)
     qa, sa, qb, sb = lib.quantize_wgrad_operands(
-        grad_out, x, offs, ctx.scaling, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows, g_amax, x_amax
+        grad_out, x, offs, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows, g_amax, x_amax
     )
     return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs if p_offs is None else p_offs, ctx.w_dtype)
+
+
+def _wgrad_tensorwise(ctx, grad_out: torch.Tensor, g_fp8: tuple[torch.Tensor, torch.Tensor] | None,
+                      x_fp8: tuple[torch.Tensor, torch.Tensor], offs: torch.Tensor) -> torch.Tensor:
+    """The ``tensorwise`` FP8 wgrad from the FP8 grad_out of the dgrad (``g_fp8``; ``None``:
+    quantized here) and x of the forward (``x_fp8``): their bytes laid out for the wgrad GEMM."""
+    backend = get_backend(ctx.backend)
+    fused = backend.fused_quant
+    if g_fp8 is None:
+        g_fp8 = lib.quantize_activation(grad_out, "tensorwise", ctx.fmt, ctx.pow2, fused, offs[-1:])
+    (gq, gs), (xq, xs) = g_fp8, x_fp8
+    p_offs, rows = _wgrad_padding(backend, xq.shape[0], offs)
+    qa = lib.wgrad_operand_layout(gq, offs, fused, p_offs, rows)
+    qb = lib.wgrad_operand_layout(xq, offs, fused, p_offs, rows)
+    return lib.mm_2d2d(ctx.backend, qa, gs, qb, xs, offs if p_offs is None else p_offs, ctx.w_dtype)

@@ -31,6 +31,7 @@ __all__ = [
     "quantize_weight_dgrad_layout",
     "quantize_weight_forward_layout",
     "quantize_wgrad_operands",
+    "wgrad_operand_layout",
 ]
 
 
@@ -57,8 +58,9 @@ def _bf16_mm_2d2d(backend: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return get_backend(backend).bf16_mm_2d2d(a, b, offs)
 
 
-def _quantize_activation(x: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool) -> tuple[Tensor, Tensor]:
-    return quant_seam.quantize_activation(x, scaling, resolve_format(fmt), pow2, fused)
+def _quantize_activation(x: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
+                         rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return quant_seam.quantize_activation(x, scaling, resolve_format(fmt), pow2, fused, rows)
 
 
 def _quantize_activation_group_amax(x: Tensor, offs: Tensor, fmt: str, pow2: bool,
@@ -84,13 +86,20 @@ def _quantize_weight_dgrad_layout(w: Tensor, col_amax: Tensor, fmt: str, pow2: b
     return quant_seam.quantize_weight_dgrad_layout(w, col_amax, resolve_format(fmt), pow2, fused)
 
 
-def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
+def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, fmt: str, pow2: bool, fused: bool,
                              padded_offs: Optional[Tensor], padded_rows: int, a_amax: Optional[Tensor] = None,
                              b_amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return quant_seam.quantize_wgrad_operands(
-        a, b, offs, scaling, resolve_format(fmt), pow2, fused,
+        a, b, offs, resolve_format(fmt), pow2, fused,
         padded_offs=padded_offs, padded_rows=padded_rows if padded_offs is not None else None, a_amax=a_amax,
         b_amax=b_amax,
+    )
+
+
+def _wgrad_operand_layout(q: Tensor, offs: Tensor, fused: bool, padded_offs: Optional[Tensor],
+                          padded_rows: int) -> Tensor:
+    return quant_seam.wgrad_operand_layout(
+        q, offs, fused, padded_offs=padded_offs, padded_rows=padded_rows if padded_offs is not None else None
     )
 
 
@@ -115,6 +124,9 @@ _op_quantize_weight_dgrad_layout = torch.library.custom_op(
 )
 _op_quantize_wgrad_operands = torch.library.custom_op(
     "moe_fp8::gg_quantize_wgrad_operands", _quantize_wgrad_operands, mutates_args=()
+)
+_op_wgrad_operand_layout = torch.library.custom_op(
+    "moe_fp8::gg_wgrad_operand_layout", _wgrad_operand_layout, mutates_args=()
 )
 
 
@@ -147,7 +159,7 @@ def _scale_shape(shape, scaling: str) -> tuple:
 
 
 @_op_quantize_activation.register_fake
-def _(x, scaling, fmt, pow2, fused):
+def _(x, scaling, fmt, pow2, fused, rows=None):
     return x.new_empty(x.shape, dtype=_fp8(fmt)), x.new_empty(_scale_shape(x.shape, scaling), dtype=torch.float32)
 
 
@@ -190,13 +202,17 @@ def _(w, col_amax, fmt, pow2, fused):
 
 
 @_op_quantize_wgrad_operands.register_fake
-def _(a, b, offs, scaling, fmt, pow2, fused, padded_offs, padded_rows, a_amax=None, b_amax=None):
+def _(a, b, offs, fmt, pow2, fused, padded_offs, padded_rows, a_amax=None, b_amax=None):
     rows = a.shape[0] if padded_offs is None else padded_rows
     E, N, K = offs.shape[0], a.shape[1], b.shape[1]
     qa = a.new_empty(N, rows, dtype=_fp8(fmt)).t()
     qb = b.new_empty(K, rows, dtype=_fp8(fmt)).t()
-    sa_shape, sb_shape = ((E, N), (E, K)) if scaling == "rowwise" else ((), ())
-    return qa, a.new_empty(sa_shape, dtype=torch.float32), qb, b.new_empty(sb_shape, dtype=torch.float32)
+    return qa, a.new_empty(E, N, dtype=torch.float32), qb, b.new_empty(E, K, dtype=torch.float32)
+
+
+@_op_wgrad_operand_layout.register_fake
+def _(q, offs, fused, padded_offs, padded_rows):
+    return q.new_empty(q.shape[1], q.shape[0] if padded_offs is None else padded_rows).t()
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -213,3 +229,4 @@ quantize_weight_forward_layout = eager_or_custom_op(_op_quantize_weight_forward_
                                                     _quantize_weight_forward_layout)
 quantize_weight_dgrad_layout = eager_or_custom_op(_op_quantize_weight_dgrad_layout, _quantize_weight_dgrad_layout)
 quantize_wgrad_operands = eager_or_custom_op(_op_quantize_wgrad_operands, _quantize_wgrad_operands)
+wgrad_operand_layout = eager_or_custom_op(_op_wgrad_operand_layout, _wgrad_operand_layout)

@@ -89,17 +89,24 @@ def scatter_rows_padded(
 
 
 def gather_rows_padded_reference(
-    x: torch.Tensor, offs: torch.Tensor, padded_offs: torch.Tensor, num_padded_rows: int
+    x: torch.Tensor, offs: torch.Tensor, padded_offs: torch.Tensor, num_padded_rows: int, column_major: bool = False
 ) -> torch.Tensor:
     """Pure-torch ``gather_rows_padded``: ``padded_row_index`` + ``scatter_rows_padded`` (valid offsets only)."""
-    return scatter_rows_padded(x, padded_row_index(offs, padded_offs, x.shape[0]), num_padded_rows)
+    dest = padded_row_index(offs, padded_offs, x.shape[0])
+    return scatter_rows_padded(x, dest, num_padded_rows, column_major=column_major)
+
+
+def _empty_padded(x: torch.Tensor, num_padded_rows: int, column_major: bool) -> torch.Tensor:
+    if column_major:
+        return x.new_empty(x.shape[1], num_padded_rows).t()
+    return x.new_empty(num_padded_rows, x.shape[1])
 
 
 def _gather_rows_padded(x: torch.Tensor, offs: torch.Tensor, padded_offs: torch.Tensor,
-                        num_padded_rows: int) -> torch.Tensor:
+                        num_padded_rows: int, column_major: bool) -> torch.Tensor:
     if not use_triton(gather_rows_padded_kernel, x):
-        return gather_rows_padded_reference(x, offs, padded_offs, num_padded_rows)
-    out = x.new_empty(num_padded_rows, x.shape[1])
+        return gather_rows_padded_reference(x, offs, padded_offs, num_padded_rows, column_major)
+    out = _empty_padded(x, num_padded_rows, column_major)
     with device_guard(x):
         launch_gather_rows_padded(x, offs, padded_offs, out)
     return out
@@ -111,12 +118,12 @@ _gather = eager_or_custom_op(_gather_op, _gather_rows_padded)
 
 
 @_gather_op.register_fake
-def _(x, offs, padded_offs, num_padded_rows):
-    return x.new_empty(num_padded_rows, x.shape[1])
+def _(x, offs, padded_offs, num_padded_rows, column_major):
+    return _empty_padded(x, num_padded_rows, column_major)
 
 
 def gather_rows_padded(
-    x: torch.Tensor, offs: torch.Tensor, padded_offs: torch.Tensor, num_padded_rows: int
+    x: torch.Tensor, offs: torch.Tensor, padded_offs: torch.Tensor, num_padded_rows: int, *, column_major: bool = False
 ) -> torch.Tensor:
     """Copy the rows of ``x`` into its groups padded to 16 rows, on the device (no host sync).
 
@@ -126,13 +133,15 @@ def gather_rows_padded(
         offs: ``(E,)`` int32 cumulative end offsets of the groups of ``x``'s rows.
         padded_offs: ``(E,)`` int32 ``padded_offsets(offs)``.
         num_padded_rows: ``R >= padded_rows(M, E)``.
+        column_major: return the rows column-major (strides ``(1, R)``, the layout of the FP8
+            wgrad operands) instead of row-major.
 
     Returns:
-        ``(R, C)`` row-major, ``x.dtype``: row ``padded_start[g] + i`` holds ``x[start[g] + i]`` for
-        ``i < size[g]``; rows ``padded_offs[-1] + i`` hold ``x[offs[-1] + i]`` (rows in no group,
-        past every padded group); every other row is zero. Offsets that are not monotonic or leave
-        ``[0, M]`` give unspecified rows, never an access outside the tensors (the kernel clamps them
-        to a running maximum in range).
+        ``(R, C)`` row-major (or column-major), ``x.dtype``: row ``padded_start[g] + i`` holds
+        ``x[start[g] + i]`` for ``i < size[g]``; rows ``padded_offs[-1] + i`` hold
+        ``x[offs[-1] + i]`` (rows in no group, past every padded group); every other row is zero.
+        Offsets that are not monotonic or leave ``[0, M]`` give unspecified rows, never an access
+        outside the tensors (the kernel clamps them to a running maximum in range).
     """
     check_tensor("x", x, ndim=2)
     if x.element_size() not in (1, 2, 4, 8) or x.is_complex():
@@ -147,4 +156,4 @@ def gather_rows_padded(
         )
     if x.stride(1) != 1 and x.shape[1] > 1:
         x = x.contiguous()
-    return _gather(x, offs, padded_offs, num_padded_rows)
+    return _gather(x, offs, padded_offs, num_padded_rows, bool(column_major))

@@ -20,6 +20,10 @@ The offsets are read ``G_BLOCK`` at a time (the running maxima carried from chun
 Bits move, not values: the caller passes integer views of the same element size (FP8 as uint8).
 Interior column chunks carry no column mask and a row mask that is constant along a row, so loads
 and stores stay 16-byte vectorizable; row offsets are int64.
+
+The output may also be column-major (strides ``(1, R)``: the layout of the FP8 wgrad operands).
+Then each program copies one ``BLOCK_R x BLOCK_C`` tile, which the compiler transposes through
+shared memory between the row-major loads and the column-major stores.
 """
 
 from __future__ import annotations
@@ -47,14 +51,17 @@ def gather_rows_padded_kernel(
     C,
     R,
     stride_x,
+    stride_or,
+    stride_oc,
     E,
     G_BLOCK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """``out (R, C)`` contiguous from ``x (M, C)`` (row stride ``stride_x``, unit column stride),
-    ``offs``/``poffs`` ``(E,)`` int32 end offsets of the groups and of the padded groups; fewer
-    than 2**31 rows."""
+    """``out (R, C)`` (strides ``stride_or``, ``stride_oc``) from ``x (M, C)`` (row stride
+    ``stride_x``, unit column stride), ``offs``/``poffs`` ``(E,)`` int32 end offsets of the groups
+    and of the padded groups; fewer than 2**31 rows. Program ``(i, j)`` owns output rows
+    ``[i * BLOCK_R, (i + 1) * BLOCK_R)`` and the column chunks ``j, j + J, ...`` of ``J`` programs."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pstart = tl.zeros((BLOCK_R,), dtype=tl.int32)
     start = tl.zeros((BLOCK_R,), dtype=tl.int32)
@@ -79,16 +86,17 @@ def gather_rows_padded_kernel(
     in_out = (r < R)[:, None]
     live = (src < stop)[:, None] & in_out
     x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_x
-    out_rows = out_ptr + r.to(tl.int64)[:, None] * C
+    out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_or
     cols = tl.arange(0, BLOCK_C)[None, :]
     n_full = C // BLOCK_C
-    for cb in range(0, n_full):
+    for cb in range(tl.program_id(1), n_full, tl.num_programs(1)):
         c = cb * BLOCK_C + cols
-        tl.store(out_rows + c, tl.load(x_rows + c, mask=live, other=0), mask=in_out)
-    if n_full * BLOCK_C < C:
+        tl.store(out_rows + c.to(tl.int64) * stride_oc, tl.load(x_rows + c, mask=live, other=0), mask=in_out)
+    if (n_full * BLOCK_C < C) & (tl.program_id(1) == n_full % tl.num_programs(1)):
         c = n_full * BLOCK_C + cols
         c_ok = c < C
-        tl.store(out_rows + c, tl.load(x_rows + c, mask=live & c_ok, other=0), mask=in_out & c_ok)
+        tl.store(out_rows + c.to(tl.int64) * stride_oc, tl.load(x_rows + c, mask=live & c_ok, other=0),
+                 mask=in_out & c_ok)
 
 
 def launch_gather_rows_padded(
@@ -97,29 +105,35 @@ def launch_gather_rows_padded(
     padded_offs: torch.Tensor,
     out: torch.Tensor,
     *,
-    block_r: int = 16,
-    block_bytes: int = 512,
+    block_r: int | None = None,
+    block_bytes: int | None = None,
     group_block: int = 128,
     num_warps: int = 4,
 ) -> None:
-    """Fill ``out (R, C)`` (contiguous, ``x.dtype``) from ``x (M, C)`` (unit column stride).
+    """Fill ``out (R, C)`` (``x.dtype``, contiguous or column-major) from ``x (M, C)`` (unit column stride).
 
     ``offs``/``padded_offs``: ``(E,)`` int32 on ``x``'s device. Each program finds the groups of
     its ``block_r`` rows, reading the offsets ``group_block`` at a time, then copies ``block_bytes``
-    bytes of each row per step (defaults: 16 rows, 128 groups, 512 B, 4 warps).
+    bytes of each row per step. Defaults: row-major ``out``, 16 rows and 512 B per step, one
+    program per row block; column-major ``out`` (strides ``(1, R)``), 128 x 128-byte tiles, one
+    program per tile (128-byte stores down each column). 128 groups at a time, 4 warps.
     """
     (M, C), R, E = x.shape, out.shape[0], offs.numel()
-    if out.dim() != 2 or out.shape[1] != C or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous (*, {C}) {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    column_major = out.dim() == 2 and R > 1 and C > 1 and out.stride() == (1, R)
+    if out.dim() != 2 or out.shape[1] != C or out.dtype != x.dtype or not (out.is_contiguous() or column_major):
+        raise ValueError(f"out: expected a contiguous or column-major (*, {C}) {x.dtype} tensor, "
+                         f"got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
     if C > 1 and x.stride(1) != 1:
         raise ValueError(f"x: expected a unit column stride, got strides {x.stride()}")
     if R == 0 or C == 0:
         return
     bits = _BITS_DTYPES[x.element_size()]
-    block_c = max(block_bytes // x.element_size(), 1)
-    grid = (cdiv(R, block_r),)
+    block_r = block_r or (128 if column_major else 16)
+    block_c = max((block_bytes or (128 if column_major else 512)) // x.element_size(), 1)
+    grid = (cdiv(R, block_r), cdiv(C, block_c) if column_major else 1)
     gather_rows_padded_kernel[grid](
-        x.view(bits), out.view(bits), offs, padded_offs, M, C, R, x.stride(0) if M > 1 else C, E,
+        x.view(bits), out.view(bits), offs, padded_offs, M, C, R, x.stride(0) if M > 1 else C,
+        *((1, R) if column_major else (C, 1)), E,
         G_BLOCK=min(next_power_of_2(max(E, 1)), group_block), BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=num_warps,
-    )
+    )  # fmt: skip

@@ -17,7 +17,8 @@ from ..quant import ops as kernels
 from ..quant import reference as ref
 from ..quant.formats import Float8Format
 from ..quant.kernels.rowwise import col_amax_fits
-from .padding import padded_row_index, scatter_rows_padded
+from .padding import gather_rows_padded, gather_rows_padded_reference
+from .transpose import transposed_copy
 
 __all__ = [
     "BLOCK",
@@ -28,6 +29,7 @@ __all__ = [
     "quantize_weight_dgrad_layout",
     "quantize_weight_forward_layout",
     "quantize_wgrad_operands",
+    "wgrad_operand_layout",
 ]
 
 BLOCK = 128  # blockwise recipe: 1 x 128 activation blocks, 128 x 128 weight blocks
@@ -38,13 +40,16 @@ def _kernels(t: torch.Tensor, fused: bool) -> bool:
 
 
 def quantize_activation(
-    x: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool, fused: bool
+    x: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool, fused: bool, rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the left operand of a 2D x 3D GEMM (x in forward, grad_out in dgrad).
 
     Args:
         x: ``(M, K)`` row-major, bf16/fp16/fp32.
         scaling: ``"rowwise"`` | ``"tensorwise"`` | ``"blockwise"``.
+        rows: ``tensorwise`` only, optional int32 ``(n,)`` on ``x``'s device: the amax covers the
+            first ``rows[0]`` rows (the routed tokens, ``offs[-1:]``); the rows past them, which
+            may hold anything, are cast but never enter a GEMM.
     Returns:
         ``q (M, K)`` row-major fp8 and fp32 scales ``(M,)`` (rowwise), ``()`` (tensorwise) or
         ``(M, ceil(K/128))`` (blockwise, 1 x 128 blocks).
@@ -53,7 +58,9 @@ def quantize_activation(
     if scaling == "rowwise":
         return kernels.triton_quantize_rowwise(x, fmt, pow2) if k else ref.quantize_rowwise(x, fmt, pow2=pow2)
     if scaling == "tensorwise":
-        return kernels.triton_quantize_tensorwise(x, fmt, pow2) if k else ref.quantize_tensorwise(x, fmt, pow2=pow2)
+        if k:
+            return kernels.triton_quantize_tensorwise(x, fmt, pow2, rows)
+        return ref.quantize_tensorwise(x, fmt, pow2=pow2, rows=rows)
     if k:
         return kernels.triton_quantize_blockwise(x, fmt, (1, BLOCK), pow2)
     return ref.quantize_blockwise(x, fmt, block=(1, BLOCK), pow2=pow2)
@@ -107,12 +114,12 @@ def quantize_weight(
             q_fwd, s_fwd = kernels.triton_quantize_expert_tensorwise(w, fmt, pow2)
         else:
             q_fwd, s_fwd = ref.quantize_expert_tensorwise(w, fmt, pow2=pow2)
-        return q_fwd, s_fwd, _transposed_copy(q_fwd), s_fwd.clone()
+        return q_fwd, s_fwd, _transposed_copy(q_fwd, k), s_fwd.clone()
     if k:
         q_fwd, s_fwd = kernels.triton_quantize_blockwise(w, fmt, (BLOCK, BLOCK), pow2)
     else:
         q_fwd, s_fwd = ref.quantize_blockwise(w, fmt, block=(BLOCK, BLOCK), pow2=pow2)
-    return q_fwd, s_fwd, _transposed_copy(q_fwd), _transposed_copy(s_fwd)
+    return q_fwd, s_fwd, _transposed_copy(q_fwd, k), _transposed_copy(s_fwd, k)
 
 
 def quantize_weight_forward_layout(
@@ -150,16 +157,16 @@ def quantize_weight_dgrad_layout(
     return ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True, amax=col_amax)
 
 
-def _transposed_copy(t: torch.Tensor) -> torch.Tensor:
-    """A new contiguous tensor holding ``t.transpose(1, 2)`` (never a view of ``t``)."""
-    return t.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+def _transposed_copy(t: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """A new contiguous tensor holding ``t.transpose(-2, -1)`` (never a view of ``t``): the Triton
+    copy with ``kernel`` (:mod:`.transpose`), else torch's."""
+    return transposed_copy(t) if kernel else t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
 def quantize_wgrad_operands(
     a: torch.Tensor,
     b: torch.Tensor,
     offs: torch.Tensor,
-    scaling: str,
     fmt: Float8Format,
     pow2: bool,
     fused: bool,
@@ -169,35 +176,47 @@ def quantize_wgrad_operands(
     a_amax: torch.Tensor | None = None,
     b_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize both wgrad operands (FP8 wgrad: ``rowwise`` and ``tensorwise`` recipes).
+    """Quantize both wgrad operands of the ``rowwise`` FP8 wgrad: per group and column (amax over
+    the group's rows; rows past ``offs[-1]`` become 0). (``tensorwise`` reuses the FP8 tensors of
+    the forward and the dgrad: :func:`wgrad_operand_layout`.)
 
     Args:
         a: ``(M, N)`` grad_output; b: ``(M, K)`` input activations; offs: ``(E,)`` int32.
-        scaling: ``"rowwise"``: per group and column (amax over the group's rows; rows past
-            ``offs[-1]`` become 0); ``"tensorwise"``: one scale per operand.
         padded_offs, padded_rows: when given, group ``g``'s rows land at the 16-aligned start
             ``padded_offs[g-1]`` of a ``padded_rows``-row buffer; rows outside the groups are
             never read by the GEMM (zero, or tail rows past ``padded_offs[-1]``).
-        a_amax, b_amax: ``rowwise`` only, optional: the per-group column amaxes ``(E, N)`` and
-            ``(E, K)`` from :func:`quantize_activation_group_amax`; a tensor with its amax is
-            quantized without a reduction.
+        a_amax, b_amax: optional, the per-group column amaxes ``(E, N)`` and ``(E, K)`` from
+            :func:`quantize_activation_group_amax`; a tensor with its amax is quantized without a
+            reduction.
     Returns:
         ``qa (rows, N)`` and ``qb (rows, K)`` fp8, both column-major (strides ``(1, rows)``),
-        ``rows`` = M or ``padded_rows``; scales ``sa (E, N)``, ``sb (E, K)`` (rowwise) or ``()``.
+        ``rows`` = M or ``padded_rows``; scales ``sa (E, N)``, ``sb (E, K)``.
     """
-    if scaling == "rowwise" and _kernels(a, fused):
+    if _kernels(a, fused):
         return kernels.triton_quantize_group_colwise_dual(
             a, b, offs, fmt, pow2, padded_offs=padded_offs, padded_rows=padded_rows, a_amax=a_amax, b_amax=b_amax
         )
-    if scaling == "rowwise":
-        qa, sa = ref.quantize_group_colwise(a, offs, fmt, pow2=pow2, amax=a_amax)
-        qb, sb = ref.quantize_group_colwise(b, offs, fmt, pow2=pow2, amax=b_amax)
-    else:
-        qa, sa = quantize_activation(a, "tensorwise", fmt, pow2, fused)
-        qb, sb = quantize_activation(b, "tensorwise", fmt, pow2, fused)
+    qa, sa = ref.quantize_group_colwise(a, offs, fmt, pow2=pow2, amax=a_amax)
+    qb, sb = ref.quantize_group_colwise(b, offs, fmt, pow2=pow2, amax=b_amax)
+    return (wgrad_operand_layout(qa, offs, False, padded_offs=padded_offs, padded_rows=padded_rows), sa,
+            wgrad_operand_layout(qb, offs, False, padded_offs=padded_offs, padded_rows=padded_rows), sb)
+
+
+def wgrad_operand_layout(
+    q: torch.Tensor,
+    offs: torch.Tensor,
+    fused: bool,
+    *,
+    padded_offs: torch.Tensor | None = None,
+    padded_rows: int | None = None,
+) -> torch.Tensor:
+    """An FP8 wgrad operand ``q (M, C)`` (row-major, e.g. the forward's or the dgrad's ``tensorwise``
+    quantization of x or grad_out) in the layout the wgrad GEMM takes: column-major ``(rows, C)``
+    (strides ``(1, rows)``), with ``padded_offs`` / ``padded_rows`` in the padded row layout of
+    :func:`quantize_wgrad_operands`, else ``rows = M``. Bytes move, values do not; one Triton launch
+    with ``fused`` (:func:`.padding.gather_rows_padded`, :func:`.transpose.transposed_copy`)."""
     if padded_offs is None:
-        return qa.t().contiguous().t(), sa, qb.t().contiguous().t(), sb
-    dest = padded_row_index(offs, padded_offs, a.shape[0])
-    qa = scatter_rows_padded(qa, dest, padded_rows, column_major=True)
-    qb = scatter_rows_padded(qb, dest, padded_rows, column_major=True)
-    return qa, sa, qb, sb
+        return _transposed_copy(q, _kernels(q, fused)).t()
+    if _kernels(q, fused):
+        return gather_rows_padded(q, offs, padded_offs, padded_rows, column_major=True)
+    return gather_rows_padded_reference(q, offs, padded_offs, padded_rows, column_major=True)

@@ -472,34 +472,46 @@ def triton_quantize_group_colwise_dual(
 # -------------------------------------------------------------------------------------- tensorwise
 
 
-def _check_tensorwise(x, fmt: str) -> Float8Format:
+def _check_tensorwise(x, fmt: str, rows: Optional[torch.Tensor] = None) -> Float8Format:
     _hp("x", x, None)
+    if rows is not None:
+        check_tensor("rows", rows, dtypes=(torch.int32,), ndim=1)
+        if x.dim() < 1 or rows.numel() < 1:
+            raise ValueError(f"rows: needs x of 1+ dims and 1+ elements, got x {tuple(x.shape)}, rows "
+                             f"{tuple(rows.shape)}")
+        check_same_device(x=x, rows=rows)
     return _format(fmt, x.device)
 
 
 @eager_custom_op("moe_fp8::quantize_tensorwise")
-def _tensorwise_op(x: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    f = _check_tensorwise(x, fmt)
+def _tensorwise_op(x: torch.Tensor, fmt: str, pow2: bool,
+                   rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    f = _check_tensorwise(x, fmt, rows)
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=f.torch_dtype, device=x.device)
     scale = torch.empty((), dtype=_F32, device=x.device)
-    launch_tensorwise(x, q, scale, f, pow2)
+    launch_tensorwise(x, q, scale, f, pow2, rows=rows)
     return q, scale
 
 
 @_tensorwise_op.register_fake
-def _(x, fmt, pow2):
-    f = _check_tensorwise(x, fmt)
+def _(x, fmt, pow2, rows):
+    f = _check_tensorwise(x, fmt, rows)
     return x.new_empty(x.shape, dtype=f.torch_dtype), x.new_empty((), dtype=_F32)
 
 
-def triton_quantize_tensorwise(x: torch.Tensor, fmt=None, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale for the tensor: ``x`` (any shape) -> ``q`` contiguous fp8, ``scale`` 0-d fp32.
+def triton_quantize_tensorwise(
+    x: torch.Tensor, fmt=None, pow2: bool = False, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the tensor: ``x`` (any shape) -> ``q`` contiguous fp8, ``scale`` 0-d fp32
+    (``reference.quantize_tensorwise``).
 
-    A non-contiguous ``x`` is copied to contiguous first.
+    A non-contiguous ``x`` is copied to contiguous first. ``rows``: optional int32 ``(n,)`` on
+    ``x``'s device; its first element (not read on the host) counts the leading rows of ``x``
+    (along dim 0) that the amax covers: the rows past it, which may hold anything (the tokens past
+    ``offs[-1]``), are cast with the scale of the others.
     """
-    _hp("x", x, None)
-    return _tensorwise_op(x, _format(fmt, x.device).name, bool(pow2))
+    return _tensorwise_op(x, _format(fmt, x.device).name, bool(pow2), rows)
 
 
 @eager_custom_op("moe_fp8::quantize_expert_tensorwise")

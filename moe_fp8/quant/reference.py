@@ -66,17 +66,25 @@ def _check_input(name: str, x, ndim) -> None:
     check_tensor(name, x, dtypes=HIGH_PRECISION_DTYPES, ndim=ndim)
 
 
-def quantize_tensorwise(x: torch.Tensor, fmt=None, *, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensorwise(
+    x: torch.Tensor, fmt=None, *, pow2: bool = False, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for the whole tensor.
 
     Args:
         x: any shape, bf16/fp16/fp32.
+        rows: optional int32 ``(n,)``: its first element counts the leading rows of ``x`` (along
+            dim 0) that the amax covers; the others are cast with the same scale (no host sync).
     Returns:
         ``q`` (same shape, fp8, contiguous), ``scale`` (0-d fp32).
     """
     _check_input("x", x, None)
     fmt = resolve_format(fmt, x.device)
-    amax = x.abs().amax() if x.numel() else x.new_zeros(())
+    a = x.abs()
+    if rows is not None:
+        row = torch.arange(x.shape[0], device=x.device).view(-1, *([1] * (x.dim() - 1)))
+        a = torch.where(row < rows[0], a, a.new_zeros(()))
+    amax = a.amax() if x.numel() else x.new_zeros(())
     inv, scale = amax_to_scales(amax, fmt, pow2)
     return cast_to_fp8(x, inv, fmt), scale
 

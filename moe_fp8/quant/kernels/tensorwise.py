@@ -26,13 +26,17 @@ _PROGRAMS_PER_SM = 4
 
 
 @triton.jit
-def _partial_amax_kernel(x_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
-    """Program ``(p, g)``: the amax of its share of group ``g`` (``numel`` elements) -> ``partial[g, p]``."""
+def _partial_amax_kernel(x_ptr, partial_ptr, numel, rows_ptr, row_len, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``(p, g)``: the amax of its share of group ``g`` (``numel`` elements) -> ``partial[g, p]``;
+    with ``HAS_ROWS`` only of its first ``rows_ptr[0]`` rows of ``row_len`` elements."""
     base = x_ptr + tl.cast(tl.program_id(1), tl.int64) * numel
+    limit = tl.cast(numel, tl.int64)
+    if HAS_ROWS:
+        limit = tl.minimum(limit, tl.maximum(tl.load(rows_ptr).to(tl.int64), 0) * row_len)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for chunk in range(tl.program_id(0), tl.cdiv(numel, BLOCK), tl.num_programs(0)):
         offs = tl.cast(chunk, tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(base + offs, mask=offs < numel, other=0.0)
+        x = tl.load(base + offs, mask=offs < limit, other=0.0)
         acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
     tl.store(partial_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.max(acc, axis=0))
 
@@ -73,12 +77,14 @@ def _tensorwise_cast_kernel(
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, groups: int, fmt: Float8Format, pow2: bool,
-            hw_cast: bool | None) -> None:
+            hw_cast: bool | None, rows: torch.Tensor | None = None) -> None:
     numel = x.numel() // groups if groups else 0
     per_group = max(1, multiprocessor_count(x.device) * _PROGRAMS_PER_SM // groups)
     programs = max(1, min(cdiv(numel, _BLOCK), per_group))
     partial = torch.empty((groups, programs), dtype=torch.float32, device=x.device)
-    _partial_amax_kernel[(programs, groups)](x, partial, numel, BLOCK=_BLOCK, num_warps=8)
+    row_len = x[0].numel() if rows is not None and x.dim() else 1
+    _partial_amax_kernel[(programs, groups)](x, partial, numel, partial if rows is None else rows, row_len,
+                                             HAS_ROWS=rows is not None, BLOCK=_BLOCK, num_warps=8)  # fmt: skip
     _tensorwise_cast_kernel[(programs, groups)](
         x, q, scale, partial, programs, numel, POW2=bool(pow2), BLOCK=_BLOCK, PARTIALS=next_power_of_2(programs),
         num_warps=8, **format_constexprs(fmt, x.device, hw_cast),
@@ -86,9 +92,11 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, groups: int, 
 
 
 def launch_tensorwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
-                      hw_cast: bool | None = None) -> None:
-    """``x`` contiguous (any shape) -> ``q`` contiguous, ``scale`` 0-d."""
-    _launch(x, q, scale, 1, fmt, pow2, hw_cast)
+                      hw_cast: bool | None = None, rows: torch.Tensor | None = None) -> None:
+    """``x`` contiguous (any shape) -> ``q`` contiguous, ``scale`` 0-d. ``rows``: an int32 tensor
+    whose first element (read on the device) counts the leading rows (along dim 0) of ``x`` that
+    the amax covers; the rest are cast with that scale but do not enter it."""
+    _launch(x, q, scale, 1, fmt, pow2, hw_cast, rows)
 
 
 def launch_expert_tensorwise(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
