@@ -202,6 +202,18 @@ def test_x_only_or_w_only_gradients(backend, monkeypatch):
         assert torch.equal(dx, dx3) and torch.equal(dw, dw3)
 
 
+@pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=needs_interpreter)])
+def test_tensorwise_gradients_alone_equal_the_pair(backend):
+    """tensorwise: the wgrad takes the forward's FP8 x and, with dx wanted, the dgrad's FP8 grad_out;
+    without dx it quantizes grad_out itself: the same dw either way (and dx alone the same dx)."""
+    x, w, g, offs = make_inputs(48, 32, 16, 2, 40, "skewed", seed=11)
+    (dx,) = torch.autograd.grad(fp8_grouped_mm(x, w.detach(), offs, recipe="tensorwise", backend=backend), (x,), g)
+    (dw,) = torch.autograd.grad(fp8_grouped_mm(x.detach(), w, offs, recipe="tensorwise", backend=backend), (w,), g)
+    _, dx2, dw2 = run(x, w, g, offs, recipe="tensorwise", backend=backend)
+    assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
+    assert bool((dx[40:] == 0).all())
+
+
 @needs_interpreter
 def test_long_rows_take_no_group_amax(monkeypatch):
     """Rows longer than the one-read kernels hold (K > 16384), both gradients wanted: the forward
