@@ -129,6 +129,11 @@ def test_tensorwise_rows_cpu(n):
     _check_tensorwise_rows(x.bfloat16(), n)
 
 
+@pytest.mark.interpreter
+def test_tensorwise_rows_no_rows_cpu():
+    _check_tensorwise_rows(torch.randn(0, 300).bfloat16(), 0)
+
+
 def test_tensorwise_rows_bad_arguments():
     x = torch.randn(4, 16)
     with pytest.raises(TypeError, match="rows"):

@@ -82,7 +82,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, groups: int, 
     per_group = max(1, multiprocessor_count(x.device) * _PROGRAMS_PER_SM // groups)
     programs = max(1, min(cdiv(numel, _BLOCK), per_group))
     partial = torch.empty((groups, programs), dtype=torch.float32, device=x.device)
-    row_len = x[0].numel() if rows is not None and x.dim() else 1
+    row_len = x.shape[1:].numel() if rows is not None else 1  # elements per row along dim 0
     _partial_amax_kernel[(programs, groups)](x, partial, numel, partial if rows is None else rows, row_len,
                                              HAS_ROWS=rows is not None, BLOCK=_BLOCK, num_warps=8)  # fmt: skip
     _tensorwise_cast_kernel[(programs, groups)](
