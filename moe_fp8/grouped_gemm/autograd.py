@@ -201,7 +201,8 @@ def _wgrad_tensorwise(ctx, grad_out: torch.Tensor, g_fp8: tuple[torch.Tensor, to
     backend = get_backend(ctx.backend)
     fused = backend.fused_quant
     if g_fp8 is None:
-        g_fp8 = lib.quantize_activation(grad_out, "tensorwise", ctx.fmt, ctx.pow2, fused, offs[-1:])
+        rows = _routed_rows(offs, "tensorwise")
+        g_fp8 = lib.quantize_activation(grad_out, "tensorwise", ctx.fmt, ctx.pow2, fused, rows)
     (gq, gs), (xq, xs) = g_fp8, x_fp8
     p_offs, rows = _wgrad_padding(backend, xq.shape[0], offs)
     qa = lib.wgrad_operand_layout(gq, offs, fused, p_offs, rows)

@@ -12,9 +12,9 @@ straddled two sectors). Measured on one H200 (``benchmarks/results/ab_padded_row
 padded wgrad quantization from amaxes 295 -> 183 µs (16624 -> 16640 rows), with its own amaxes
 309 -> 291 µs; DeepSeek-V3 with 32 groups (33248 -> 33280 rows) within 0.4%.
 
-``gather_rows_padded`` builds a row-major padded copy in one Triton launch (``padding_kernels.py``)
-on GPUs and in the interpreter, else with ``padded_row_index`` + ``scatter_rows_padded`` (the
-reference, which also serves column-major copies).
+``gather_rows_padded`` builds a row-major or column-major padded copy in one Triton launch
+(``padding_kernels.py``) on GPUs and in the interpreter, else with ``padded_row_index`` +
+``scatter_rows_padded`` (the reference).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from ..checks import check_offsets, check_same_device, check_tensor
 from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
-from .padding_kernels import gather_rows_padded_kernel, launch_gather_rows_padded
+from .padding_kernels import BITS_DTYPES, gather_rows_padded_kernel, launch_gather_rows_padded
 
 __all__ = [
     "ALIGN",
@@ -144,7 +144,7 @@ def gather_rows_padded(
         outside the tensors (the kernel clamps them to a running maximum in range).
     """
     check_tensor("x", x, ndim=2)
-    if x.element_size() not in (1, 2, 4, 8) or x.is_complex():
+    if x.element_size() not in BITS_DTYPES or x.is_complex():
         raise TypeError(f"x: expected a real dtype of 1, 2, 4 or 8 bytes, got {x.dtype}")
     check_offsets(offs, device=x.device)
     check_tensor("padded_offs", padded_offs, dtypes=(torch.int32,), shape=(offs.numel(),))

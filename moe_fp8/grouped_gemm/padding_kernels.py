@@ -35,10 +35,10 @@ import triton.language as tl
 from ..launch_math import cdiv, next_power_of_2
 from ..quant.kernels.common import max_combine
 
-__all__ = ["gather_rows_padded_kernel", "launch_gather_rows_padded"]
+__all__ = ["BITS_DTYPES", "gather_rows_padded_kernel", "launch_gather_rows_padded"]
 
-# Integer types of each element size: the kernel copies bits.
-_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Integer types of each element size: the byte-moving kernels (this one, ``transpose.py``) copy bits.
+BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @triton.jit
@@ -127,7 +127,7 @@ def launch_gather_rows_padded(
         raise ValueError(f"x: expected a unit column stride, got strides {x.stride()}")
     if R == 0 or C == 0:
         return
-    bits = _BITS_DTYPES[x.element_size()]
+    bits = BITS_DTYPES[x.element_size()]
     block_r = block_r or (128 if column_major else 16)
     block_c = max((block_bytes or (128 if column_major else 512)) // x.element_size(), 1)
     grid = (cdiv(R, block_r), cdiv(C, block_c) if column_major else 1)

@@ -20,10 +20,10 @@ import triton.language as tl
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, use_triton
 from ..launch_math import cdiv
+from .padding_kernels import BITS_DTYPES
 
 __all__ = ["transposed_copy"]
 
-_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE_BYTES = 128  # a tile row of the 1-byte source, and a tile column of its destination
 
 
@@ -50,7 +50,7 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
         ``(B, A)`` or ``(E, B, A)`` contiguous, ``t.dtype``.
     """
     check_tensor("t", t, ndim=(2, 3))
-    if t.element_size() not in _BITS_DTYPES or t.is_complex():
+    if t.element_size() not in BITS_DTYPES or t.is_complex():
         raise TypeError(f"t: expected a real dtype of 1, 2, 4 or 8 bytes, got {t.dtype}")
     if not use_triton(_transpose_kernel, t):
         return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
@@ -60,7 +60,7 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     E, A, B = src.shape
     out = src.new_empty(E, B, A)
     if out.numel():
-        bits = _BITS_DTYPES[t.element_size()]
+        bits = BITS_DTYPES[t.element_size()]
         block = max(_TILE_BYTES // t.element_size(), 16)
         with device_guard(t):
             _transpose_kernel[(cdiv(A, block), cdiv(B, block), E)](

@@ -511,6 +511,7 @@ def triton_quantize_tensorwise(
     (along dim 0) that the amax covers: the rows past it, which may hold anything (the tokens past
     ``offs[-1]``), are cast with the scale of the others.
     """
+    _hp("x", x, None)
     return _tensorwise_op(x, _format(fmt, x.device).name, bool(pow2), rows)
 
 
