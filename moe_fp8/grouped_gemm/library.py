@@ -40,21 +40,33 @@ def _fp8(fmt: str) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- implementations
+# A 2D x 3D GEMM whose reduction is empty (``a (M, 0)``: K = 0 in forward, N = 0 in dgrad) is zeros
+# by construction here, on every backend: no library GEMM is trusted to write an empty sum (torch
+# 2.13's CPU ``torch._scaled_mm`` returns uninitialised memory for one). Empty groups of the
+# 2D x 2D form are zeroed where a library GEMM runs (``tail.zero_empty_groups``).
 def _mm_2d3d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
              out_dtype: torch.dtype) -> Tensor:
+    if a.shape[1] == 0:
+        return a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
     return get_backend(backend).mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
 
 
 def _mm_2d2d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
              out_dtype: torch.dtype) -> Tensor:
+    if 0 in (a.shape[0], a.shape[1], b.shape[1]):  # no rows to reduce, or an empty output
+        return a.new_zeros(offs.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
     return get_backend(backend).mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
 
 
 def _bf16_mm_2d3d(backend: str, a: Tensor, w: Tensor, offs: Tensor, transpose_w: bool) -> Tensor:
+    if a.shape[1] == 0:
+        return a.new_zeros(a.shape[0], w.shape[1] if transpose_w else w.shape[2])
     return get_backend(backend).bf16_mm_2d3d(a, w, offs, transpose_w)
 
 
 def _bf16_mm_2d2d(backend: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    if 0 in (a.shape[0], a.shape[1], b.shape[1]):
+        return a.new_zeros(offs.shape[0], a.shape[1], b.shape[1])
     return get_backend(backend).bf16_mm_2d2d(a, b, offs)
 
 

@@ -97,6 +97,8 @@ class _FP8LinearFn(torch.autograd.Function):
                     gt_q, gt_s = _quantize_t(grad_out, recipe, grad_fmt)  # (N, M_pad)
                 xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
                 grad_w = scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype)
+            elif x.shape[0] == 0:  # an empty reduction: zeros by construction, not from the library
+                grad_w = torch.zeros_like(weight)
             else:
                 grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
         return grad_x, grad_w, None, None, None

@@ -40,8 +40,12 @@ def scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q_t: torch.Tensor, b_s_t: 
     """``a (M, K) @ b (K, N)`` in ``out_dtype``, where ``a_q (M, K)`` and ``b_q_t (N, K)`` (``b.T``) are
     FP8 row-major with scales ``a_s (M, 1)`` / ``b_s_t (N, 1)``, or ``()`` each (tensorwise).
 
-    The FP8 GEMM writes bf16 (the only output every rowwise backend takes), then casts.
+    The FP8 GEMM writes bf16 (the only output every rowwise backend takes), then casts. An empty
+    reduction (``K = 0``) gives zeros here, not from the library (torch 2.13's CPU kernel returns
+    uninitialised memory for it).
     """
+    if a_q.shape[1] == 0:
+        return a_q.new_zeros(a_q.shape[0], b_q_t.shape[0], dtype=out_dtype)
     b_scale = b_s_t if b_s_t.dim() == 0 else b_s_t.reshape(1, -1)
     if a_q.device.type == "cpu" and b_s_t.dim() != 0 and not cpu_kernel_takes_row_scales():
         out = ((a_q.float() * a_s) @ (b_q_t.float() * b_s_t).t()).to(torch.bfloat16)

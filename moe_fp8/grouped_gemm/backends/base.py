@@ -13,7 +13,8 @@ recipe; the op does the quantization (``quant_seam``) and the bookkeeping. Opera
   ``pads_wgrad_groups`` is set, the op hands over groups padded to 16 rows (``padding.py``)
   and the padded offsets.
 
-Every output row at or past ``offs[-1]`` is zero, and no method syncs with the host, except the
+Every output row at or past ``offs[-1]`` is zero, so is every empty group's ``mm_2d2d`` output,
+and no method syncs with the host, except the
 BF16 GEMMs on ROCm where PyTorch's grouped GEMM falls back to a host loop (see
 :func:`warn_rocm_bf16_host_loop`).
 """
@@ -28,7 +29,7 @@ import torch
 
 from ...quant.formats import Float8Format, detect_format
 from ..padding import gather_rows_padded, padded_offsets, padded_rows
-from ..tail import zero_rows_past_end
+from ..tail import zero_empty_groups, zero_rows_past_end
 
 __all__ = ["GroupedGemmBackend", "warn_rocm_bf16_host_loop"]
 
@@ -108,4 +109,4 @@ class GroupedGemmBackend:
             a = gather_rows_padded(a, offs, p_offs, rows)
             b = gather_rows_padded(b, offs, p_offs, rows)
             offs = p_offs
-        return torch._grouped_mm(a.t(), b, offs=offs)
+        return zero_empty_groups(torch._grouped_mm(a.t(), b, offs=offs), offs)

@@ -12,7 +12,8 @@ How each recipe maps onto the op (torch 2.9-2.12 accept rowwise scales only):
   (column-major ``(rows, K)``), scales flattened to ``(E*N,)`` / ``(E*K,)``, groups padded to
   16 rows by the op (``pads_wgrad_groups``).
 
-Output rows at or past ``offs[-1]`` (which the op leaves unwritten) are zeroed on device.
+Output rows at or past ``offs[-1]`` (which the op leaves unwritten) and the wgrad outputs of empty
+groups (empty reductions, which the op is not trusted to write) are zeroed on device.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ...quant.formats import E4M3FN, Float8Format, detect_format
-from ..tail import zero_rows_past_end
+from ..tail import zero_empty_groups, zero_rows_past_end
 from .base import GroupedGemmBackend
 from .triton_backend import TritonBackend
 
@@ -78,4 +79,5 @@ class CudaBackend(GroupedGemmBackend):
         E, N, K = offs.numel(), a.shape[1], b.shape[1]
         scale_a = scale_a.expand(E, N) if scale_a.dim() == 0 else scale_a
         scale_b = scale_b.expand(E, K) if scale_b.dim() == 0 else scale_b
-        return self._call(a.t(), b, scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous(), offs, out_dtype)
+        out = self._call(a.t(), b, scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous(), offs, out_dtype)
+        return zero_empty_groups(out, offs)
