@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu venv clean
+.PHONY: demo test test-gpu compile-check venv clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -18,9 +18,16 @@ demo: $(STAMP)
 	$(VPY) examples/quickstart.py
 	$(VPY) examples/train_demo.py
 
-# CPU tests; Triton kernels run in the interpreter. GPU tests (-m gpu) skip without CUDA.
+# CPU tests on every core (pytest-xdist); Triton kernels run in the interpreter. GPU tests (-m gpu)
+# skip without CUDA. MALLOC_PERTURB_ makes glibc fill every fresh CPU allocation with 0x5A bytes, so
+# an output a kernel leaves unwritten holds garbage, never zeros by luck.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests
+	MALLOC_PERTURB_=165 TRITON_INTERPRET=1 $(VPY) -m pytest -q -n auto tests
+
+# Every Triton kernel compiled offline for sm_90a, gfx942 and gfx950 (no GPU needed); fails on a
+# kernel that does not compile or spills more on sm_90a than tools/compile_baseline.json allows.
+compile-check: $(STAMP)
+	$(VPY) tools/offline_compile.py --out build/offline_compile
 
 test-gpu:
 	python3 -m pytest -q -m gpu tests

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = [
     "interpreter_enabled", "triton_runs_on", "use_triton", "device_guard", "eager_or_custom_op", "eager_custom_op",
+    "LaunchTarget", "launch_target", "configure_launches_for",
 ]
 
 
@@ -38,6 +41,56 @@ def use_triton(kernel, t: torch.Tensor) -> bool:
         # Under torch.compile the answer is the compiled kernel (dynamo cannot inspect the kernel's type).
         return torch.compiler.is_compiling() or not _interpreted(kernel)
     return t.device.type == "cpu" and _interpreted(kernel)
+
+
+@dataclass(frozen=True)
+class LaunchTarget:
+    """The machine a kernel launch is configured for (tile sizes, casts, launch options).
+
+    ``kind``: ``"interpreter"`` (CPU tensors), ``"cuda"`` (NVIDIA) or ``"hip"`` (AMD); ``arch``: the
+    compute capability ``(major, minor)`` on CUDA, the ``gfx`` name on HIP, ``None`` in the
+    interpreter; ``multiprocessors``: SMs (CUs on HIP), a small constant in the interpreter.
+    """
+
+    kind: str
+    arch: tuple[int, int] | str | None = None
+    multiprocessors: int = 4
+
+    def is_sm90(self) -> bool:
+        return self.kind == "cuda" and self.arch[0] == 9
+
+
+_CONFIGURED_FOR: list[LaunchTarget] = []
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int) -> LaunchTarget:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip is not None:
+        return LaunchTarget("hip", props.gcnArchName.split(":")[0], props.multi_processor_count)
+    return LaunchTarget("cuda", torch.cuda.get_device_capability(index), props.multi_processor_count)
+
+
+def launch_target(device: torch.device) -> LaunchTarget:
+    """What launches for tensors on ``device`` are configured for: the GPU itself, or the
+    interpreter for CPU tensors (and for GPU tensors under ``TRITON_INTERPRET=1``); inside
+    :func:`configure_launches_for`, its target."""
+    if _CONFIGURED_FOR:
+        return _CONFIGURED_FOR[-1]
+    if device.type != "cuda" or interpreter_enabled():
+        return LaunchTarget("interpreter")
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def configure_launches_for(target: LaunchTarget):
+    """Configure every launch as for ``target`` while the block runs (the interpreter still runs
+    them): how the offline compile check records the launches a GPU would make."""
+    _CONFIGURED_FOR.append(target)
+    try:
+        yield target
+    finally:
+        _CONFIGURED_FOR.pop()
 
 
 def device_guard(t: torch.Tensor):

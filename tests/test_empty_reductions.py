@@ -48,10 +48,11 @@ def test_dirty_allocator_leaves_garbage(device, shape):
 def test_fp8_linear_wgrad_over_no_tokens(recipe, device):
     x = torch.randn(0, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
     w = torch.randn(48, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
-    y = fp8_linear(x, w, recipe=recipe)
+    b = torch.randn(48, dtype=torch.bfloat16, device=device, requires_grad=True)
+    y = fp8_linear(x, w, b, recipe=recipe)
     dirty_allocator(nbytes_of(w.shape, torch.bfloat16), device)
     y.backward(torch.randn_like(y))
-    assert y.shape == (0, 48) and x.grad.shape == (0, 64) and _zero(w.grad)
+    assert y.shape == (0, 48) and x.grad.shape == (0, 64) and _zero(w.grad) and _zero(b.grad)
 
 
 def test_scaled_mm_empty_reduction():
@@ -93,6 +94,12 @@ def _check_grouped_empty_reductions(recipe: str, backend: str, device: str) -> N
     (dw,) = torch.autograd.grad(y, (w,), torch.randn_like(y))
     assert _zero(dw[0]) and _zero(dw[2]), "empty experts' weight gradients"
     assert dw[1].abs().sum() > 0 and dw[3].abs().sum() > 0
+    # no rows at all
+    x, w, offs = _grouped(0, 32, 48, [0, 0, 0, 0], device)
+    y = fp8_grouped_mm(x, w, offs, recipe=recipe, backend=backend)
+    dirty_allocator(nbytes_of(w.shape, torch.bfloat16), device)
+    dx, dw = torch.autograd.grad(y, (x, w), torch.randn_like(y))
+    assert y.shape == (0, 48) and dx.shape == (0, 32) and _zero(dw)
     # every expert empty, rows present
     x, w, offs = _grouped(32, 32, 48, [0, 0, 0, 0], device)
     y = fp8_grouped_mm(x, w, offs, recipe=recipe, backend=backend)

@@ -46,7 +46,7 @@ def _fp8(fmt: str) -> torch.dtype:
 # 2D x 2D form are zeroed where a library GEMM runs (``tail.zero_empty_groups``).
 def _mm_2d3d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
              out_dtype: torch.dtype) -> Tensor:
-    if a.shape[1] == 0:
+    if a.shape[1] == 0 or b.shape[1] == 0:  # an empty reduction, or an empty output
         return a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
     return get_backend(backend).mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
 
@@ -59,8 +59,9 @@ def _mm_2d2d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tenso
 
 
 def _bf16_mm_2d3d(backend: str, a: Tensor, w: Tensor, offs: Tensor, transpose_w: bool) -> Tensor:
-    if a.shape[1] == 0:
-        return a.new_zeros(a.shape[0], w.shape[1] if transpose_w else w.shape[2])
+    cols = w.shape[1] if transpose_w else w.shape[2]
+    if a.shape[1] == 0 or cols == 0:
+        return a.new_zeros(a.shape[0], cols)
     return get_backend(backend).bf16_mm_2d3d(a, w, offs, transpose_w)
 
 

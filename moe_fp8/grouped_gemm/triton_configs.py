@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernel_backend import launch_target
+
 __all__ = ["GemmConfig", "config_2d3d", "config_2d2d"]
 
 SCALE_TENSORWISE, SCALE_ROWWISE, SCALE_BLOCKWISE = 0, 1, 2
@@ -42,20 +44,17 @@ class GemmConfig:
     fast_accum: bool = True
 
 
-def _is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def config_2d3d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.device) -> GemmConfig:
     """Configuration of the 2D x 3D kernel (forward / dgrad) for weights ``(num_groups, n, k)``."""
-    if device.type == "cpu":
+    target = launch_target(device)
+    if target.kind == "interpreter":
         return GemmConfig(16, 16, BLOCKWISE_BLOCK if scale_mode == SCALE_BLOCKWISE else 32, 2, 1, 1)
     if scale_mode == SCALE_BLOCKWISE:
         # Two fp32 tiles live at once (running sum + the current 128-deep slice): 128x128.
-        return GemmConfig(128, 128, BLOCKWISE_BLOCK, 8, 3 if _is_sm90(device) else 2, 8)
-    if torch.version.hip is not None:
+        return GemmConfig(128, 128, BLOCKWISE_BLOCK, 8, 3 if target.is_sm90() else 2, 8)
+    if target.kind == "hip":
         return GemmConfig(128, 128, 64, 8, 2, 8)
-    if not _is_sm90(device):
+    if not target.is_sm90():
         # sm89 / sm120: ~100 KB of shared memory per block.
         return GemmConfig(128, 128, 64, 8, 3, 8)
     wide = n >= 256 and n % 256 == 0
@@ -64,11 +63,12 @@ def config_2d3d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.
 
 def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.device) -> GemmConfig:
     """Configuration of the 2D x 2D kernel (wgrad) producing ``(num_groups, n, k)``."""
-    if device.type == "cpu":
+    target = launch_target(device)
+    if target.kind == "interpreter":
         return GemmConfig(16, 16, 16, 2, 1, 1)
-    if torch.version.hip is not None:
+    if target.kind == "hip":
         return GemmConfig(128, 128, 64, 8, 2, 8)
-    if not _is_sm90(device):
+    if not target.is_sm90():
         return GemmConfig(128, 128, 64, 8, 3, 8)
     wide = k >= 256 and k % 256 == 0
     return GemmConfig(128, 256 if wide else 128, 128, 8, 3 if wide else 4, 8)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_multiple_of, check_offsets, check_same_device, check_tensor
-from ..kernel_backend import interpreter_enabled
+from ..kernel_backend import interpreter_enabled, launch_target
 from ..launch_math import cdiv, next_power_of_2
 from .emulated import FP8_DTYPES
 from .triton_configs import (
@@ -258,7 +258,7 @@ def _check_can_launch(a: torch.Tensor) -> None:
 
 def _max_imprecise(cfg: GemmConfig, device: torch.device):
     """``max_num_imprecise_acc`` for ``tl.dot``: Triton's default (fast) or one promotion per tile."""
-    return None if cfg.fast_accum or device.type != "cuda" else cfg.block_k
+    return None if cfg.fast_accum or launch_target(device).kind != "cuda" else cfg.block_k
 
 
 def triton_grouped_mm_2d3d(

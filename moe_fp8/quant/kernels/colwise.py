@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...kernel_backend import launch_target
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
@@ -522,8 +523,9 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     """One launch over ``(column blocks of a and b) x 2 x chunks`` (two launches of half that with
     ``TWO_PASS``); ``offs=None``: ``G`` uniform groups of ``n_uni`` rows. ``amax_bits`` (int32
     ``(G, C_A + C_B)``, the complete amaxes as fp32 bits): the workers alone, in one launch."""
-    cfg = {**colwise_config(), "TICKETS": torch.version.hip is not None, **(config or {})}
-    if cfg["maxnreg"] is None or not a.is_cuda or torch.version.hip is not None:
+    target = launch_target(a.device)
+    cfg = {**colwise_config(), "TICKETS": target.kind == "hip", **(config or {})}
+    if cfg["maxnreg"] is None or target.kind != "cuda":
         del cfg["maxnreg"]  # a launch option of NVIDIA's compiler only (the interpreter runs on CPU tensors)
     c_a = sa.shape[1]
     c_b = sb.shape[1] if b is not None else 0

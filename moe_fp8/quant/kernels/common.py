@@ -13,21 +13,16 @@ older GPUs) they pre-round.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ...kernel_backend import launch_target
 from ..formats import Float8Format
 from ..triton_helpers import fp8_constexprs, fp8_quantize
 
 __all__ = ["to_fp8", "max_combine", "group_ends", "hardware_cast_is_exact", "format_constexprs",
            "multiprocessor_count"]
-
-# Programs a persistent launch gets per multiprocessor in the CPU interpreter (no device to ask).
-_INTERPRETER_SMS = 4
 
 
 @triton.jit
@@ -68,20 +63,10 @@ def to_fp8(
         return q.to(OUT_DTYPE)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def hardware_cast_is_exact(device: torch.device) -> bool:
     """Whether Triton's fp32 -> fp8 cast on ``device`` is the reference's rounding (NVIDIA sm89+)."""
-    if device.type != "cuda" or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _capability(_index(device)) >= (8, 9)
+    target = launch_target(device)
+    return target.kind == "cuda" and target.arch >= (8, 9)
 
 
 def format_constexprs(fmt: Float8Format, device: torch.device, hw_cast: bool | None = None) -> dict:
@@ -94,14 +79,6 @@ def format_constexprs(fmt: Float8Format, device: torch.device, hw_cast: bool | N
     return dict(OUT_DTYPE=fmt.triton_dtype, HW_CAST=bool(hw_cast), **fp8_constexprs(fmt))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors (CUs on ROCm) of ``device``; a small constant on the CPU."""
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return _sm_count(_index(device))
-
+    return launch_target(device).multiprocessors

@@ -1,0 +1,125 @@
+"""Record the Triton launches a GPU would make, by running a small workload in the CPU interpreter.
+
+``record(target_name)`` runs :func:`workload` under ``TRITON_INTERPRET=1`` with every launch
+configured for that GPU (``kernel_backend.configure_launches_for``: its tile sizes, casts, launch
+options and multiprocessor count) and returns one :class:`Launch` per distinct kernel
+specialization: the kernel's module and name, each argument described by type (pointer dtype,
+int, float) or constexpr value, and the launch options. ``offline_compile.py`` compiles them.
+
+Run as ``TRITON_INTERPRET=1 python tools/launch_recorder.py TARGET OUT.json`` (the compile step
+runs it so, in a process of its own, since the interpreter replaces every ``triton.jit``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise SystemExit("launch_recorder.py runs under TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from moe_fp8 import FP8MoE, fp8_grouped_mm  # noqa: E402
+from moe_fp8.grouped_gemm.tail import launch_zero_empty_groups_kernel, launch_zero_rows_kernel  # noqa: E402
+from moe_fp8.kernel_backend import LaunchTarget, configure_launches_for  # noqa: E402
+from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
+from moe_fp8.quant import E4M3FN, E4M3FNUZ  # noqa: E402
+
+#: The GPUs checked: launch target and the FP8 format the library takes there.
+TARGETS = {
+    "sm_90a": (LaunchTarget("cuda", (9, 0), 132), E4M3FN),  # H100 / H200
+    "gfx942": (LaunchTarget("hip", "gfx942", 304), E4M3FNUZ),  # MI300X / MI325X
+    "gfx950": (LaunchTarget("hip", "gfx950", 256), E4M3FN),  # MI350X / MI355X
+}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
+
+
+@dataclass(frozen=True)
+class Launch:
+    module: str
+    kernel: str
+    args: tuple  # per parameter: ["ptr", dtype] | ["int", value] | ["float", value] | ["const", repr-able value]
+    options: tuple  # sorted (name, value) launch options
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return ("ptr", str(value.dtype).removeprefix("torch."))
+    if isinstance(value, tl.dtype):
+        return ("tl_dtype", str(value))
+    if isinstance(value, bool) or value is None:
+        return ("const", value)
+    if isinstance(value, int):
+        return ("int", value)
+    if isinstance(value, float):
+        return ("float", value)
+    if isinstance(value, tl.constexpr):
+        return _describe(value.value)
+    raise TypeError(f"cannot describe a launch argument of type {type(value).__name__}")
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.launches: dict[Launch, None] = {}
+
+    def __enter__(self):
+        self._run = InterpretedFunction.run
+        recorder = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
+            params = dict(zip(fn.arg_names, args))
+            params.update(kwargs)
+            described = tuple((name, _describe(params[name])) for name in fn.arg_names if name in params)
+            recorder.launches[Launch(fn.fn.__module__, fn.fn.__name__, described,
+                                     tuple(sorted(options.items())))] = None
+            return recorder._run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        InterpretedFunction.run = self._run
+
+
+def workload(fmt) -> None:
+    """Launch every kernel of the library at least once, in the layouts training uses: FP8MoE
+    (rowwise, weights cached and not), the grouped GEMM in each FP8 recipe, FP8Linear, and the
+    zeroing kernels. Shapes are small but wide enough (256) for the GPU's widest tiles."""
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    H, I, E, T = 256, 256, 4, 64
+    for cache in (True, False):
+        moe = FP8MoE(H, I, E, 2, shared_expert_hidden_size=0, recipe="rowwise", backend="triton", fmt=fmt,
+                     cache_weights=cache, dtype=bf16)
+        x = torch.randn(T, H, dtype=bf16, requires_grad=True)
+        moe(x).sum().backward()
+    offs = torch.tensor([20, 20, 50, 64], dtype=torch.int32)
+    for recipe in ("rowwise", "rowwise_gw_hp", "tensorwise", "blockwise"):
+        x = torch.randn(T, H, dtype=bf16, requires_grad=True)
+        w = torch.randn(E, I, H, dtype=bf16, requires_grad=True)
+        fp8_grouped_mm(x, w, offs, recipe=recipe, backend="triton").sum().backward()
+    for recipe in ("rowwise", "tensorwise"):
+        x = torch.randn(48, H, dtype=bf16, requires_grad=True)
+        w = torch.randn(I, H, dtype=bf16, requires_grad=True)
+        fp8_linear(x, w, recipe=recipe, fmt=fmt).sum().backward()
+    launch_zero_rows_kernel(torch.randn(T, H, dtype=bf16), torch.tensor([10, 40], dtype=torch.int32))
+    launch_zero_empty_groups_kernel(torch.randn(E, I, H, dtype=bf16), offs)
+
+
+def record(target_name: str) -> list[Launch]:
+    target, fmt = TARGETS[target_name]
+    with _Recorder() as rec, configure_launches_for(target):
+        workload(fmt)
+    return list(rec.launches)
+
+
+if __name__ == "__main__":
+    name, out = sys.argv[1], sys.argv[2]
+    with open(out, "w") as f:
+        json.dump([asdict(launch) for launch in record(name)], f)
