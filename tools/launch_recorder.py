@@ -29,6 +29,7 @@ from moe_fp8.grouped_gemm.tail import launch_zero_empty_groups_kernel, launch_ze
 from moe_fp8.kernel_backend import LaunchTarget, configure_launches_for  # noqa: E402
 from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
 from moe_fp8.quant import E4M3FN, E4M3FNUZ  # noqa: E402
+from moe_fp8.quant.formats import FORMAT_ENV_VAR  # noqa: E402
 
 #: The GPUs checked: launch target and the FP8 format the library takes there.
 TARGETS = {
@@ -114,6 +115,7 @@ def workload(fmt) -> None:
 
 def record(target_name: str) -> list[Launch]:
     target, fmt = TARGETS[target_name]
+    os.environ[FORMAT_ENV_VAR] = fmt.name  # the format the library detects on that GPU
     with _Recorder() as rec, configure_launches_for(target):
         workload(fmt)
     return list(rec.launches)
