@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from moe_fp8 import FP8GroupedExperts, FP8MoE
-from moe_fp8.parallel import ExpertParallelExperts, RowsAllToAll, exchange_counts, expert_major_order
+from moe_fp8.parallel import ExpertParallelExperts, RowsAllToAll, all_to_all_rows, exchange_counts
+from moe_fp8.parallel import expert_major_order
 from moe_fp8.parallel import expert_parallel_from
 from moe_fp8.parallel.local_order import ReorderRows
 from moe_fp8.quant import quantize_rowwise
@@ -104,6 +105,8 @@ def check_experts(group, world: int, rank: int, recipe: str) -> None:
                 if not routed[lo + e]:
                     assert not got[3][e].any() and not got[4][e].any(), f"{tag}: expert {lo + e} has no tokens"
             if name == "uniform" and dispatch == "fp8":
+                with torch.no_grad():  # the FP8 rows alone travel
+                    _check_equal(f"{tag}: out without grad", shard(x[a:b], ids[a:b], w[a:b]), ref[0][a:b])
                 again = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
                 for g1, g2 in zip(got, again):
                     assert torch.equal(g1, g2), f"{tag}: two runs differ"
@@ -123,15 +126,15 @@ def check_fp8_rows_equal_quantize_after_receipt(group, world: int, rank: int) ->
     x_perm, x_fp8 = shard.permuted_rows(x[a:b], plan, quantize=True)
     recv_counts, splits = exchange_counts(plan.counts, group)
     order = expert_major_order(recv_counts, splits.num_recv)
-    with torch.enable_grad():
-        rows, (q, scale) = shard._dispatch(x_perm.requires_grad_(), x_fp8, splits, order)
-    q_ref, scale_ref = quantize_rowwise(rows.detach(), q.dtype)
+    q, scale = shard._dispatch_fp8(x_fp8, splits, order)
+    rows = all_to_all_rows(x_perm[: splits.num_send], splits.send, splits.recv, group)[order.to_expert]
+    q_ref, scale_ref = quantize_rowwise(rows, q.dtype)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
     full_plan = make_dispatch_plan(ids, E)
     full_rows = permute(x, full_plan)
     offs = full_plan.offsets.long()
     start = 0 if rank == 0 else offs[rank * E // world - 1].item()
-    assert torch.equal(rows.detach(), full_rows[start : offs[(rank + 1) * E // world - 1].item()])
+    assert torch.equal(rows, full_rows[start : offs[(rank + 1) * E // world - 1].item()])
 
 
 def check_round_trip(group, world: int, rank: int) -> None:
@@ -157,12 +160,11 @@ def check_round_trip(group, world: int, rank: int) -> None:
         assert torch.equal(x.grad, K * dy[a:b]), f"world={world} rank={rank}: round trip gradient"
 
 
-def check_layer(group, world: int, rank: int, dispatch: str) -> None:
-    """``expert_parallel_from(FP8MoE)`` with its own router and shared expert == the full layer on
+def check_layer(group, world: int, rank: int, dispatch: str, E: int) -> None:
+    """``expert_parallel_from(FP8MoE)`` with ``E`` experts with its own router and shared expert == the full layer on
     every token: outputs and gradients of x and experts bitwise. The replicated parameters (router,
     shared expert) see this rank's tokens only: their gradients == the full layer's on those tokens
     alone, bitwise; the router's summed over the ranks == the full layer's up to summation order."""
-    E = 2 * world
     torch.manual_seed(4)
     full = FP8MoE(H, I, E, K, shared_expert_hidden_size=16, backend=BACKEND).to(torch.bfloat16)
     ep = expert_parallel_from(full, group, dispatch)
@@ -222,10 +224,10 @@ def worker(rank: int, world: int, init_file: str, errors) -> None:
                 check_round_trip(group, w, rank)
                 check_fp8_rows_equal_quantize_after_receipt(group, w, rank)
                 check_experts(group, w, rank, "rowwise")
-                check_layer(group, w, rank, "fp8")
+                check_layer(group, w, rank, "fp8", 2 * w)
             if rank < w == 2:
                 check_experts(group, w, rank, "bf16")
-                check_layer(group, w, rank, "bf16")
+                check_layer(group, w, rank, "bf16", w)  # one expert per rank
             dist.barrier()  # the ranks outside the group wait here
         dist.destroy_process_group()
     except BaseException:

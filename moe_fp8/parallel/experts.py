@@ -7,7 +7,8 @@ Forward on each rank, for its own tokens ``x (T, H)`` routed to global experts `
 2. one ``all_to_all_single`` of the ``(E,)`` counts and ONE device-to-host copy of the per-rank
    split sizes (the only host sync; kept on the autograd nodes for the combine and the backward);
 3. ``all_to_all_single`` of the rows: BF16, or FP8 bytes (as uint8) + fp32 row scales;
-4. on-device re-permutation from (source rank, expert) order to (expert, source rank) order;
+4. on-device re-permutation from (source rank, expert) order to (expert, source rank) order
+   (the identity, skipped, with one rank or one local expert);
 5. the local experts' grouped GEMMs (``FP8GroupedExperts.grouped_mlp``);
 6. the reverse re-permutation and all-to-all, then the combine on the source rank (router weights
    in fp32, deterministic, no atomics).
@@ -23,9 +24,10 @@ import torch.distributed as dist
 from ..checks import check_tensor
 from ..layers.experts import FP8GroupedExperts
 from ..layers.param_checks import check_parameters
-from ..routing import combine, make_dispatch_plan
+from ..quant import formats
+from ..routing import combine, make_dispatch_plan, permute_quantize
 from .exchange import RowsAllToAll, Splits, all_to_all_rows, exchange_counts
-from .local_order import ReorderRows, expert_major_order
+from .local_order import ExpertOrder, ReorderRows, expert_major_order
 
 __all__ = ["DISPATCH_MODES", "ExpertParallelExperts"]
 
@@ -67,6 +69,8 @@ class ExpertParallelExperts(FP8GroupedExperts):
         self.group, self.dispatch = group, dispatch
         self.ep_size, self.ep_rank = world, dist.get_rank(group)
         self.global_num_experts = num_experts
+        # one source rank or one local expert: the rows arrive expert-major already
+        self._reorder = world > 1 and self.num_experts > 1
 
     @classmethod
     def from_full(cls, experts: FP8GroupedExperts, group=None, dispatch: str = "bf16") -> ExpertParallelExperts:
@@ -99,40 +103,48 @@ class ExpertParallelExperts(FP8GroupedExperts):
         x, out_dtype = self.gemm_input(hidden_states)
         plan = make_dispatch_plan(top_k_index, self.global_num_experts)
         fp8 = self.dispatch == "fp8"
-        x_perm, x_fp8 = self.permuted_rows(x, plan, input_scales, quantize=fp8)
+        # BF16 rows travel in BF16 dispatch, and in FP8 dispatch while something needs a gradient
+        # (the first GEMM's weight gradient reads them, and they carry the input gradient home)
+        send_bf16 = not fp8 or (torch.is_grad_enabled() and _needs_grad(self, x, input_scales))
+        if send_bf16 or input_scales is not None:
+            x_perm, x_fp8 = self.permuted_rows(x, plan, input_scales, quantize=fp8)
+        else:  # FP8 rows alone: the fused permute + quantize, no BF16 copy
+            fmt = formats.resolve_format(self.fmt, x.device)
+            x_perm, x_fp8 = None, permute_quantize(x, plan, fmt, pow2=self.recipe.pow2_scales)
         recv_counts, splits = exchange_counts(plan.counts, self.group)
         order = expert_major_order(recv_counts, splits.num_recv)
-        rows, rows_fp8 = self._dispatch(x_perm, x_fp8, splits, order)
+        rows_fp8 = None if x_fp8 is None else self._dispatch_fp8(x_fp8, splits, order)
+        if send_bf16:
+            rows = RowsAllToAll.apply(x_perm[: splits.num_send], splits.send, splits.recv, self.group)
+            rows = ReorderRows.apply(rows, order.to_expert, order.to_source) if self._reorder else rows
+        else:  # never read: fp8_grouped_mm reads x only for its backward when x_fp8 is given
+            rows = x.new_empty(splits.num_recv, self.hidden_size)
         y = self.grouped_mlp(rows, order.offsets, rows_fp8)
-        y = ReorderRows.apply(y, order.to_source, order.to_expert)
+        if self._reorder:
+            y = ReorderRows.apply(y, order.to_source, order.to_expert)
         y = RowsAllToAll.apply(y, splits.recv, splits.send, self.group)
         y = _pad_rows(y, plan.num_rows)
         return combine(y, plan, top_k_weights).to(out_dtype)
 
-    def _dispatch(self, x_perm: torch.Tensor, x_fp8, splits: Splits, order):
-        """The received rows in expert-major order: ``(rows (R, H), rows_fp8 (q, scale) | None)``.
-        ``rows`` is differentiable (its backward sends the gradient home); in FP8 dispatch without
-        gradients it is never sent (the GEMM reads only ``rows_fp8``) and holds no data."""
+    def _dispatch_fp8(self, x_fp8: tuple[torch.Tensor, torch.Tensor], splits: Splits, order: ExpertOrder):
+        """The received FP8 rows ``(q (R, H) fp8, scale (R,) fp32)`` in expert-major order, from the
+        source rows ``x_fp8`` (plan order): the FP8 bytes travel as uint8, the scales as fp32."""
         n, send, recv, group = splits.num_send, splits.send, splits.recv, self.group
-        rows_fp8 = None
-        if x_fp8 is not None:
-            q, scale = x_fp8
-            q_recv = all_to_all_rows(q[:n].view(torch.uint8), send, recv, group)
-            s_recv = all_to_all_rows(scale[:n], send, recv, group)
-            rows_fp8 = (q_recv.index_select(0, order.to_expert).view(q.dtype), s_recv.index_select(0, order.to_expert))
-        if rows_fp8 is not None and not (torch.is_grad_enabled() and _needs_grad(x_perm, self)):
-            # fp8_grouped_mm reads x only for its backward when x_fp8 is given
-            return x_perm.new_empty(splits.num_recv, x_perm.shape[1]), rows_fp8
-        rows = RowsAllToAll.apply(x_perm[:n], send, recv, group)
-        return ReorderRows.apply(rows, order.to_expert, order.to_source), rows_fp8
+        q, scale = x_fp8
+        q_recv = all_to_all_rows(q[:n].view(torch.uint8), send, recv, group)
+        s_recv = all_to_all_rows(scale[:n], send, recv, group)
+        if self._reorder:
+            q_recv, s_recv = q_recv.index_select(0, order.to_expert), s_recv.index_select(0, order.to_expert)
+        return q_recv.view(q.dtype), s_recv
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, global_experts={self.global_num_experts}, ep_rank={self.ep_rank}, "
                 f"ep_size={self.ep_size}, dispatch={self.dispatch}")
 
 
-def _needs_grad(x_perm: torch.Tensor, experts: ExpertParallelExperts) -> bool:
-    return x_perm.requires_grad or any(p.requires_grad for p in experts.parameters())
+def _needs_grad(experts: ExpertParallelExperts, x: torch.Tensor, input_scales: torch.Tensor | None) -> bool:
+    return (x.requires_grad or (input_scales is not None and input_scales.requires_grad)
+            or any(p.requires_grad for p in experts.parameters()))
 
 
 def _pad_rows(y: torch.Tensor, num_rows: int) -> torch.Tensor:
