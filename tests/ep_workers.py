@@ -198,6 +198,42 @@ def check_layer(group, world: int, rank: int, dispatch: str, E: int) -> None:
     torch.testing.assert_close(router, g_all["router.weight"].float(), rtol=2e-2, atol=2e-3, msg=tag)
 
 
+def check_checkpoint(group, world: int, rank: int, dispatch: str) -> None:
+    """``checkpoint=True`` gives the same bits, and its backward runs the same two all-to-alls as
+    without it (no count exchange, no routing, no host copy again)."""
+    E = 2 * world
+    torch.manual_seed(0)
+    full = FP8GroupedExperts(E, H, I, backend=BACKEND).to(torch.bfloat16)
+    ts, ids = scenarios(world, E)["uniform"]
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(sum(ts), H, generator=gen).to(torch.bfloat16), torch.rand(sum(ts), K, generator=gen)
+    a, b = sum(ts[:rank]), sum(ts[: rank + 1])
+    calls = []
+    a2a = dist.all_to_all_single
+
+    def counted(*args, **kw):
+        calls.append(torch.is_grad_enabled())
+        return a2a(*args, **kw)
+
+    results = {}
+    dist.all_to_all_single = counted
+    try:
+        for ckpt in (False, True):
+            shard = ExpertParallelExperts.from_full(full, group, dispatch, checkpoint=ckpt)
+            xs, ws = x[a:b].clone().requires_grad_(), w[a:b].clone().requires_grad_()
+            out = shard(xs, ids[a:b], ws)
+            n_forward = len(calls)
+            out.backward(torch.ones_like(out))
+            results[ckpt] = (out.detach(), xs.grad, ws.grad, shard.gate_up_proj.grad, shard.down_proj.grad,
+                             len(calls) - n_forward)
+            calls.clear()
+    finally:
+        dist.all_to_all_single = a2a
+    for g1, g2 in zip(results[False][:5], results[True][:5]):
+        assert torch.equal(g1, g2), f"world={world} rank={rank} {dispatch}: checkpoint changes the result"
+    assert results[True][5] == results[False][5] == 2, results
+
+
 def check_bad_arguments(group, world: int) -> None:
     for call, what in (
         (lambda: ExpertParallelExperts(world + 1, H, I, group=group), "num_experts"),
@@ -225,7 +261,10 @@ def worker(rank: int, world: int, init_file: str, errors) -> None:
                 check_fp8_rows_equal_quantize_after_receipt(group, w, rank)
                 check_experts(group, w, rank, "rowwise")
                 check_layer(group, w, rank, "fp8", 2 * w)
+            if rank < w == 3:
+                check_checkpoint(group, w, rank, "fp8")
             if rank < w == 2:
+                check_checkpoint(group, w, rank, "bf16")
                 check_experts(group, w, rank, "bf16")
                 check_layer(group, w, rank, "bf16", w)  # one expert per rank
             dist.barrier()  # the ranks outside the group wait here

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from ..checks import check_tensor
 from ..layers.experts import FP8GroupedExperts
@@ -50,10 +51,15 @@ class ExpertParallelExperts(FP8GroupedExperts):
             as FP8 bytes + its fp32 scale, and fed to the grouped GEMM as received. Only for recipes
             with row scales. While the expert weights need gradients the BF16 rows are sent too
             (the weight gradient of the first GEMM reads them): see ``docs/expert-parallel.md``.
+        checkpoint: recompute the local experts' grouped GEMMs and SwiGLU in backward instead of
+            keeping their activations (non-reentrant ``torch.utils.checkpoint`` around
+            :meth:`grouped_mlp`; the received rows are kept). The recompute runs no collective and
+            no host sync, and routes nothing again; checkpointing the whole layer instead repeats
+            the routing, the exchanges and the host copy in backward. A plain attribute, settable.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, expert_hidden_size: int, *, group=None,
-                 dispatch: str = "bf16", **kw) -> None:
+                 dispatch: str = "bf16", checkpoint: bool = False, **kw) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: expert parallelism needs an initialised torch.distributed process group")
         world = dist.get_world_size(group)
@@ -66,21 +72,22 @@ class ExpertParallelExperts(FP8GroupedExperts):
         if dispatch == "fp8" and self.recipe.scaling != "rowwise":
             raise ValueError(f"dispatch: 'fp8' needs a recipe with row scales (rowwise, rowwise_gw_hp), "
                              f"got recipe {self.recipe.name!r}")
-        self.group, self.dispatch = group, dispatch
+        self.group, self.dispatch, self.checkpoint = group, dispatch, checkpoint
         self.ep_size, self.ep_rank = world, dist.get_rank(group)
         self.global_num_experts = num_experts
         # one source rank or one local expert: the rows arrive expert-major already
         self._reorder = world > 1 and self.num_experts > 1
 
     @classmethod
-    def from_full(cls, experts: FP8GroupedExperts, group=None, dispatch: str = "bf16") -> ExpertParallelExperts:
+    def from_full(cls, experts: FP8GroupedExperts, group=None, dispatch: str = "bf16",
+                  checkpoint: bool = False) -> ExpertParallelExperts:
         """The shard of this rank of the single-process ``experts`` (its parameters sliced and
         copied; same recipe, backend, format, layout and caching)."""
         if not isinstance(experts, FP8GroupedExperts) or isinstance(experts, ExpertParallelExperts):
             raise TypeError(f"experts: expected an FP8GroupedExperts, got {type(experts).__name__}")
         w1 = experts.gate_up_proj
         shard = cls(experts.num_experts, experts.hidden_size, experts.expert_hidden_size, group=group,
-                    dispatch=dispatch, recipe=experts.recipe, backend=experts.backend, fmt=experts.fmt,
+                    dispatch=dispatch, checkpoint=checkpoint, recipe=experts.recipe, backend=experts.backend, fmt=experts.fmt,
                     in_out_layout=experts.in_out_layout, cache_weights=experts._caches is not None,
                     device="meta", dtype=w1.dtype)
         shard.to_empty(device=w1.device)
@@ -119,7 +126,10 @@ class ExpertParallelExperts(FP8GroupedExperts):
             rows = ReorderRows.apply(rows, order.to_expert, order.to_source) if self._reorder else rows
         else:  # never read: fp8_grouped_mm reads x only for its backward when x_fp8 is given
             rows = x.new_empty(splits.num_recv, self.hidden_size)
-        y = self.grouped_mlp(rows, order.offsets, rows_fp8)
+        if self.checkpoint and torch.is_grad_enabled():
+            y = torch.utils.checkpoint.checkpoint(self.grouped_mlp, rows, order.offsets, rows_fp8, use_reentrant=False)
+        else:
+            y = self.grouped_mlp(rows, order.offsets, rows_fp8)
         if self._reorder:
             y = ReorderRows.apply(y, order.to_source, order.to_expert)
         y = RowsAllToAll.apply(y, splits.recv, splits.send, self.group)
@@ -139,7 +149,7 @@ class ExpertParallelExperts(FP8GroupedExperts):
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, global_experts={self.global_num_experts}, ep_rank={self.ep_rank}, "
-                f"ep_size={self.ep_size}, dispatch={self.dispatch}")
+                f"ep_size={self.ep_size}, dispatch={self.dispatch}, checkpoint={self.checkpoint}")
 
 
 def _needs_grad(experts: ExpertParallelExperts, x: torch.Tensor, input_scales: torch.Tensor | None) -> bool:
