@@ -6,9 +6,13 @@ dispatch; the identity round trip; two runs bitwise equal; FP8 rows as received 
 after receipt; the full FP8MoE (router, shared expert) sharded. A hang fails by the gloo timeout.
 """
 
+import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,3 +70,18 @@ def test_bytes_per_row():
     assert dispatch_bytes_per_row(H, "fp8", training=True) == 3 * H + 4
     with pytest.raises(ValueError, match="dispatch"):
         dispatch_bytes_per_row(H, "fp4")
+
+
+def test_benchmark_quick_on_cpu(tmp_path):
+    """``benchmarks/bench_expert_parallel.py --quick`` runs end to end (gloo, world size 1; routing
+    kernels' torch references) and its EP layers equal the plain layer."""
+    root = Path(__file__).resolve().parent.parent
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    cmd = [sys.executable, str(root / "benchmarks" / "bench_expert_parallel.py"), "--quick", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "expert_parallel.json").read_text())["rows"]
+    assert [r["layer"] for r in rows] == ["FP8MoE", "EP, bf16 dispatch", "EP, fp8 dispatch"]
+    assert all(r["equal_to_plain"] for r in rows)
+    assert (tmp_path / "expert_parallel.md").stat().st_size > 0

@@ -52,10 +52,10 @@ def test_nccl_world_of_one_equals_the_layer(group, dispatch, tokens):
         assert g is not None and torch.equal(g, want[2][n]), n
 
 
-@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
-def test_one_host_sync_in_forward_none_in_backward(group, dispatch):
+@pytest.mark.parametrize("dispatch, checkpoint", [("bf16", False), ("fp8", False), ("fp8", True)])
+def test_one_host_sync_in_forward_none_in_backward(group, dispatch, checkpoint):
     torch.manual_seed(0)
-    ep = expert_parallel_from(FP8MoE(H, I, E, K, device="cuda", dtype=torch.bfloat16), group, dispatch)
+    ep = expert_parallel_from(FP8MoE(H, I, E, K, device="cuda", dtype=torch.bfloat16), group, dispatch, checkpoint)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ep(x).sum().backward()  # warm-up: compiles the kernels, fills the weight cache
     torch.cuda.synchronize()

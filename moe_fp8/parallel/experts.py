@@ -87,8 +87,8 @@ class ExpertParallelExperts(FP8GroupedExperts):
             raise TypeError(f"experts: expected an FP8GroupedExperts, got {type(experts).__name__}")
         w1 = experts.gate_up_proj
         shard = cls(experts.num_experts, experts.hidden_size, experts.expert_hidden_size, group=group,
-                    dispatch=dispatch, checkpoint=checkpoint, recipe=experts.recipe, backend=experts.backend, fmt=experts.fmt,
-                    in_out_layout=experts.in_out_layout, cache_weights=experts._caches is not None,
+                    dispatch=dispatch, checkpoint=checkpoint, recipe=experts.recipe, backend=experts.backend,
+                    fmt=experts.fmt, in_out_layout=experts.in_out_layout, cache_weights=experts._caches is not None,
                     device="meta", dtype=w1.dtype)
         shard.to_empty(device=w1.device)
         lo, hi = shard.ep_rank * shard.num_experts, (shard.ep_rank + 1) * shard.num_experts
