@@ -58,14 +58,18 @@ def scenarios(world: int, E: int):
     return out
 
 
-def _run(experts, x, ids, w, dy):
-    """Forward + backward: ``(out, grad x, grad weights, grad gate_up_proj, grad down_proj)``."""
+def _run(experts, x, ids, w, dy, on_input: bool = False):
+    """Forward + backward: ``(out, grad x, grad weights, grad gate_up_proj, grad down_proj)``;
+    ``on_input``: ``w`` scales the expert inputs (Llama 4) and the combine takes unit weights."""
     experts.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()
-    out = experts(x, ids, w)
+    out = experts(x, ids, None, input_scales=w) if on_input else experts(x, ids, w)
     out.backward(dy)
     return out.detach(), x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+
+_WHAT = ("out", "grad x", "grad weights", "grad W gate_up_proj", "grad W down_proj")
 
 
 def _check_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -110,6 +114,9 @@ def check_experts(group, world: int, rank: int, recipe: str) -> None:
                 again = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
                 for g1, g2 in zip(got, again):
                     assert torch.equal(g1, g2), f"{tag}: two runs differ"
+                on_input = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b], on_input=True)
+                for what, g, r in zip(_WHAT, on_input, _run(full, x, ids, w, dy, on_input=True)):
+                    _check_equal(f"{tag} input scales: {what}", g, r[lo:hi] if what.startswith("grad W") else r[a:b])
 
 
 def check_fp8_rows_equal_quantize_after_receipt(group, world: int, rank: int) -> None:
@@ -200,7 +207,7 @@ def check_layer(group, world: int, rank: int, dispatch: str, E: int) -> None:
 
 def check_checkpoint(group, world: int, rank: int, dispatch: str) -> None:
     """``checkpoint=True`` gives the same bits, and its backward runs the same two all-to-alls as
-    without it (no count exchange, no routing, no host copy again)."""
+    without it (no count exchange, no routing, no host copy again); the forward's all-to-alls."""
     E = 2 * world
     torch.manual_seed(0)
     full = FP8GroupedExperts(E, H, I, backend=BACKEND).to(torch.bfloat16)
@@ -226,7 +233,12 @@ def check_checkpoint(group, world: int, rank: int, dispatch: str) -> None:
             out.backward(torch.ones_like(out))
             results[ckpt] = (out.detach(), xs.grad, ws.grad, shard.gate_up_proj.grad, shard.down_proj.grad,
                              len(calls) - n_forward)
+            # counts, rows, return; FP8: counts, FP8 bytes, scales, BF16 rows (for the gradients), return
+            assert n_forward == (5 if dispatch == "fp8" else 3), (dispatch, n_forward)
             calls.clear()
+        with torch.no_grad():  # FP8 dispatch without gradients: no BF16 rows
+            shard(x[a:b], ids[a:b], w[a:b])
+        assert len(calls) == (4 if dispatch == "fp8" else 3), (dispatch, len(calls))
     finally:
         dist.all_to_all_single = a2a
     for g1, g2 in zip(results[False][:5], results[True][:5]):
