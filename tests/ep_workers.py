@@ -246,7 +246,12 @@ def check_checkpoint(group, world: int, rank: int, dispatch: str) -> None:
     assert results[True][5] == results[False][5] == 2, results
 
 
-def check_bad_arguments(group, world: int) -> None:
+def check_construction(group, world: int) -> None:
+    """``FP8MoE(ep_group=)`` holds ``E / W`` experts and runs; bad arguments raise ``ValueError``."""
+    moe = FP8MoE(H, I, 2 * world, K, ep_group=group, dispatch="fp8", backend=BACKEND).to(torch.bfloat16)
+    assert moe.experts.gate_up_proj.shape == (2, 2 * I, H) and moe.experts.down_proj.shape == (2, H, I)
+    x = torch.randn(3, 2, H).to(torch.bfloat16)
+    assert moe(x).shape == x.shape
     for call, what in (
         (lambda: ExpertParallelExperts(world + 1, H, I, group=group), "num_experts"),
         (lambda: ExpertParallelExperts(world, H, I, group=group, dispatch="int8"), "dispatch"),
@@ -268,7 +273,7 @@ def worker(rank: int, world: int, init_file: str, errors) -> None:
         groups[world] = dist.group.WORLD
         for w, group in groups.items():
             if rank < w:
-                check_bad_arguments(group, w)
+                check_construction(group, w)
                 check_round_trip(group, w, rank)
                 check_fp8_rows_equal_quantize_after_receipt(group, w, rank)
                 check_experts(group, w, rank, "rowwise")
