@@ -62,7 +62,9 @@ class ExpertParallelExperts(FP8GroupedExperts):
                  dispatch: str = "bf16", checkpoint: bool = False, **kw) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: expert parallelism needs an initialised torch.distributed process group")
-        world = dist.get_world_size(group)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("group: this process is not a member of the expert-parallel group")
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
             raise ValueError(f"num_experts: expected a positive multiple of the expert-parallel group size {world}, "
                              f"got {num_experts!r}")
@@ -73,7 +75,7 @@ class ExpertParallelExperts(FP8GroupedExperts):
             raise ValueError(f"dispatch: 'fp8' needs a recipe with row scales (rowwise, rowwise_gw_hp), "
                              f"got recipe {self.recipe.name!r}")
         self.group, self.dispatch, self.checkpoint = group, dispatch, checkpoint
-        self.ep_size, self.ep_rank = world, dist.get_rank(group)
+        self.ep_size, self.ep_rank = world, rank
         self.global_num_experts = num_experts
         # one source rank or one local expert: the rows arrive expert-major already
         self._reorder = world > 1 and self.num_experts > 1
