@@ -278,6 +278,13 @@ def worker(rank: int, world: int, init_file: str, errors) -> None:
                 check_fp8_rows_equal_quantize_after_receipt(group, w, rank)
                 check_experts(group, w, rank, "rowwise")
                 check_layer(group, w, rank, "fp8", 2 * w)
+            if rank >= w:  # outside the group
+                try:
+                    ExpertParallelExperts(2 * w, H, I, group=group)
+                except ValueError as e:
+                    assert "not a member" in str(e), str(e)
+                else:
+                    raise AssertionError("no ValueError outside the group")
             if rank < w == 3:
                 check_checkpoint(group, w, rank, "fp8")
             if rank < w == 2:
