@@ -125,34 +125,55 @@ class FP8GroupedExperts(nn.Module):
         if input_scales is not None:
             check_tensor("input_scales", input_scales, shape=tuple(top_k_index.shape))
         check_parameters(self, hidden_states, "hidden_states")
+        x, out_dtype = self.gemm_input(hidden_states)
+        plan = make_dispatch_plan(top_k_index, self.num_experts)
+        x_perm, x_fp8 = self.permuted_rows(x, plan, input_scales)
+        y = self.grouped_mlp(x_perm, plan.offsets, x_fp8)
+        return combine(y, plan, top_k_weights).to(out_dtype)
+
+    def gemm_input(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """``(x, out_dtype)``: the token rows in the dtype the GEMMs take (the autocast dtype under
+        autocast; bf16 where the backend takes bf16 only) and the dtype the output returns in."""
         x = hidden_states
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         out_dtype = x.dtype
         if x.dtype not in select_backend(self.backend, x.device).out_dtypes:  # cuda: bf16 only
             x = x.to(torch.bfloat16)
-        plan = make_dispatch_plan(top_k_index, self.num_experts)
-        recipe, fp8_rows = self.recipe, self.recipe.scaling == "rowwise"
+        return x, out_dtype
+
+    def permuted_rows(self, x: torch.Tensor, plan, input_scales: torch.Tensor | None = None,
+                      quantize: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``(x_perm (M, H), x_fp8)``: the expert-sorted rows of ``x (T, H)`` (scaled by ``input_scales``
+        when given) and, when ``quantize`` and the recipe has row scales, their rowwise FP8
+        ``(q (M, H), scale (M,))`` (fused with the permute without input scales), else ``None``."""
+        fp8_rows = quantize and self.recipe.scaling == "rowwise"
         fmt = formats.resolve_format(self.fmt, x.device)
-        pow2 = recipe.pow2_scales
+        pow2 = self.recipe.pow2_scales
         x_perm = permute(x, plan)
-        x_fp8 = None
         if input_scales is not None:
             row_scale = _row_scales(input_scales, plan).to(x_perm.dtype)
             x_perm = x_perm * row_scale[:, None]
-            if fp8_rows:
-                x_fp8 = quantize_rowwise(x_perm.detach(), fmt, pow2=pow2)
-        elif fp8_rows:
-            x_fp8 = permute_quantize(x, plan, fmt, pow2=pow2)
+            return x_perm, quantize_rowwise(x_perm.detach(), fmt, pow2=pow2) if fp8_rows else None
+        return x_perm, permute_quantize(x, plan, fmt, pow2=pow2) if fp8_rows else None
+
+    def grouped_mlp(self, x_perm: torch.Tensor, offsets: torch.Tensor,
+                    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``down(silu(gate) * up)`` of each expert on its rows: ``x_perm (M, H)`` grouped by the int32
+        END ``offsets (E,)``, with ``x_fp8`` its rowwise FP8 ``(q, scale)`` or ``None`` (quantized in
+        the GEMM). Returns ``(M, H)`` bf16 (the GEMMs' dtype); rows past ``offsets[-1]`` are 0."""
+        recipe, fp8_rows = self.recipe, self.recipe.scaling == "rowwise"
+        fmt = formats.resolve_format(self.fmt, x_perm.device)
+        pow2 = recipe.pow2_scales
         gemm = dict(recipe=recipe, backend=self.backend)
         # FP8 recipes read cached weights only through the cache: a weight cast happens there, on a miss.
         # Not while compiling or capturing a CUDA graph (then the weights are quantized in the step).
         cached = (self._caches is not None and recipe.is_fp8 and not torch.compiler.is_compiling()
-                  and not Fp8WeightCache.bypassed(x))
+                  and not Fp8WeightCache.bypassed(x_perm))
         cache = self._caches if cached else (None, None)
         w1, w2 = self._weights()
-        w1 = _cast(w1, x.dtype, cache[0])
-        h = fp8_grouped_mm(x_perm, w1, plan.offsets, weight_cache=cache[0], x_fp8=x_fp8, **gemm)
+        w1 = _cast(w1, x_perm.dtype, cache[0])
+        h = fp8_grouped_mm(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8, **gemm)
         if fp8_rows:
             a, a_q, a_scale = SwiGLUQuantize.apply(h, fmt, pow2)
             a_fp8 = (a_q, a_scale)
@@ -161,8 +182,7 @@ class FP8GroupedExperts(nn.Module):
             a, a_fp8 = nn.functional.silu(gate) * up, None
         # The grouped GEMMs write bf16; fp32 modules (no autocast) get their dtype back at the end.
         w2 = _cast(w2, a.dtype, cache[1])
-        y = fp8_grouped_mm(a, w2, plan.offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
-        return combine(y, plan, top_k_weights).to(out_dtype)
+        return fp8_grouped_mm(a, w2, offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "

@@ -35,6 +35,12 @@ class FP8MoE(nn.Module):
         return_router_output: make ``forward`` return ``(out, RouterOutput)`` (logits, aux loss,
             expert load, ...) instead of ``out``. Required when the router config has an aux or
             z-loss coefficient (the loss would be computed and dropped otherwise: ``ValueError``).
+        ep_group: a ``torch.distributed`` process group for expert parallelism, or ``None`` (all
+            experts local). With a group of ``W`` ranks each rank holds ``E / W`` experts
+            (:class:`moe_fp8.parallel.ExpertParallelExperts`; ``E`` must be a multiple of ``W``),
+            routes its own tokens and exchanges their rows by all-to-all; every rank must call
+            ``forward``. ``moe_fp8.parallel.expert_parallel_from`` shards a full layer instead.
+        dispatch: with ``ep_group``, ``"bf16"`` or ``"fp8"`` rows on the wire (see ``docs/expert-parallel.md``).
 
     ``forward(x (..., H)) -> (..., H)`` in ``x``'s dtype (or the autocast dtype). Parameters still
     on the meta device (build there, then ``to_empty`` and load or ``reset_parameters``), or on
@@ -55,6 +61,8 @@ class FP8MoE(nn.Module):
         fmt=None,
         cache_weights: bool = True,
         return_router_output: bool = False,
+        ep_group=None,
+        dispatch: str = "bf16",
         device=None,
         dtype=None,
     ) -> None:
@@ -71,14 +79,20 @@ class FP8MoE(nn.Module):
                 "return_router_output: must be True when router_config has aux_loss_coef or z_loss_coef > 0 "
                 "(the loss is returned in RouterOutput.aux_loss; without it the loss would be dropped)"
             )
+        if ep_group is None and dispatch != "bf16":
+            raise ValueError(f"dispatch: {dispatch!r} needs an ep_group (without one no rows travel)")
         kw = dict(device=device, dtype=dtype)
         self.hidden_size = hidden_size
         self.return_router_output = return_router_output
         self.router = Router(hidden_size, router_config, **kw)
-        self.experts = FP8GroupedExperts(
-            num_experts, hidden_size, expert_hidden_size, recipe=recipe, backend=backend, fmt=fmt,
-            cache_weights=cache_weights, **kw,
-        )
+        experts_kw = dict(recipe=recipe, backend=backend, fmt=fmt, cache_weights=cache_weights, **kw)
+        if ep_group is None:
+            self.experts = FP8GroupedExperts(num_experts, hidden_size, expert_hidden_size, **experts_kw)
+        else:
+            from ..parallel import ExpertParallelExperts  # noqa: PLC0415  (parallel imports this package)
+
+            self.experts = ExpertParallelExperts(num_experts, hidden_size, expert_hidden_size, group=ep_group,
+                                                 dispatch=dispatch, **experts_kw)
         self.shared_experts = (
             SwiGLUMLP(hidden_size, shared_expert_hidden_size, recipe=recipe, fmt=fmt, **kw)
             if shared_expert_hidden_size

@@ -1,0 +1,28 @@
+"""Expert parallelism on ``torch.distributed`` (NCCL on GPUs, gloo on CPU): each rank of an
+expert-parallel group owns ``E / W`` experts; token rows travel by ``all_to_all_single`` in BF16 or
+as FP8 bytes + row scales. See ``docs/expert-parallel.md``.
+
+Typical use (every rank, same seed or loaded state)::
+
+    moe = FP8MoE(H, I, E, k, ep_group=group, dispatch="fp8")      # local experts only
+    ep = expert_parallel_from(full_moe, group, dispatch="bf16")   # or: shard a full layer
+"""
+
+from .exchange import RowsAllToAll, Splits, all_to_all_rows, exchange_counts
+from .experts import DISPATCH_MODES, ExpertParallelExperts
+from .local_order import ExpertOrder, expert_major_order
+from .shard import expert_parallel_from
+from .wire import dispatch_bytes_per_row
+
+__all__ = [
+    "DISPATCH_MODES",
+    "ExpertOrder",
+    "ExpertParallelExperts",
+    "RowsAllToAll",
+    "Splits",
+    "all_to_all_rows",
+    "dispatch_bytes_per_row",
+    "exchange_counts",
+    "expert_major_order",
+    "expert_parallel_from",
+]

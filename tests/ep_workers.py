@@ -1,0 +1,298 @@
+"""Scenarios of the expert-parallel CPU test, run inside ``torch.multiprocessing`` workers (gloo).
+
+One spawn of 4 processes serves process groups of 2, 3 and 4 ranks (``new_group``), to pay the
+start-up once. Every rank builds every scenario's data from the same seed, keeps its own tokens,
+and compares against one process holding every token (an ``FP8GroupedExperts`` / ``FP8MoE``
+with the same weights).
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from moe_fp8 import FP8GroupedExperts, FP8MoE
+from moe_fp8.parallel import ExpertParallelExperts, RowsAllToAll, all_to_all_rows, exchange_counts
+from moe_fp8.parallel import expert_major_order
+from moe_fp8.parallel import expert_parallel_from
+from moe_fp8.parallel.local_order import ReorderRows
+from moe_fp8.quant import quantize_rowwise
+from moe_fp8.routing import combine, make_dispatch_plan, permute
+
+H, I, K = 32, 32, 2
+TIMEOUT = datetime.timedelta(seconds=60)
+BACKEND = "emulated"  # the grouped GEMM of the CPU FP8MoE tests (exact reference backend)
+
+
+def _dirty_allocator() -> None:
+    """Fill and free a large block so that an uninitialised result cannot pass as zeros."""
+    junk = torch.full((1 << 20,), float("nan"))
+    del junk
+
+
+def _ids(gen: torch.Generator, T: int, lo: int, hi: int) -> torch.Tensor:
+    """``(T, K)`` distinct expert ids per token in ``[lo, hi)``."""
+    if T == 0:
+        return torch.empty(0, K, dtype=torch.int64)
+    return torch.stack([torch.randperm(hi - lo, generator=gen)[:K] + lo for _ in range(T)])
+
+
+def scenarios(world: int, E: int):
+    """``name -> (tokens per rank, ids of every token (sum T, K))``."""
+    gen = torch.Generator().manual_seed(world)
+    el = E // world
+    out = {}
+    ts = [5 + r for r in range(world)]
+    ids = _ids(gen, sum(ts), 0, E)
+    ids[1, 1] = -1  # a dropped pair (an id outside [0, E))
+    out["uniform"] = (ts, ids)
+    ts = [4] * world
+    out["all_to_one_rank"] = (ts, _ids(gen, sum(ts), (world - 1) * el, world * el))
+    ts = [0] + [3] * (world - 1)
+    out["rank_with_no_tokens"] = (ts, _ids(gen, sum(ts), 0, E))
+    ts = [0] * (world - 1) + [7]
+    out["all_but_one_rank_empty"] = (ts, _ids(gen, sum(ts), 0, E))
+    return out
+
+
+def _run(experts, x, ids, w, dy, on_input: bool = False):
+    """Forward + backward: ``(out, grad x, grad weights, grad gate_up_proj, grad down_proj)``;
+    ``on_input``: ``w`` scales the expert inputs (Llama 4) and the combine takes unit weights."""
+    experts.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    out = experts(x, ids, None, input_scales=w) if on_input else experts(x, ids, w)
+    out.backward(dy)
+    return out.detach(), x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+
+_WHAT = ("out", "grad x", "grad weights", "grad W gate_up_proj", "grad W down_proj")
+
+
+def _check_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got is not None, f"{name}: no gradient"
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(got, want), f"{name}: max abs diff {(got.float() - want.float()).abs().max().item()}"
+
+
+def check_experts(group, world: int, rank: int, recipe: str) -> None:
+    """EP experts (both dispatch modes) == one process with every token, bitwise, in every scenario;
+    experts without tokens get exact zero gradients; two runs bitwise equal (uniform routing)."""
+    E = 2 * world
+    torch.manual_seed(0)
+    full = FP8GroupedExperts(E, H, I, recipe=recipe, backend=BACKEND).to(torch.bfloat16)
+    shards = {d: ExpertParallelExperts.from_full(full, group, d) for d in ("bf16", "fp8")
+              if d == "bf16" or recipe != "bf16"}
+    lo, hi = rank * E // world, (rank + 1) * E // world
+    for name, (ts, ids) in scenarios(world, E).items():
+        gen = torch.Generator().manual_seed(1)
+        n = sum(ts)
+        x = torch.randn(n, H, generator=gen).to(torch.bfloat16)
+        w = torch.rand(n, K, generator=gen)
+        dy = torch.randn(n, H, generator=gen).to(torch.bfloat16)
+        ref = _run(full, x, ids, w, dy)
+        a, b = sum(ts[:rank]), sum(ts[: rank + 1])
+        for dispatch, shard in shards.items():
+            _dirty_allocator()
+            got = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
+            tag = f"world={world} rank={rank} {recipe} {dispatch} {name}"
+            for what, g, r in zip(("out", "grad x", "grad weights"), got[:3], ref[:3]):
+                _check_equal(f"{tag}: {what}", g, r[a:b])
+            _check_equal(f"{tag}: grad gate_up_proj", got[3], ref[3][lo:hi])
+            _check_equal(f"{tag}: grad down_proj", got[4], ref[4][lo:hi])
+            routed = torch.zeros(E, dtype=torch.bool)
+            routed[ids[(ids >= 0) & (ids < E)]] = True
+            for e in range(hi - lo):
+                if not routed[lo + e]:
+                    assert not got[3][e].any() and not got[4][e].any(), f"{tag}: expert {lo + e} has no tokens"
+            if name == "uniform" and dispatch == "fp8":
+                with torch.no_grad():  # the FP8 rows alone travel
+                    _check_equal(f"{tag}: out without grad", shard(x[a:b], ids[a:b], w[a:b]), ref[0][a:b])
+                again = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
+                for g1, g2 in zip(got, again):
+                    assert torch.equal(g1, g2), f"{tag}: two runs differ"
+                on_input = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b], on_input=True)
+                for what, g, r in zip(_WHAT, on_input, _run(full, x, ids, w, dy, on_input=True)):
+                    _check_equal(f"{tag} input scales: {what}", g, r[lo:hi] if what.startswith("grad W") else r[a:b])
+
+
+def check_fp8_rows_equal_quantize_after_receipt(group, world: int, rank: int) -> None:
+    """The FP8 rows as received == the rowwise quantization of the BF16 rows as received (bitwise),
+    and the received BF16 rows == each local expert's rows of one process holding every token."""
+    E = 2 * world
+    torch.manual_seed(0)
+    full = FP8GroupedExperts(E, H, I, backend=BACKEND).to(torch.bfloat16)
+    shard = ExpertParallelExperts.from_full(full, group, "fp8")
+    ts, ids = scenarios(world, E)["uniform"]
+    x = (torch.randn(sum(ts), H, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    a, b = sum(ts[:rank]), sum(ts[: rank + 1])
+    plan = make_dispatch_plan(ids[a:b], E)
+    x_perm, x_fp8 = shard.permuted_rows(x[a:b], plan, quantize=True)
+    recv_counts, splits = exchange_counts(plan.counts, group)
+    order = expert_major_order(recv_counts, splits.num_recv)
+    q, scale = shard._dispatch_fp8(x_fp8, splits, order)
+    rows = all_to_all_rows(x_perm[: splits.num_send], splits.send, splits.recv, group)[order.to_expert]
+    q_ref, scale_ref = quantize_rowwise(rows, q.dtype)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+    full_plan = make_dispatch_plan(ids, E)
+    full_rows = permute(x, full_plan)
+    offs = full_plan.offsets.long()
+    start = 0 if rank == 0 else offs[rank * E // world - 1].item()
+    assert torch.equal(rows, full_rows[start : offs[(rank + 1) * E // world - 1].item()])
+
+
+def check_round_trip(group, world: int, rank: int) -> None:
+    """Dispatch then return with unit weights gives ``k * x`` exactly, and its gradient ``k * dy``."""
+    E = 2 * world
+    for ts, ids in scenarios(world, E).values():
+        gen = torch.Generator().manual_seed(3)
+        n = sum(ts)
+        x, dy = torch.randn(n, H, generator=gen).to(torch.bfloat16), torch.randn(n, H, generator=gen).to(torch.bfloat16)
+        a, b = sum(ts[:rank]), sum(ts[: rank + 1])
+        ids = ids[a:b].clamp(min=0)
+        x = x[a:b].clone().requires_grad_()
+        plan = make_dispatch_plan(ids, E)
+        recv_counts, splits = exchange_counts(plan.counts, group)
+        order = expert_major_order(recv_counts, splits.num_recv)
+        rows = RowsAllToAll.apply(permute(x, plan), splits.send, splits.recv, group)
+        rows = ReorderRows.apply(rows, order.to_expert, order.to_source)
+        back = ReorderRows.apply(rows, order.to_source, order.to_expert)
+        back = RowsAllToAll.apply(back, splits.recv, splits.send, group)
+        out = combine(back, plan, None)
+        out.backward(dy[a:b])
+        assert torch.equal(out, (K * x).detach()), f"world={world} rank={rank}: round trip"
+        assert torch.equal(x.grad, K * dy[a:b]), f"world={world} rank={rank}: round trip gradient"
+
+
+def check_layer(group, world: int, rank: int, dispatch: str, E: int) -> None:
+    """``expert_parallel_from(FP8MoE)`` with ``E`` experts with its own router and shared expert == the full layer on
+    every token: outputs and gradients of x and experts bitwise. The replicated parameters (router,
+    shared expert) see this rank's tokens only: their gradients == the full layer's on those tokens
+    alone, bitwise; the router's summed over the ranks == the full layer's up to summation order."""
+    torch.manual_seed(4)
+    full = FP8MoE(H, I, E, K, shared_expert_hidden_size=16, backend=BACKEND).to(torch.bfloat16)
+    ep = expert_parallel_from(full, group, dispatch)
+    ts = [3 + 2 * r for r in range(world)]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(ts), H, generator=gen).to(torch.bfloat16)
+    dy = torch.randn(sum(ts), H, generator=gen).to(torch.bfloat16)
+    a, b = sum(ts[:rank]), sum(ts[: rank + 1])
+
+    def grads(layer, x, dy):
+        layer.zero_grad(set_to_none=True)
+        x = x.clone().requires_grad_()
+        out = layer(x)
+        out.backward(dy)
+        return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+    out_all, gx_all, g_all = grads(full, x, dy)
+    _, _, g_local = grads(full, x[a:b], dy[a:b])
+    out, gx, g = grads(ep, x[a:b], dy[a:b])
+    tag = f"world={world} rank={rank} layer {dispatch}"
+    _check_equal(f"{tag}: out", out, out_all[a:b])
+    _check_equal(f"{tag}: grad x", gx, gx_all[a:b])
+    lo, hi = rank * E // world, (rank + 1) * E // world
+    for n, grad in g.items():
+        if n.startswith("experts."):
+            _check_equal(f"{tag}: grad {n}", grad, g_all[n][lo:hi])
+        else:
+            _check_equal(f"{tag}: grad {n} (this rank's tokens)", grad, g_local[n])
+    router = g["router.weight"].float()
+    dist.all_reduce(router, group=group)
+    torch.testing.assert_close(router, g_all["router.weight"].float(), rtol=2e-2, atol=2e-3, msg=tag)
+
+
+def check_checkpoint(group, world: int, rank: int, dispatch: str) -> None:
+    """``checkpoint=True`` gives the same bits, and its backward runs the same two all-to-alls as
+    without it (no count exchange, no routing, no host copy again); the forward's all-to-alls."""
+    E = 2 * world
+    torch.manual_seed(0)
+    full = FP8GroupedExperts(E, H, I, backend=BACKEND).to(torch.bfloat16)
+    ts, ids = scenarios(world, E)["uniform"]
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(sum(ts), H, generator=gen).to(torch.bfloat16), torch.rand(sum(ts), K, generator=gen)
+    a, b = sum(ts[:rank]), sum(ts[: rank + 1])
+    calls = []
+    a2a = dist.all_to_all_single
+
+    def counted(*args, **kw):
+        calls.append(torch.is_grad_enabled())
+        return a2a(*args, **kw)
+
+    results = {}
+    dist.all_to_all_single = counted
+    try:
+        for ckpt in (False, True):
+            shard = ExpertParallelExperts.from_full(full, group, dispatch, checkpoint=ckpt)
+            xs, ws = x[a:b].clone().requires_grad_(), w[a:b].clone().requires_grad_()
+            out = shard(xs, ids[a:b], ws)
+            n_forward = len(calls)
+            out.backward(torch.ones_like(out))
+            results[ckpt] = (out.detach(), xs.grad, ws.grad, shard.gate_up_proj.grad, shard.down_proj.grad,
+                             len(calls) - n_forward)
+            # counts, rows, return; FP8: counts, FP8 bytes, scales, BF16 rows (for the gradients), return
+            assert n_forward == (5 if dispatch == "fp8" else 3), (dispatch, n_forward)
+            calls.clear()
+        with torch.no_grad():  # FP8 dispatch without gradients: no BF16 rows
+            shard(x[a:b], ids[a:b], w[a:b])
+        assert len(calls) == (4 if dispatch == "fp8" else 3), (dispatch, len(calls))
+    finally:
+        dist.all_to_all_single = a2a
+    for g1, g2 in zip(results[False][:5], results[True][:5]):
+        assert torch.equal(g1, g2), f"world={world} rank={rank} {dispatch}: checkpoint changes the result"
+    assert results[True][5] == results[False][5] == 2, results
+
+
+def check_construction(group, world: int) -> None:
+    """``FP8MoE(ep_group=)`` holds ``E / W`` experts and runs; bad arguments raise ``ValueError``."""
+    moe = FP8MoE(H, I, 2 * world, K, ep_group=group, dispatch="fp8", backend=BACKEND).to(torch.bfloat16)
+    assert moe.experts.gate_up_proj.shape == (2, 2 * I, H) and moe.experts.down_proj.shape == (2, H, I)
+    x = torch.randn(3, 2, H).to(torch.bfloat16)
+    assert moe(x).shape == x.shape
+    for call, what in (
+        (lambda: ExpertParallelExperts(world + 1, H, I, group=group), "num_experts"),
+        (lambda: ExpertParallelExperts(world, H, I, group=group, dispatch="int8"), "dispatch"),
+        (lambda: ExpertParallelExperts(world, H, I, group=group, dispatch="fp8", recipe="bf16"), "dispatch"),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            assert what in str(e), str(e)
+        else:
+            raise AssertionError(f"no ValueError for a bad {what}")
+
+
+def worker(rank: int, world: int, init_file: str, errors) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=TIMEOUT)
+        groups = {w: dist.new_group(list(range(w)), timeout=TIMEOUT) for w in range(2, world)}
+        groups[world] = dist.group.WORLD
+        for w, group in groups.items():
+            if rank < w:
+                check_construction(group, w)
+                check_round_trip(group, w, rank)
+                check_fp8_rows_equal_quantize_after_receipt(group, w, rank)
+                check_experts(group, w, rank, "rowwise")
+                check_layer(group, w, rank, "fp8", 2 * w)
+            if rank >= w:  # outside the group
+                try:
+                    ExpertParallelExperts(2 * w, H, I, group=group)
+                except ValueError as e:
+                    assert "not a member" in str(e), str(e)
+                else:
+                    raise AssertionError("no ValueError outside the group")
+            if rank < w == 3:
+                check_checkpoint(group, w, rank, "fp8")
+            if rank < w == 2:
+                check_checkpoint(group, w, rank, "bf16")
+                check_experts(group, w, rank, "bf16")
+                check_layer(group, w, rank, "bf16", w)  # one expert per rank
+            dist.barrier()  # the ranks outside the group wait here
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise

@@ -1,0 +1,87 @@
+"""Expert parallelism on gloo (CPU): process groups of 2, 3 and 4 ranks against one process.
+
+The scenarios (``ep_workers``) run inside one spawn of 4 processes: uniform routing with a dropped
+pair, every token to one rank, a rank with no tokens, every rank but one empty; BF16 and FP8
+dispatch; the identity round trip; two runs bitwise equal; FP8 rows as received == quantized
+after receipt; the full FP8MoE (router, shared expert) sharded. A hang fails by the gloo timeout.
+"""
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import ep_workers
+from moe_fp8 import FP8MoE
+from moe_fp8.parallel import ExpertParallelExperts, dispatch_bytes_per_row, expert_major_order
+
+WORLD = 4
+
+
+def test_expert_parallel_gloo_2_3_4_ranks(monkeypatch):
+    # The workers run the routing kernels' pure-torch references (bit-identical to the kernels,
+    # which their own tests run in the interpreter): the interpreter would take minutes here.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    errors = multiprocessing.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(ep_workers.worker, args=(WORLD, os.path.join(tmp, "init"), errors), nprocs=WORLD, join=True)
+        except Exception as e:
+            msgs = []
+            while not errors.empty():
+                msgs.append(errors.get())
+            pytest.fail("\n".join(msgs) or str(e))
+
+
+def test_expert_major_order_against_a_loop():
+    """The device-side re-permutation equals the order written out by loops (odd counts, zeros)."""
+    counts = torch.tensor([[2, 0, 1], [0, 0, 0], [3, 1, 0]], dtype=torch.int32)
+    order = expert_major_order(counts, int(counts.sum()))
+    starts, pos = {}, 0
+    for s in range(3):
+        for e in range(3):
+            starts[s, e] = pos
+            pos += int(counts[s, e])
+    want = [starts[s, e] + i for e in range(3) for s in range(3) for i in range(int(counts[s, e]))]
+    assert order.to_expert.tolist() == want
+    assert order.to_source[order.to_expert].tolist() == list(range(len(want)))
+    assert order.offsets.tolist() == [5, 6, 7] and order.offsets.dtype == torch.int32
+    empty = expert_major_order(torch.zeros(2, 2, dtype=torch.int32), 0)
+    assert empty.to_expert.numel() == 0 and empty.offsets.tolist() == [0, 0]
+
+
+def test_needs_a_process_group():
+    with pytest.raises(ValueError, match="group"):
+        ExpertParallelExperts(4, 32, 32)
+    with pytest.raises(ValueError, match="dispatch"):
+        FP8MoE(32, 32, 4, 2, dispatch="fp8")
+
+
+def test_bytes_per_row():
+    H = 7168
+    assert dispatch_bytes_per_row(H, "fp8") / dispatch_bytes_per_row(H, "bf16") == (H + 4) / (2 * H)
+    assert dispatch_bytes_per_row(H, "fp8", training=True) == 3 * H + 4
+    with pytest.raises(ValueError, match="dispatch"):
+        dispatch_bytes_per_row(H, "fp4")
+
+
+def test_benchmark_quick_on_cpu(tmp_path):
+    """``benchmarks/bench_expert_parallel.py --quick`` runs end to end (gloo, world size 1; routing
+    kernels' torch references) and its EP layers equal the plain layer."""
+    root = Path(__file__).resolve().parent.parent
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    cmd = [sys.executable, str(root / "benchmarks" / "bench_expert_parallel.py"), "--quick", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "expert_parallel.json").read_text())["rows"]
+    assert [r["layer"] for r in rows] == ["FP8MoE", "EP, bf16 dispatch", "EP, fp8 dispatch"]
+    assert all(r["equal_to_plain"] for r in rows)
+    assert (tmp_path / "expert_parallel.md").stat().st_size > 0

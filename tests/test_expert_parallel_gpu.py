@@ -1,0 +1,79 @@
+"""Expert parallelism on NCCL with a group of one rank (one GPU): the same code path (count
+exchange, the one host copy, row all-to-alls, combine) equals the layer without a group, bitwise;
+one host sync in the forward, none in the backward."""
+
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_fp8 import FP8MoE
+from moe_fp8.parallel import expert_parallel_from
+
+pytestmark = pytest.mark.gpu
+
+H, I, E, K, T = 256, 128, 8, 2, 300
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        pytest.skip("a default process group exists already")
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        yield dist.group.WORLD
+        dist.destroy_process_group()
+
+
+def _step(layer, x, dy):
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(dy)
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
+@pytest.mark.parametrize("tokens", [T, 0])
+def test_nccl_world_of_one_equals_the_layer(group, dispatch, tokens):
+    torch.manual_seed(0)
+    # the shared expert (a dense FP8Linear, no part of the exchange) only where there are tokens
+    shared = 128 if tokens else 0
+    full = FP8MoE(H, I, E, K, shared_expert_hidden_size=shared, device="cuda", dtype=torch.bfloat16)
+    ep = expert_parallel_from(full, group, dispatch)
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    want, got = _step(full, x, dy), _step(ep, x, dy)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for n, g in got[2].items():
+        assert g is not None and torch.equal(g, want[2][n]), n
+
+
+@pytest.mark.parametrize("dispatch, checkpoint", [("bf16", False), ("fp8", False), ("fp8", True)])
+def test_one_host_sync_in_forward_none_in_backward(group, dispatch, checkpoint):
+    torch.manual_seed(0)
+    ep = expert_parallel_from(FP8MoE(H, I, E, K, device="cuda", dtype=torch.bfloat16), group, dispatch, checkpoint)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ep(x).sum().backward()  # warm-up: compiles the kernels, fills the weight cache
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = ep(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
