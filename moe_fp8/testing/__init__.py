@@ -9,7 +9,7 @@ against fp64 and returns a :class:`CheckResult` per (case, check); :func:`assert
 pytest form; ``python -m moe_fp8.testing`` its command line. See ``docs/testing-harness.md``.
 """
 
-from .adapter import GroupedMMAdapter, as_adapter, wgrad_through_autograd
+from .adapter import GroupedMMAdapter, as_adapter
 from .allocator import dirty_allocator
 from .builtin import ADAPTER_SPECS, get_adapter
 from .cases import FORMS, GroupedMMCase, grouped_mm_cases
@@ -49,5 +49,4 @@ __all__ = [
     "reference_moe_forward",
     "run_case",
     "sqnr",
-    "wgrad_through_autograd",
 ]

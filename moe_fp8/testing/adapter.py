@@ -17,7 +17,7 @@ import torch
 from .cases import GroupedMMCase
 from .thresholds import floors_for
 
-__all__ = ["GroupedMMAdapter", "Part", "as_adapter", "wgrad_through_autograd"]
+__all__ = ["GroupedMMAdapter", "Part", "as_adapter"]
 
 Part = Literal["forward", "backward"]
 Mm2d3d = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,8 +61,8 @@ class GroupedMMAdapter:
     def skip_reason(self, case: GroupedMMCase, part: Part, device: torch.device) -> str | None:
         """Why ``part`` of ``case`` is not run on ``device``, or ``None``."""
         fn = self.mm_2d3d if case.form == "2d3d" else self.mm_2d2d
-        if fn is None:
-            return f"no {case.form} form"
+        if fn is None:  # a differentiable 2d3d GEMM's wgrad is its dw, checked in the 2d3d cases
+            return f"no {case.form} form" + (" (its wgrad is checked as dw)" if self.differentiable else "")
         if part == "backward" and not self.differentiable:
             return "not differentiable"
         if case.torch_dtype not in self.dtypes:
@@ -72,26 +72,10 @@ class GroupedMMAdapter:
 
 def as_adapter(fn: Mm2d3d | GroupedMMAdapter, recipe: str | None = None, **kw) -> GroupedMMAdapter:
     """``fn`` itself if it is an adapter, else an adapter whose ``mm_2d3d`` is ``fn`` (differentiable,
-    all dtypes, zero tail rows) and whose ``mm_2d2d`` is its weight gradient
-    (:func:`wgrad_through_autograd`); ``recipe`` picks the SQNR floors (default ``"bf16"``)."""
+    all dtypes, zero tail rows; ``kw`` overrides these); ``recipe`` picks the SQNR floors (default ``"bf16"``)."""
     if isinstance(fn, GroupedMMAdapter):
         return fn
     if not callable(fn):
         raise TypeError(f"fn: expected a callable (x, w, offs) -> out or a GroupedMMAdapter, got {type(fn).__name__}")
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    kw.setdefault("mm_2d2d", wgrad_through_autograd(fn))
     return GroupedMMAdapter(name=name, recipe=recipe or "bf16", mm_2d3d=fn, **kw)
-
-
-@dataclass(frozen=True)
-class wgrad_through_autograd:  # noqa: N801 (a picklable function object)
-    """The 2d2d form of a differentiable 2d3d GEMM: ``a_g.T @ b_g`` is the weight gradient of
-    ``b @ w_g.T`` for the output gradient ``a`` (at ``w = 0``): its own wgrad path."""
-
-    mm_2d3d: Mm2d3d
-
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        w = torch.zeros(offs.numel(), a.shape[1], b.shape[1], dtype=b.dtype, device=b.device, requires_grad=True)
-        out = self.mm_2d3d(b.detach(), w, offs)
-        (dw,) = torch.autograd.grad(out, w, a.to(out.dtype))
-        return dw

@@ -7,6 +7,9 @@ rowwise e4m3fn scales from the reference quantizers, fast accumulation, CUDA onl
 ``torchao:mxfp8`` / ``torchao:mxfp8_emulated`` (``_to_mxfp8_then_scaled_grouped_mm`` with its
 CUDA kernels / its emulated path), ``moe_fp8[:backend[:recipe]]`` (default backend: the
 platform's, recipe ``rowwise``). TorchAO is imported only when one of its specs is asked for.
+
+TorchAO's and our GEMMs have no public 2d2d form: their wgrad runs inside autograd and is
+checked as ``dw`` of the 2d3d cases (their 2d2d cases are skipped).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ..grouped_gemm.backends import BACKENDS, get_backend
 from ..quant.formats import E4M3FN
 from ..quant.recipes import RECIPES, get_recipe
 from ..quant.reference import quantize_expert_colwise, quantize_group_colwise, quantize_rowwise
-from .adapter import GroupedMMAdapter, Part, wgrad_through_autograd
+from .adapter import GroupedMMAdapter, Part
 from .cases import GroupedMMCase
 
 __all__ = ["ADAPTER_SPECS", "get_adapter"]
@@ -134,7 +137,7 @@ def _torchao_adapter(kind: str) -> GroupedMMAdapter:
     else:
         raise ValueError(f"impl: expected torchao[:fp8_rowwise|mxfp8|mxfp8_emulated], got torchao:{kind}")
     unsupported = functools.partial(_torchao_unsupported, block=block, needs_sm=sms)
-    return GroupedMMAdapter(f"torchao:{kind}", recipe, fn, wgrad_through_autograd(fn), dtypes=dtypes,
+    return GroupedMMAdapter(f"torchao:{kind}", recipe, fn, dtypes=dtypes,
                             zero_tail=False, unsupported=unsupported, spec=f"torchao:{kind}")
 
 
@@ -152,7 +155,7 @@ def _moe_fp8_adapter(backend: str | None, recipe: str) -> GroupedMMAdapter:
     dtypes = get_backend(backend).out_dtypes if backend and rec.is_fp8 else _ALL_DTYPES
     fn = functools.partial(fp8_grouped_mm, recipe=recipe, backend=backend)
     name = ":".join(["moe_fp8", backend or "auto", recipe])
-    return GroupedMMAdapter(name, recipe, fn, wgrad_through_autograd(fn), dtypes=dtypes,
+    return GroupedMMAdapter(name, recipe, fn, dtypes=dtypes,
                             unsupported=functools.partial(_moe_fp8_unsupported, backend=backend), spec=name)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -33,9 +34,10 @@ def format_table(results: list[CheckResult], *, markdown: bool = False) -> str:
     else:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    notes = [f"{r.case} {r.check}: {r.status}: {r.detail}" for r in results if r.status != "pass"]
-    reasons = list(dict.fromkeys(notes))
-    return "\n".join(lines + ([""] + [("- " if markdown else "  ") + n for n in reasons] if reasons else []))
+    notes = [f"{r.case} {r.check}: {r.status}: {r.detail}" for r in results if r.status in ("fail", "error")]
+    skips = Counter(r.detail for r in results if r.status == "skip")
+    notes += [f"skip ({n} checks): {why}" for why, n in skips.items()]
+    return "\n".join(lines + ([""] + [("- " if markdown else "  ") + n for n in notes] if notes else []))
 
 
 def format_summary(name: str, results: list[CheckResult]) -> str:
