@@ -111,7 +111,8 @@ class CaseWorker:
             self._stop(kill=True)
             return _all_errors(self.adapter, case, f"hang: no result within {self.timeout:g} s (worker killed)")
         except (EOFError, BrokenPipeError, OSError):
-            code = self._proc.exitcode if self._proc is not None else None
+            self._proc.join(10)
+            code = self._proc.exitcode
             self._stop(kill=True)
             return _all_errors(self.adapter, case, f"the worker process died (exit code {code})")
 
