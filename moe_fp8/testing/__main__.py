@@ -16,13 +16,14 @@ import os
 import shlex
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .builtin import ADAPTER_SPECS, get_adapter
 from .cases import FORMS
 from .harness import check_grouped_mm
-from .report import format_summary, run_environment, write_json, write_markdown
+from .report import format_summary, format_table, run_environment, write_json, write_markdown
 from .results import CheckResult
 
 
@@ -39,6 +40,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a case counts as a hang")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run cases in a worker process (default: on CUDA)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="implementations run at once, each in its own worker process (implies --isolate)")
     p.add_argument("--json", help="write every result and the environment here")
     p.add_argument("--markdown", help="write the summary and the tables here")
     return p.parse_args(argv)
@@ -69,19 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         _reexec_with_interpreter(specs, args.device)
     forms = tuple(f for f in args.forms.split(",") if f)
-    runs: dict[str, list[CheckResult]] = {}
+    adapters = []
     for spec in specs:
         try:
-            adapter = get_adapter(spec)
+            adapters.append(get_adapter(spec))
         except ImportError as e:
             print(f"{spec}: not installed ({e}); left out", flush=True)
-            continue
-        print(f"== {adapter.name} on {args.device}", flush=True)
+
+    def run(adapter) -> list[CheckResult]:
         t0 = time.perf_counter()
-        runs[adapter.name] = check_grouped_mm(adapter, forms=forms, device=args.device, quick=args.quick,
-                                              backward=not args.no_backward, timeout=args.timeout,
-                                              isolate=args.isolate)
-        print(f"({time.perf_counter() - t0:.1f} s)\n", flush=True)
+        results = check_grouped_mm(adapter, forms=forms, device=args.device, quick=args.quick, verbose=False,
+                                   backward=not args.no_backward, timeout=args.timeout,
+                                   isolate=True if args.jobs > 1 else args.isolate)
+        print(f"== {adapter.name} on {args.device} ({time.perf_counter() - t0:.1f} s)\n{format_table(results)}\n",
+              flush=True)
+        return results
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # threads only wait on their worker processes
+        runs: dict[str, list[CheckResult]] = dict(zip((a.name for a in adapters), pool.map(run, adapters)))
     print("\n".join(format_summary(k, v) for k, v in runs.items()))
     env = run_environment(args.device)
     command = "python -m moe_fp8.testing " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))

@@ -66,8 +66,8 @@ def _torch_adapter() -> GroupedMMAdapter:
 
 def _scaled_2d3d(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     xq, xs = quantize_rowwise(x, E4M3FN)
-    wq, ws = quantize_expert_colwise(w, E4M3FN)
-    return torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), xs, ws, offs=offs, out_dtype=torch.bfloat16,
+    wq, ws = quantize_expert_colwise(w, E4M3FN)  # (E, N, K) contiguous: its transpose is column-major
+    return torch._scaled_grouped_mm(xq.contiguous(), wq.transpose(-2, -1), xs, ws, offs=offs, out_dtype=torch.bfloat16,
                                     use_fast_accum=True)
 
 

@@ -138,6 +138,8 @@ def _specs(quick: bool) -> list[dict]:
             dict(name="big_dirichlet", sizes=r32["dirichlet"], k=256, n=512, tail=17),
             dict(name="sizes_not_128", sizes=(127, 129, 0, 255, 1, 385, 0, 128), k=256, n=256, tail=9),
             dict(name="e128", sizes=_routings(gen, 2048, 128)["skewed"], k=128, n=128, tail=5),
+            dict(name="big_sizes_16", sizes=tuple(16 * s for s in _routings(gen, 256, 16)["dirichlet"]), k=256,
+                 n=512, tail=32),
         ]
     return specs
 
