@@ -184,6 +184,12 @@ def test_worker_survives_a_dead_process_and_goes_on():
     assert after and all(r.status == "pass" for r in after)
 
 
+def test_worker_reports_an_unpicklable_adapter():
+    with CaseWorker(GroupedMMAdapter("lambda", "bf16", lambda x, w, o: x), "cpu", timeout=60) as worker:
+        results = worker.run(QUICK_2D3D[0])
+    assert results and all(r.status == "error" and "cannot send" in r.detail for r in results)
+
+
 def test_get_adapter_rejects_bad_specs():
     for spec, match in (("moe_fp8:nope", "backend"), ("moe_fp8:emulated:fp4", "recipe"), ("cutlass", "impl")):
         with pytest.raises(ValueError, match=match):

@@ -33,7 +33,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    "(default: moe_fp8)")
     p.add_argument("--recipes", default="rowwise",
                    help="comma-separated recipes for each moe_fp8 spec that names none (default: rowwise)")
-    p.add_argument("--quick", action="store_true", help="the tiny battery (M <= 64, K, N <= 48, E <= 8)")
+    p.add_argument("--quick", action="store_true", help="the tiny battery (M <= 80, K, N <= 48, E <= 8)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--forms", default=",".join(FORMS), help="comma-separated forms (default: 2d3d,2d2d)")
     p.add_argument("--no-backward", action="store_true", help="skip the dx / dw checks")

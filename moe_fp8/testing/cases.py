@@ -104,7 +104,7 @@ def _routings(gen: torch.Generator, rows: int, groups: int) -> dict[str, tuple[i
 
 
 def _specs(quick: bool) -> list[dict]:
-    """The battery's problems (form-free); ``quick`` keeps M <= 64, K, N in {16, 32, 48}, E <= 8 (the
+    """The battery's problems (form-free); ``quick`` keeps M <= 80, K, N in {16, 32, 48}, E <= 8 (the
     Triton interpreter runs the whole quick battery in well under a minute)."""
     gen = torch.Generator().manual_seed(20261201)
     r4, r8 = _routings(gen, 48, 4), _routings(gen, 64, 8)
@@ -147,7 +147,7 @@ def _specs(quick: bool) -> list[dict]:
 def grouped_mm_cases(*, quick: bool = True, forms: tuple[str, ...] = FORMS) -> list[GroupedMMCase]:
     """The battery: every problem in each of ``forms``, deterministic (same sizes and seeds in every run).
 
-    ``quick`` keeps the shapes tiny (M <= 64, K and N in {16, 32, 48}, E <= 8: seconds on a CPU);
+    ``quick`` keeps the shapes tiny (M <= 80, K and N in {16, 32, 48}, E <= 8: seconds on a CPU);
     otherwise a few GPU-sized problems (M up to 4096, K and N up to 512, E up to 128) are added.
     """
     bad = [f for f in forms if f not in FORMS]

@@ -12,6 +12,7 @@ stuck or crashed harness.
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import threading
 
 import torch
@@ -103,7 +104,11 @@ class CaseWorker:
         """The case's results; a hang or a worker that died is an ``error`` for every check."""
         if self._proc is None or not self._proc.is_alive():
             self._stop(kill=True)
-            self._start()
+            try:
+                self._start()
+            except (pickle.PicklingError, AttributeError, TypeError) as e:  # e.g. a lambda in the adapter
+                self._proc = self._conn = None
+                return _all_errors(self.adapter, case, f"cannot send the adapter to a worker process: {e}")
         try:
             self._conn.send(case)
             if self._conn.poll(self.timeout):
