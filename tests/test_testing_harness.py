@@ -226,3 +226,11 @@ def test_cli_quick_cpu(tmp_path):
         assert {r["check"] for r in rows} <= set(CHECKS)
         assert doc["summary"][name]["pass"] > 100
     assert "| 2d3d-empty_first |" in (tmp_path / "h.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda_auto", "cuda", "hybrid", "triton"])
+def test_gpu_backends_pass_the_quick_battery(backend):
+    results = check_grouped_mm(f"moe_fp8:{backend}:rowwise", device="cuda", quick=True, timeout=120, verbose=False)
+    assert all(r.ok for r in results), [r for r in results if not r.ok]
+    assert sum(r.status == "pass" for r in results) > 90

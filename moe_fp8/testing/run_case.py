@@ -138,12 +138,9 @@ def run_case(adapter: GroupedMMAdapter, case: GroupedMMCase, device: torch.devic
     if not backward:
         skip["backward"] = skip["backward"] or "backward not asked for"
     if skip["forward"]:
-        skip["backward"] = skip["backward"] or skip["forward"]
-    results: list[CheckResult] = []
+        return _fill(checks, "forward", "skip", skip["forward"], kw) + _fill(checks, "backward", "skip",
+                                                                              skip["backward"] or skip["forward"], kw)
     try:
-        if skip["forward"]:
-            return _fill(checks, "forward", "skip", skip["forward"], kw) + _fill(checks, "backward", "skip",
-                                                                                  skip["backward"], kw)
         inp = make_inputs(case, device)
         dirty_allocator(device)
         if case.form == "2d2d":
@@ -153,10 +150,8 @@ def run_case(adapter: GroupedMMAdapter, case: GroupedMMCase, device: torch.devic
         w = inp.rhs.detach().requires_grad_(grads)
         y, results = _forward_2d3d(adapter, case, inp, device, checks, kw, x, w)
     except Exception as e:  # noqa: BLE001 (any failure of the kernel is a result)
-        done = {r.check for r in results}
         after = ("skip", skip["backward"]) if skip["backward"] else ("error", "the forward failed")
-        return [*results, *_fill({c: p for c, p in checks.items() if c not in done}, "forward", "error",
-                                 _error_text(e), kw), *_fill(checks, "backward", *after, kw)]
+        return _fill(checks, "forward", "error", _error_text(e), kw) + _fill(checks, "backward", *after, kw)
     if skip["backward"]:
         return results + _fill(checks, "backward", "skip", skip["backward"], kw)
     try:
