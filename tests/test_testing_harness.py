@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_fp8.quant import E4M3FN, quantize_rowwise
+from moe_fp8.quant import E4M3FN
+from moe_fp8.quant.reference import quantize_rowwise
 from moe_fp8.testing import (
     CHECKS,
     GroupedMMAdapter,
