@@ -70,9 +70,10 @@ def run_environment(device: str) -> dict:
 def write_json(path: str | Path, env: dict, runs: dict[str, list[CheckResult]]) -> None:
     """``{"env": ..., "runs": {impl: [result dicts]}, "summary": {impl: counts}}``."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    doc = dict(env=env, summary={k: count_statuses(v) for k, v in runs.items()},
-               runs={k: [r.to_dict() for r in v] for k, v in runs.items()})
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    head = json.dumps(dict(env=env, summary={k: count_statuses(v) for k, v in runs.items()}), indent=1)
+    body = ",\n".join(f"  {json.dumps(k)}: [\n" + ",\n".join("   " + json.dumps(r.to_dict()) for r in v) + "\n  ]"
+                      for k, v in runs.items())
+    Path(path).write_text(head[:-2] + ',\n "runs": {\n' + body + "\n }\n}\n")  # one line per result
 
 
 def write_markdown(path: str | Path, env: dict, runs: dict[str, list[CheckResult]], command: str) -> None:
