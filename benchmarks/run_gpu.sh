@@ -2,13 +2,14 @@
 # GPU tests and benchmarks in stages that each fit a 10-minute slot, results to one folder.
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
-#   STAGE: tests | quant | quant-sweep | quant-lag | gemm | gemm-ab | layer | layer-sizes | layer-ab | routing | profile | ep | all
+#   STAGE: tests | quant | quant-sweep | quant-lag | gemm | gemm-ab | layer | layer-sizes | layer-ab | routing | profile |
+#          ep | harness | all
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang (e.g. a kernel that never returns) ends the stage instead of the session.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|quant|quant-sweep|quant-lag|gemm|gemm-ab|layer|layer-sizes|layer-ab|routing|profile|ep|all [OUT]}
+stage=${1:?usage: run_gpu.sh tests|quant|quant-sweep|quant-lag|gemm|gemm-ab|layer|layer-sizes|layer-ab|routing|profile|ep|harness|all [OUT]}
 out=${2:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -44,6 +45,11 @@ case $stage in
   profile) run 300 profile.log python3 benchmarks/profile_layers.py --out "$out" ;;
   ep)      run 300 expert_parallel_tests.log python3 -m pytest -q -m gpu tests/test_expert_parallel_gpu.py -p no:cacheprovider
            run 300 expert_parallel.log python3 benchmarks/bench_expert_parallel.py --out "$out" ;;
+  harness) run 300 harness.log python3 -m moe_fp8.testing --device cuda --jobs 6 --timeout 90 \
+             --impl torch --impl torch_scaled --impl torchao --impl moe_fp8:cuda_auto --impl moe_fp8:cuda \
+             --impl moe_fp8:hybrid --impl moe_fp8:triton --impl moe_fp8:cuda_auto:rowwise_gw_hp \
+             --impl moe_fp8:cuda_auto:tensorwise --impl moe_fp8:cuda_auto:blockwise --impl moe_fp8:cuda_auto:bf16 \
+             --json "$out/harness_gpu.json" --markdown "$out/harness_gpu.md" ;;
   all)     for s in tests quant gemm layer routing; do bash "$0" "$s" "$out"; done ;;
   *)       echo "unknown stage: $stage" >&2; exit 2 ;;
 esac
