@@ -3,7 +3,7 @@
 Empty reductions: the weight gradient over zero tokens (``FP8Linear``) or over an expert with no
 rows (the grouped wgrad), and a grouped GEMM whose contracted dimension is 0 (``K = 0`` forward,
 ``N = 0`` dgrad). Before each such call the allocator is dirtied with NaN blocks of the result's
-size (``dirty_memory.py``), so a path that returns unwritten memory fails here instead of passing
+size (``moe_fp8.testing.allocator``), so a path that returns unwritten memory fails here instead of passing
 by luck. CPU tests run in CI (the triton backend in the interpreter); ``gpu`` tests on the H200.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dirty_memory import dirty_allocator, nbytes_of
 from moe_fp8 import fp8_grouped_mm
 from moe_fp8.grouped_gemm import library as lib
 from moe_fp8.grouped_gemm.backends import available_backends
@@ -20,6 +19,7 @@ from moe_fp8.grouped_gemm.backends.cuda import CudaBackend
 from moe_fp8.grouped_gemm.tail import launch_zero_empty_groups_kernel, zero_empty_groups
 from moe_fp8.layers.fp8_linear import fp8_linear
 from moe_fp8.layers.scaled_mm import scaled_mm
+from moe_fp8.testing.allocator import dirty_allocator
 
 RECIPES = ("rowwise", "rowwise_gw_hp", "tensorwise", "blockwise", "bf16")
 CPU_BACKENDS = ("emulated", pytest.param("triton", marks=pytest.mark.interpreter))
@@ -39,7 +39,7 @@ def _zero(t: torch.Tensor) -> bool:
 @pytest.mark.parametrize("shape", [(48, 64), (4, 16, 32), (4, 32, 48), (2, 48, 32)])
 def test_dirty_allocator_leaves_garbage(device, shape):
     """The precondition of every test below: after dirtying, a fresh tensor of that size holds NaN."""
-    dirty_allocator(nbytes_of(shape, torch.bfloat16), device)
+    dirty_allocator(device)
     assert torch.empty(shape, dtype=torch.bfloat16, device=device).isnan().any()
 
 
@@ -50,7 +50,7 @@ def test_fp8_linear_wgrad_over_no_tokens(recipe, device):
     w = torch.randn(48, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
     b = torch.randn(48, dtype=torch.bfloat16, device=device, requires_grad=True)
     y = fp8_linear(x, w, b, recipe=recipe)
-    dirty_allocator(nbytes_of(w.shape, torch.bfloat16), device)
+    dirty_allocator(device)
     y.backward(torch.randn_like(y))
     assert y.shape == (0, 48) and x.grad.shape == (0, 64) and _zero(w.grad) and _zero(b.grad)
 
@@ -60,7 +60,7 @@ def test_scaled_mm_empty_reduction():
     a = torch.zeros(48, 0, dtype=torch.float8_e4m3fn)
     b = torch.zeros(64, 0, dtype=torch.float8_e4m3fn)
     for a_s, b_s in ((torch.ones(48, 1), torch.ones(64, 1)), (torch.ones(()), torch.ones(()))):
-        dirty_allocator(nbytes_of((48, 64), torch.bfloat16))
+        dirty_allocator()
         out = scaled_mm(a, a_s, b, b_s, torch.bfloat16)
         assert out.shape == (48, 64) and _zero(out)
 
@@ -90,31 +90,31 @@ def _check_grouped_empty_reductions(recipe: str, backend: str, device: str) -> N
     # wgrad of empty experts (first, middle, last) with rows past offs[-1]
     x, w, offs = _grouped(40, 32, 48, [0, 12, 12, 33], device)
     y = fp8_grouped_mm(x, w, offs, recipe=recipe, backend=backend)
-    dirty_allocator(nbytes_of(w.shape, torch.bfloat16), device)
+    dirty_allocator(device)
     (dw,) = torch.autograd.grad(y, (w,), torch.randn_like(y))
     assert _zero(dw[0]) and _zero(dw[2]), "empty experts' weight gradients"
     assert dw[1].abs().sum() > 0 and dw[3].abs().sum() > 0
     # no rows at all
     x, w, offs = _grouped(0, 32, 48, [0, 0, 0, 0], device)
     y = fp8_grouped_mm(x, w, offs, recipe=recipe, backend=backend)
-    dirty_allocator(nbytes_of(w.shape, torch.bfloat16), device)
+    dirty_allocator(device)
     dx, dw = torch.autograd.grad(y, (x, w), torch.randn_like(y))
     assert y.shape == (0, 48) and dx.shape == (0, 32) and _zero(dw)
     # every expert empty, rows present
     x, w, offs = _grouped(32, 32, 48, [0, 0, 0, 0], device)
     y = fp8_grouped_mm(x, w, offs, recipe=recipe, backend=backend)
-    dirty_allocator(nbytes_of(w.shape, torch.bfloat16), device)
+    dirty_allocator(device)
     dx, dw = torch.autograd.grad(y, (x, w), torch.randn_like(y))
     assert _zero(y) and _zero(dx) and _zero(dw)
     # K = 0: the forward contracts over nothing
     x, w, offs = _grouped(24, 0, 32, [10, 24], device)
-    dirty_allocator(nbytes_of((24, 32), torch.bfloat16), device)
+    dirty_allocator(device)
     y = fp8_grouped_mm(x, w, offs, recipe=recipe, backend=backend)
     assert y.shape == (24, 32) and _zero(y)
     # N = 0: the dgrad contracts over nothing
     x, w, offs = _grouped(24, 32, 0, [10, 24], device)
     y = fp8_grouped_mm(x, w, offs, recipe=recipe, backend=backend)
-    dirty_allocator(nbytes_of(x.shape, torch.bfloat16), device)
+    dirty_allocator(device)
     (dx,) = torch.autograd.grad(y, (x,), torch.randn_like(y))
     assert dx.shape == (24, 32) and _zero(dx)
 
