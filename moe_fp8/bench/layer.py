@@ -1,48 +1,32 @@
-"""Whole-layer forward+backward of FP8MoE (FP8 recipes vs the BF16 recipe of the same module) and
-of a dense Llama3-8B MLP (FP8Linear vs BF16 vs TorchAO Float8Linear), with peak memory.
-
-Shapes (per GPU): DeepSeek-V3 (H=7168, I=2048, 8 and 32 local experts, top-8), Llama 4 Scout
-(H=5120, I=8192, 16 experts, top-1, shared expert), Qwen3-30B-A3B (H=2048, I=768, 128 experts,
-top-8); dense Llama3-8B MLP (T=8192, 4096 -> 14336 -> 4096, SwiGLU).
+"""Whole-layer forward+backward of FP8MoE: FP8 recipes against the BF16 recipe of the same module,
+with peak memory, on DeepSeek-V3 (H=7168, I=2048, 8 and 32 local experts, top-8), Llama 4 Scout
+(H=5120, I=8192, 16 experts, top-1, shared expert) and Qwen3-30B-A3B (H=2048, I=768, 128 experts,
+top-8) layers.
 
 Times are ``triton.testing.do_bench`` medians of one forward + backward (eager), random bf16
 inputs, router included. The same step captured in one CUDA graph gives the GPU time alone
 (``graph_ms``; no host time, which dominates small layers such as Qwen3's); a capture bypasses the
-weight cache, so only the uncached rowwise row is captured. Peak memory is ``max_memory_allocated`` over one forward+backward above what was
-allocated before it (parameters and inputs excluded). The FP8 rows run with the module's
-weight cache, which hits on every timed call (its FP8 weight copies are made before the measured
-step, so the peak excludes them: the ``weight cache GiB`` column gives their size, about the
-bf16 weights' own); the ``rowwise, no weight cache`` row quantizes the weights in every forward, as
-a step that follows a weight update does.
-
-For each MoE layer the ``rowwise`` forward alone is timed too, beside the dispatch plan
-(``make_dispatch_plan`` on the same top-k ids): the plan's share of the layer forward in host time
-(the CPU cost of issuing the calls) and in GPU time (CUDA-graph replays); see ``plan_share``.
-
-Usage: ``python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 8192 [16384 ...]] [--layers NAME ...]
-[--quick | --dense-only]``
-(writes ``moe_layer.json`` and ``moe_layer.md``). ``--smoke`` runs tiny layers on the CPU (wall
-clock, no peak memory) to check the script itself.
+weight cache, so only the uncached rowwise row is captured. Peak memory is
+``max_memory_allocated`` over one forward+backward above what was allocated before it. The
+``rowwise`` row runs with the module's weight cache hitting on every timed call (gradient
+accumulation); ``rowwise, no weight cache`` quantizes the weights in every forward, as a step that
+follows a weight update does. Beside the ``rowwise`` forward: the dispatch plan's share of it in
+host time and in GPU time (``plan_share``).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import statistics
-from pathlib import Path
 
 import torch
-import triton
 from torch import nn
-from timing import host_ms, wall_median_ms
 from triton.testing import do_bench, do_bench_cudagraph
 
-import moe_fp8.layers.experts as experts_module
-from moe_fp8 import FP8MoE, convert_to_fp8
-from moe_fp8.routing import RouterConfig, make_dispatch_plan
-from moe_fp8.testing import sqnr
+from ..layers import FP8MoE
+from ..layers import experts as experts_module
+from ..routing import RouterConfig, make_dispatch_plan
+from ..testing import sqnr
+from .timing import host_ms, wall_median_ms
 
 SMOKE_LAYERS = {
     "smoke_topk": (64, 32, 4, 2, 0, RouterConfig(4, 2, "softmax", renormalize=True)),
@@ -191,7 +175,7 @@ def moe_rows(tokens: int, layers: dict) -> list[dict]:
                              speedup=base_ms / ms, peak_gib=peak, cache_gib=moe.experts.weight_cache_nbytes / 2**30,
                              sqnr_vs_bf16=sqnr(ref_out, out), graph_ms=gms,
                              graph_speedup=base_gms / gms if None not in (gms, base_gms) else None))
-            if label == "rowwise":
+            if label == "rowwise" and DEVICE == "cuda":
                 rows[-1].update(plan_share(moe, x))
                 r = rows[-1]
                 print(f"{name:16s} rowwise forward, dispatch plan: " + " | ".join(_plan_cells(r)), flush=True)
@@ -203,111 +187,11 @@ def moe_rows(tokens: int, layers: dict) -> list[dict]:
     return rows
 
 
-class _MLP(nn.Module):
-    def __init__(self, dim: int = 4096, hidden: int = 14336):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
-
-
-def dense_rows(tokens: int = 8192, dim: int = 4096, hidden: int = 14336) -> list[dict]:
-    rows = []
-    x = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16)
-    flops = 6 * tokens * 3 * dim * hidden
-    variants = [("bf16", None), ("ours rowwise", "rowwise"), ("ours rowwise_gw_hp", "rowwise_gw_hp"),
-                ("ours tensorwise", "tensorwise")]
-    try:
-        if DEVICE != "cuda":
-            raise ImportError("TorchAO's Float8Linear needs a GPU")
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        for r in ("rowwise", "rowwise_with_gw_hp", "tensorwise"):
-            variants.append((f"torchao {r} (compiled)", ("torchao", r)))
-    except ImportError:
-        print("torchao not installed: no TorchAO columns")
-    base = None
-    ref_out = None
-    for label, how in variants:
-        torch.manual_seed(0)
-        mlp = _MLP(dim, hidden).to(DEVICE, torch.bfloat16)
-        if isinstance(how, str):
-            convert_to_fp8(mlp, recipe=how)
-        elif isinstance(how, tuple):
-            convert_to_float8_training(mlp, config=Float8LinearConfig.from_recipe_name(how[1]))
-            mlp = torch.compile(mlp)
-        step = fwd_bwd(mlp, x, dy)
-        out = step().detach()
-        ms, peak = measure(step)
-        if how is None:
-            base, ref_out = ms, out
-        rows.append(dict(layer="llama3_8b_mlp", tokens=tokens, recipe=label, ms=ms, tflops=flops / ms / 1e9,
-                         speedup=base / ms, peak_gib=peak, sqnr_vs_bf16=sqnr(ref_out, out)))
-        print(f"{'llama3_8b_mlp':16s} {label:28s} {ms:8.2f} ms {base / ms:5.2f}x  peak {peak:6.2f} GiB", flush=True)
-    return rows
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192], help="token counts, each a run of the layers")
-    ap.add_argument("--layers", nargs="+", choices=list(LAYERS), help="MoE layers to run (default: all)")
-    ap.add_argument("--quick", action="store_true", help="DeepSeek-V3 E=8 and Qwen3 only, no dense")
-    ap.add_argument("--dense-only", action="store_true", help="the dense Llama3-8B MLP rows only (T=8192)")
-    ap.add_argument("--smoke", action="store_true", help="tiny layers on the CPU: checks the script")
-    args = ap.parse_args()
+def collect(layers: list[str], tokens: list[int], device: str) -> list[dict]:
+    """Rows of every variant of the ``LAYERS`` named (on the CPU: the first of ``SMOKE_LAYERS`` at 32
+    tokens, no dispatch-plan share)."""
     global DEVICE
-    if args.smoke:
-        DEVICE = "cpu"
-        rows = moe_rows(32, SMOKE_LAYERS) + dense_rows(32, 64, 96)
-    elif args.dense_only:
-        rows = dense_rows()
-    else:
-        names = args.layers or (["deepseek_v3_e8", "qwen3_30b_a3b"] if args.quick else list(LAYERS))
-        rows = [r for t in args.tokens for r in moe_rows(t, {n: LAYERS[n] for n in names})]
-        if not (args.quick or args.layers):
-            rows += dense_rows()
-    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run)"
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                gpu=gpu, torch=torch.__version__, triton=triton.__version__)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_layer.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = ["# MoE layer forward+backward (`benchmarks/bench_moe_layer.py`)", "",
-             f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · eager, "
-             "do_bench medians, router included", "",
-             "Peak GiB: allocated above the memory held before the step (parameters, inputs, and the FP8 "
-             "weight cache, whose size the next column gives: add it for the module's total).", "",
-             "CUDA graph: the same step captured in one CUDA graph, median GPU ms of its replays (no host "
-             "time), and the speedup against the bf16 recipe's replays. A capture bypasses the weight cache "
-             "(the graph quantizes the weights on every replay), so the cached `rowwise` row has no graph of "
-             "its own: it is the `rowwise, no weight cache` row's.", "",
-             "| layer | tokens | recipe | ms | TFLOP/s | speedup vs bf16 | peak GiB | weight cache GiB | "
-             "SQNR vs bf16 (dB) | CUDA graph ms | graph speedup vs bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        cache = f"{r['cache_gib']:.2f}" if "cache_gib" in r else "-"
-        graph = (f"{r['graph_ms']:.2f} | {r['graph_speedup']:.2f}x" if r.get("graph_speedup") is not None
-                 else "- | -")
-        lines.append(f"| {r['layer']} | {r['tokens']} | {r['recipe']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
-                     f"{r['speedup']:.2f}x | {r['peak_gib']:.2f} | {cache} | {r['sqnr_vs_bf16']:.1f} | {graph} |")
-    lines += ["", "Dispatch plan vs the `rowwise` layer forward (no grad). Host: CPU time to issue the call from "
-              f"an idle GPU, medians of {HOST_ROUNDS} alternated rounds (share: median of the rounds' ratios). "
-              "GPU: CUDA-graph replays; 'in forward' = forward minus the forward with the plan "
-              "precomputed.", "",
-              "| layer | tokens | host: forward ms | plan ms | share | GPU: forward ms | plan alone ms "
-              "| plan in forward ms | share |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "host_plan_ms" in r:
-            lines.append(f"| {r['layer']} | {r['tokens']} | " + " | ".join(_plan_cells(r)) + " |")
-    (out / "moe_layer.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()
+    DEVICE = device
+    if device != "cuda":
+        return moe_rows(32, dict(list(SMOKE_LAYERS.items())[:1]))
+    return [r for t in tokens for r in moe_rows(t, {n: LAYERS[n] for n in layers})]

@@ -1,41 +1,28 @@
 """Forward and forward+backward time of ``fp8_grouped_mm`` per recipe and backend, against BF16
-``torch._grouped_mm`` and TorchAO 0.18's FP8-rowwise grouped GEMM, on MoE expert shapes.
+``torch._grouped_mm`` and TorchAO's FP8-rowwise grouped GEMM, on MoE expert shapes.
 
 For each shape: x ``(M, K)`` ~ N(0, 1), w ``(E, N, K)`` ~ N(0, 1) * 0.02, grad_out ~ N(0, 1), all
 bf16; balanced random routing with every group a multiple of 16 rows (TorchAO's unpadded path
 needs that; ours takes any sizes). Times are ``triton.testing.do_bench`` medians (ms) in one run,
-side by side. TFLOP/s counts ``2 M K N`` per GEMM (three GEMMs for forward+backward). SQNR (dB)
-of output, dgrad and wgrad is against the BF16 result. A second table times the FP8 GEMMs alone
-(operands quantized beforehand): cuda vs triton backend, forward (2D x 3D) and wgrad (2D x 2D).
-``rowwise / cuda, weight cache`` serves the quantized weights from an ``Fp8WeightCache`` (the
-weights do not change between timed calls: gradient accumulation between optimizer steps).
-
-Usage (H200): ``python benchmarks/bench_grouped_gemm.py --out benchmarks/results``.
-``--rounds N`` times every method N times in alternation (median and range per row: single
-medians of methods that run the same kernels have differed by up to 13% within one run);
-``--methods LABEL ...`` keeps only those methods (and the BF16 baseline), for an A/B;
-``--shapes 0,6`` picks shapes. ``--smoke`` runs tiny shapes (CPU too) to check the script itself.
+side by side (``rounds`` alternated rounds: the median over rounds). TFLOP/s counts ``2 M K N`` per
+GEMM (three for forward+backward). SQNR (dB) of output, dgrad and wgrad against the BF16 result.
+``rowwise / cuda, weight cache`` serves the quantized weights from an ``Fp8WeightCache`` (weights
+unchanged between calls: gradient accumulation). The FP8 GEMMs alone (operands quantized
+beforehand) are timed too, per backend.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
 import statistics
 import sys
-import time
 
 import torch
 
-from timing import wall_median_ms
-
-from moe_fp8 import Fp8WeightCache, fp8_grouped_mm
-from moe_fp8.grouped_gemm import available_backends, library
-from moe_fp8.grouped_gemm.backends import get_backend
-from moe_fp8.grouped_gemm.padding import padded_offsets, padded_rows
-from moe_fp8.testing import random_offsets
+from ..grouped_gemm import Fp8WeightCache, available_backends, fp8_grouped_mm, library
+from ..grouped_gemm.backends import get_backend
+from ..grouped_gemm.padding import padded_offsets, padded_rows
+from ..testing import random_offsets
+from .timing import wall_median_ms
 
 SHAPES = [  # name, M, K, N, E
     ("DeepSeek-V3 gate_up E=8", 32768, 7168, 4096, 8),
@@ -146,7 +133,7 @@ def bench_shape(name, M, K, N, E, methods, device, rep_ms, rounds=1):
         for key in ("fwd", "fwd_bwd"):
             r[f"{key}_speedup_vs_bf16"] = base[f"{key}_ms"] / r[f"{key}_ms"] if base else None
             r[f"{key}_speedup_vs_torchao"] = ao[f"{key}_ms"] / r[f"{key}_ms"] if ao else None
-    gemm = bench_gemms_alone(x.detach(), w.detach(), g, offs, flop, device, rep_ms)
+    gemm = bench_gemms_alone(x.detach(), w.detach(), g, offs, flop, device, rep_ms) if device.type == "cuda" else []
     return {"shape": name, "M": M, "K": K, "N": N, "E": E, "results": rows, "gemm_only": gemm}
 
 
@@ -205,106 +192,25 @@ def methods_for(device):
     return methods
 
 
-def fmt(v, spec, unit=""):
-    return "-" if v is None else format(v, spec) + unit
-
-
-def markdown(report) -> str:
-    env = report["env"]
-    lines = [
-        "# fp8_grouped_mm benchmark",
-        "",
-        f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · torchao {env['torchao']}",
-        "",
-        f"Times: `triton.testing.do_bench` medians (ms); with {env['rounds']} alternated round(s), the "
-        "median over rounds and its range. TFLOP/s: 2·M·K·N per GEMM (x3 for fwd+bwd). "
-        "Speedups: time of BF16 `torch._grouped_mm` (or TorchAO) / time of the method. "
-        "SQNR (dB) of out / dgrad / wgrad against the BF16 result.",
-    ]
-    for s in report["shapes"]:
-        lines += [
-            "",
-            f"## {s['shape']} (M={s['M']}, K={s['K']}, N={s['N']}, E={s['E']})",
-            "",
-            "| method | fwd ms | fwd+bwd ms | fwd+bwd range ms | fwd+bwd TFLOP/s | fwd+bwd vs BF16 "
-            "| fwd+bwd vs TorchAO | fwd vs BF16 | SQNR out / dgrad / wgrad |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
+def collect(shapes: list[int], device: str, methods: list[str] | None = None, rounds: int = 1,
+            rep_ms: int = 100) -> list[dict]:
+    """One row per (shape, method) for the ``SHAPES`` indices ``shapes``, ``methods`` labels only (the
+    BF16 baseline always runs), plus ``GEMM alone`` rows per backend. On the CPU: the first smoke
+    shape, BF16 and rowwise on the emulated backend, no GEMM-alone rows."""
+    dev = torch.device(device)
+    chosen = SMOKE_SHAPES[:1] if dev.type != "cuda" else [SHAPES[i] for i in shapes]
+    every = methods_for(dev)
+    if dev.type != "cuda":
+        methods = ["rowwise / emulated"]
+    if methods:
+        every = {k: v for k, v in every.items() if k == "bf16 torch._grouped_mm" or k in methods}
+    rows = []
+    for name, M, K, N, E in chosen:
+        s = bench_shape(name, M, K, N, E, every, dev, rep_ms, rounds)
         for r in s["results"]:
-            if "error" in r:
-                lines.append(f"| {r['method']} | failed: {r['error'][:120]} | | | | | | | |")
-                continue
-            lines.append(
-                f"| {r['method']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} "
-                f"| {min(r['fwd_bwd_all']):.3f}-{max(r['fwd_bwd_all']):.3f} | {r['fwd_bwd_tflops']:.0f} "
-                f"| {fmt(r['fwd_bwd_speedup_vs_bf16'], '.2f', 'x')} | {fmt(r['fwd_bwd_speedup_vs_torchao'], '.2f', 'x')} "
-                f"| {fmt(r['fwd_speedup_vs_bf16'], '.2f', 'x')} "
-                f"| {r['sqnr_out']:.1f} / {r['sqnr_dgrad']:.1f} / {r['sqnr_wgrad']:.1f} |"
-            )
-        lines += ["", "FP8 GEMM alone (rowwise operands quantized beforehand):", "",
-                  "| backend | fwd 2Dx3D ms | TFLOP/s | wgrad 2Dx2D ms | TFLOP/s |", "|---|---|---|---|---|"]
-        for r in s["gemm_only"]:
-            lines.append(
-                f"| {r['backend']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} "
-                f"| {fmt(r.get('wgrad_ms'), '.3f')} | {fmt(r.get('wgrad_tflops'), '.0f')} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results", help="folder for grouped_gemm.json / .md")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench rep (ms) per measurement")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
-    parser.add_argument("--shapes", default="", help="comma-separated indices into the shape list")
-    parser.add_argument("--rounds", type=int, default=1, help="alternated timing rounds per shape")
-    parser.add_argument("--methods", nargs="+", help="method labels to time (the BF16 baseline always runs)")
-    args = parser.parse_args()
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    if args.shapes:
-        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
-    try:
-        import torchao
-
-        torchao_version = torchao.__version__
-    except Exception:
-        torchao_version = "not installed"
-    import triton
-
-    report = {
-        "env": {
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "torchao": torchao_version,
-            "rep_ms": args.rep_ms,
-            "rounds": args.rounds,
-        },
-        "shapes": [],
-    }
-    methods = methods_for(device)
-    if args.methods:
-        unknown = set(args.methods) - set(methods)
-        if unknown:
-            parser.error(f"unknown --methods {sorted(unknown)}; available here: {list(methods)}")
-        methods = {k: v for k, v in methods.items() if k == "bf16 torch._grouped_mm" or k in args.methods}
-    for name, M, K, N, E in shapes:
-        t0 = time.time()
-        report["shapes"].append(bench_shape(name, M, K, N, E, methods, device, args.rep_ms, args.rounds))
-        print(f"{name}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
-        if device.type == "cuda":
+            rows.append(dict(shape=name, M=M, K=K, N=N, E=E, **{k: v for k, v in r.items() if not k.endswith("_all")}))
+        for r in s["gemm_only"] if dev.type == "cuda" else ():
+            rows.append(dict(shape=name, M=M, K=K, N=N, E=E, method=f"GEMM alone: {r.pop('backend')}", **r))
+        if dev.type == "cuda":
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "grouped_gemm.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    text = markdown(report)
-    with open(os.path.join(args.out, "grouped_gemm.md"), "w") as f:
-        f.write(text)
-    print(text)
-
-
-if __name__ == "__main__":
-    main()
+    return rows
