@@ -123,7 +123,8 @@ def bench_shape(name, M, K, N, E, methods, device, rep_ms, rounds=1):
     for r in rows.values():
         if "error" not in r:
             t_fwd, t_all = statistics.median(r["fwd_all"]), statistics.median(r["fwd_bwd_all"])
-            r.update(fwd_ms=t_fwd, fwd_bwd_ms=t_all, fwd_tflops=flop / t_fwd / 1e9, fwd_bwd_tflops=3 * flop / t_all / 1e9)
+            r.update(fwd_ms=t_fwd, fwd_bwd_ms=t_all, fwd_tflops=flop / t_fwd / 1e9,
+                     fwd_bwd_tflops=3 * flop / t_all / 1e9)
     rows = list(rows.values())
     by = {r["method"]: r for r in rows if "error" not in r}
     base, ao = by.get("bf16 torch._grouped_mm"), by.get("TorchAO fp8 rowwise")

@@ -100,7 +100,7 @@ HOST_ROUNDS = 7  # alternated rounds of the plan's host-time share
 def plan_share(moe: FP8MoE, x: torch.Tensor) -> dict:
     """The dispatch plan's cost against the layer forward (no grad, ms), on the host and on the GPU.
 
-    ``host_*``: CPU time to issue ``make_dispatch_plan`` (on the layer's top-k ids) and the whole
+    ``host_*``: CPU time to call ``make_dispatch_plan`` (on the layer's top-k ids) and the whole
     forward, each from an idle device (``timing.host_ms``): what the plan adds where the layer is
     host-bound. Medians over ``HOST_ROUNDS`` alternated rounds (forward, then plan, 20 calls each),
     the share the median of the rounds' ratios, so that a drift of the host's speed hits both alike.

@@ -131,7 +131,8 @@ def run(models, ao, kernels: list[str] | None = None) -> Table:
             table.time(model, "expert colwise dgrad (W)", shape, base + E * K * 4,
                        lambda: ops.triton_quantize_expert_colwise(w, E4M3FN, True, True), [ao_dgrad] if ao else ())
             table.time(model, "expert dual fwd+dgrad (W)", shape, E * N * K * 4 + (E * N + E * K) * 4,
-                       lambda: ops.triton_quantize_expert_colwise_dual(w, E4M3FN, True), [ao_fwd, ao_dgrad] if ao else (),
+                       lambda: ops.triton_quantize_expert_colwise_dual(w, E4M3FN, True),
+                       [ao_fwd, ao_dgrad] if ao else (),
                        **({"torchao_note": "sum of TorchAO's two kernels"} if ao else {}))
             table.time(model, "expert fwd + col amax (W)", shape, base + E * N * 4 + E * K * 4,
                        lambda: ops.triton_quantize_expert_rowwise_with_amax(w, E4M3FN, True))

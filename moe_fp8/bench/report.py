@@ -7,7 +7,8 @@ from pathlib import Path
 
 #: kind -> (column header, row key, format); a missing or None value prints "-"
 COLUMNS: dict[str, list[tuple[str, str, str]]] = {
-    "quant": [("model", "model", "s"), ("kernel", "kernel", "s"), ("shape", "shape", "s"), ("ours µs", "ours_us", ".1f"),
+    "quant": [("model", "model", "s"), ("kernel", "kernel", "s"), ("shape", "shape", "s"),
+              ("ours µs", "ours_us", ".1f"),
               ("ours % copy", "ours_frac", ".0%"), ("TorchAO µs", "torchao_us", ".1f"),
               ("TorchAO % copy", "torchao_frac", ".0%"), ("vs TorchAO", "speedup", ".2f")],
     "gemm": [("shape", "shape", "s"), ("method", "method", "s"), ("fwd ms", "fwd_ms", ".3f"),

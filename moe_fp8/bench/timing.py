@@ -21,7 +21,7 @@ def wall_median_ms(fn: Callable[[], object], calls: int = 3) -> float:
 
 
 def host_ms(fn: Callable[[], object], calls: int = 30) -> float:
-    """Median host milliseconds to issue one call of ``fn``, starting each from an idle device (so
+    """Median host milliseconds to make one call of ``fn``, starting each from an idle device (so
     the launches never wait for queue space): the CPU cost of a sync-free call, not its GPU time."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []

@@ -25,7 +25,7 @@ def collect(device: str, steps: int | None = None) -> list[dict]:
     tokens = cfg["batch"] * cfg["seq"]
     train_stream, val_stream = load_split(max(tokens * cfg["steps"], 200_000), 100_000)
     val = [next(batches(val_stream, cfg["batch"], cfg["seq"], seed=1)).to(device)]
-    models = build_pair(size, device, backend=cfg["backend"], fp8_dense=True)
+    models = build_pair(size, device, backend=cfg["backend"], fp8_dense="shared")
     curves = train(models, batches(train_stream, cfg["batch"], cfg["seq"], seed=0), val, steps=cfg["steps"],
                    lr=min(3e-3, 1.2 / size.hidden), eval_every=cfg["steps"], device=device)
     base = curves.tokens_per_s("bf16", tokens)

@@ -322,7 +322,7 @@ def _column_block(
                         acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
                     bits = tl.max(acc, axis=0).to(tl.int32, bitcast=True)  # >= 0: ordered like the floats
                     tl.atomic_max(amax_cols, bits, mask=col_ok, sem="relaxed")
-                    # Several warps issue the atomic_max (threads 0-63 for 64 columns on sm_90), one
+                    # Several warps run the atomic_max (threads 0-63 for 64 columns on sm_90), one
                     # thread the release below: without a CTA barrier between them the release does
                     # not order the other warps' maxima (a worker could read a partial amax).
                     tl.debug_barrier()
