@@ -2,7 +2,7 @@
 FP8, trained next to the same model in BF16 (``recipe="bf16"``) from the same initial weights on the
 same data (regression onto a fixed random teacher).
 
-    python examples/own_model_fp8moe.py [--steps 30]
+    python examples/own_model_fp8moe.py [--steps 30] [--tokens 256]
 
 Prints both loss curves; on a CPU the FP8 GEMMs run on the ``emulated`` backend.
 """
@@ -17,7 +17,7 @@ from torch import nn
 from moe_fp8 import FP8MoE
 from moe_fp8.routing import RouterConfig
 
-H, I, E, K, T = 64, 64, 8, 2, 256
+H, I, E, K = 64, 64, 8, 2
 
 
 class Block(nn.Module):
@@ -41,6 +41,7 @@ def model(recipe: str, backend: str | None, device: str, seed: int) -> nn.Sequen
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per step")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backend = None if device == "cuda" else "emulated"
@@ -50,7 +51,7 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(2)
     print(f"{'step':>5} {'loss bf16':>11} {'loss fp8':>11}")
     for step in range(args.steps + 1):
-        x = torch.randn(T, H, device=device, generator=g).to(torch.bfloat16)
+        x = torch.randn(args.tokens, H, device=device, generator=g).to(torch.bfloat16)
         target = teacher(x).float()
         losses = {}
         for recipe, m in students.items():

@@ -34,7 +34,7 @@ def test_example_grouped_mm():
 
 
 def test_example_own_model():
-    out = _run(["examples/own_model_fp8moe.py", "--steps", "5"])
+    out = _run(["examples/own_model_fp8moe.py", "--steps", "5", "--tokens", "64"])
     first, last = (line.split() for line in (out.splitlines()[1], out.splitlines()[-2]))
     assert float(last[2]) < float(first[2])  # FP8 loss went down
     ratio = float(out.splitlines()[-1].split("=")[-1])
@@ -74,3 +74,17 @@ def test_demo_without_transformers_says_how_to_install(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": path}
     run = subprocess.run([sys.executable, "-m", "moe_fp8.demo"], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "pip install -e '.[hf]'" in run.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers (pip install -e '.[hf]')")
+def test_demo_gpu_small(tmp_path):
+    """The demo on the real kernels (a small model): trains, evaluates, generates a few tokens (short
+    prompts: a handful of rows per GEMM) and draws."""
+    out = _run(["-m", "moe_fp8.demo", "--device", "cuda", "--steps", "20", "--hidden", "256", "--expert-hidden", "256",
+                "--experts", "8", "--top-k", "2", "--layers", "2", "--heads", "2", "--seq", "128", "--batch", "8",
+                "--eval-every", "10", "--val-batches", "2", "--gen-tokens", "4", "--plot", str(tmp_path / "c.png")],
+               cwd=tmp_path)
+    table = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d", line)]
+    assert [int(r[0]) for r in table] == [10, 20] and float(table[1][4]) < float(table[0][4])
+    assert "FP8 dense: shared" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.45 * (1 + torch.cos(torch.tensor(t * torch.pi)).item()))
+    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
 
 
 def train(models: dict[str, nn.Module], train_batches, val_batches: list[torch.Tensor], *, steps: int,
