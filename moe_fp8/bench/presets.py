@@ -5,7 +5,7 @@ from __future__ import annotations
 
 #: preset -> kind -> arguments of that kind's ``collect``
 PRESETS: dict[str, dict[str, dict]] = {
-    "dsv3": dict(quant=dict(models=["DeepSeek-V3"]), gemm=dict(shapes=[0, 2, 1, 3]),
+    "dsv3": dict(quant=dict(models=["DeepSeek-V3"]), gemm=dict(shapes=[0, 2, 1]),
                  layer=dict(layers=["deepseek_v3_e8", "deepseek_v3_e32"], tokens=[8192]), train=dict()),
     "llama4": dict(quant=dict(models=["Llama 4"]), gemm=dict(shapes=[4, 5]),
                    layer=dict(layers=["llama4_scout"], tokens=[8192]), dense=dict()),
