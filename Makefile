@@ -9,14 +9,14 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q -c constraints/cpu.txt torch
-	$(VPY) -m pip install -q -c constraints/cpu.txt -e '.[test,hf]'
+	$(VPY) -m pip install -q -c constraints/cpu.txt -e '.[test,hf,demo]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# A DeepSeek-V3-style MoE LM trained in BF16 and FP8 side by side (CPU: a few minutes; see moe_fp8/demo).
 demo: $(STAMP)
-	$(VPY) examples/quickstart.py
-	$(VPY) examples/train_demo.py
+	$(VPY) -m moe_fp8.demo
 
 # CPU tests on every core (pytest-xdist); Triton kernels run in the interpreter. GPU tests (-m gpu)
 # skip without CUDA. MALLOC_PERTURB_ makes glibc fill every fresh CPU allocation with 0x5A bytes, so

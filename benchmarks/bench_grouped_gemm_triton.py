@@ -28,7 +28,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from bench_grouped_gemm import SHAPES
+from moe_fp8.bench.grouped_gemm import SHAPES
 from moe_fp8.grouped_gemm.triton_configs import GemmConfig, config_2d2d, config_2d3d
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d2d, triton_grouped_mm_2d3d
 from moe_fp8.quant.reference import quantize_expert_colwise, quantize_group_colwise, quantize_rowwise

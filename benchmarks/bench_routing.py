@@ -10,7 +10,7 @@ eagerly and replayed; plain PyTorch eagerly, ``do_bench``):
   ``permute``, ``combine`` forward and backward; a small launch-config sweep per kernel;
 * plain PyTorch: ``argsort`` + ``bincount`` plan, ``index_select`` + reference rowwise quantizer,
   ``index_add_`` combine;
-* the plan's share of a real MoE layer forward is measured by ``bench_moe_layer.py`` (host and
+* the plan's share of a real MoE layer forward is measured by ``python -m moe_fp8.bench --kinds layer`` (host and
   GPU time of the plan against the layer's own forward), not here.
 
 Bytes per kernel (the minimum each must move): permute(+quantize) reads ``T*H`` bf16 once and
@@ -184,7 +184,7 @@ def markdown(meta, results, sweep_rows) -> str:
         lines.append(f"| {name} | dispatch plan (eager / graph) | {r['plan_ms'] * 1e3:.1f} / {r['plan_graph_ms'] * 1e3:.1f} us | | "
                      f"| {r['torch_plan_ms'] * 1e3:.1f} us | {r['torch_plan_ms'] / r['plan_ms']:.2f}x |")
     lines += ["", "The plan's share of the MoE layer forward (host and GPU time) is measured by "
-              "`benchmarks/bench_moe_layer.py`."]
+              "`python -m moe_fp8.bench --kinds layer`."]
     lines += ["", "Launch-config sweep (best is reported above):", "", "| kernel | variant | ms | GB/s | of copy |", "|---|---|---|---|---|"]
     for s in sweep_rows:
         lines.append(f"| {s['kernel']} | {s['variant']} | {s['ms']:.3f} | {s['GBps']:.0f} | {s['of_copy']:.0%} |")

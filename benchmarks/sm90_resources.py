@@ -4,7 +4,7 @@
 uses reports registers and spills. A GPU sweep then need not find out that a configuration spills,
 and a Triton version other than the device's can be checked. The configurations: the Triton wgrad
 GEMM's variants (``bench_grouped_gemm_triton.VARIANTS_2D2D``, column-major operands, rowwise
-scales) and the column-wise quantization kernel's (``bench_quant.STRIP_SWEEP``, plus the workers
+scales) and the column-wise quantization kernel's (``STRIP_SWEEP`` below, plus the workers
 alone at ``colwise_config``'s default) on the expert dgrad layout and the group dual. ``pipelined``: the
 GEMM's main loop waits for its oldest operand slices only (a software pipeline).
 
@@ -39,14 +39,31 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_grouped_gemm_triton import VARIANTS_2D2D  # noqa: E402
-from bench_quant import STRIP_SWEEP, _strip_config, _strip_label  # noqa: E402
 
 from moe_fp8.grouped_gemm import triton_kernel  # noqa: E402
 from moe_fp8.quant.formats import E4M3FN  # noqa: E402
 from moe_fp8.quant.kernels import colwise  # noqa: E402
+from moe_fp8.quant.kernels.colwise import colwise_config  # noqa: E402
 from moe_fp8.quant.kernels.common import format_constexprs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+# Column-wise kernel configurations: (CHUNK, BLOCK_R, BLOCK_C, STAGES, LAG, num_warps, maxnreg, two_pass);
+# the 256-row chunks of 32 x 128 tiles are colwise_config's default (at auto_lag).
+STRIP_SWEEP = [(512, 64, 64, 3, 0, 4, 96, False), (512, 64, 64, 3, 4, 4, 96, False),
+               (512, 64, 64, 3, 0, 4, None, False), (512, 64, 64, 3, 0, 4, 96, True),
+               (512, 64, 64, 3, 0, 4, None, True), (1024, 64, 64, 3, 0, 4, None, True),
+               (2048, 64, 64, 3, 0, 4, None, True),
+               (256, 32, 128, 3, 0, 4, 96, False), (256, 32, 128, 3, 2, 4, 96, False),
+               (512, 32, 128, 3, 0, 4, 96, False), (256, 32, 128, 3, 0, 4, 96, True)]
+
+
+def _strip_config(chunk, br, bc, stages, lag, warps, maxnreg, two_pass):
+    return colwise_config(chunk=chunk, block_r=br, block_c=bc, stages=stages, lag=lag, num_warps=warps,
+                          maxnreg=maxnreg, two_pass=two_pass)
+
+
+def _strip_label(v) -> str:
+    return "chunk={} {}x{} stages={} lag={} w{} maxnreg={} two_pass={}".format(*v)
 
 
 def _ptxas() -> str:

@@ -3,8 +3,8 @@
 Under ``torch.compile`` in torch 2.11, Dynamo routes the backward gradient of an
 ``autograd.Function`` to the wrong output slot when the tensor its forward returns shares its
 TensorImpl with an intermediate Dynamo also tracked: an in-place op, or ``t.to(dtype)`` with ``t``
-already in ``dtype``. The function's backward then receives zeros (pytorch/pytorch#180642, fixed for
-2.12 by pytorch/pytorch#180921). Seen here on the H200 (torch 2.11): the compiled bf16 grouped GEMM's
+already in ``dtype``. The function's backward then receives zeros (PyTorch bug 180642, fixed for
+2.12 by PyTorch pull request 180921). Seen here on the H200 (torch 2.11): the compiled bf16 grouped GEMM's
 backward was handed an all-zero ``grad_out`` under both ``aot_eager`` and Inductor.
 """
 

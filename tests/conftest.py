@@ -22,7 +22,7 @@ def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | 
     """Why Triton's interpreter cannot run our kernels with these versions, or ``None``.
 
     Below triton 3.7 the interpreter turns a loop bound into an int with ``int()`` of a one-element
-    array, which numpy 2.4 refuses (triton-lang/triton#9171): every kernel with a runtime loop bound
+    array, which numpy 2.4 refuses (triton-lang/triton report 9171): every kernel with a runtime loop bound
     fails with "only 0-dimensional arrays can be converted to Python scalars"."""
     from packaging.version import Version  # pytest's own dependency
 
@@ -30,7 +30,8 @@ def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | 
         return Version(v).release[:2]  # release candidates count as their release: 2.4.0rc1 -> (2, 4)
 
     if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
-        return (f"triton {triton_version}'s interpreter fails with numpy {numpy_version} (triton-lang/triton#9171, "
+        return (f"triton {triton_version}'s interpreter fails with numpy {numpy_version} (triton-lang/triton "
+                "report 9171, "
                 "fixed in triton 3.7): install 'numpy<2.4' or triton >= 3.7 to run the interpreter tests")
     return None
 

@@ -1,10 +1,11 @@
-"""The benchmark scripts still run: their CPU smoke modes end to end, the GPU-only ones compile.
+"""The benchmarks still run: ``python -m moe_fp8.bench --quick`` on the CPU writes well-formed JSON,
+markdown and a PNG; the GPU-only scripts in ``benchmarks/`` compile; the offline sm90 check runs.
 
-GPU time is scarce; a benchmark that dies of a typo wastes a run. The smoke modes use tiny shapes
-and wall-clock timing on the CPU (Triton kernels in the interpreter), so they check the scripts'
-code paths, not any number.
+GPU time is scarce; a benchmark that dies of a typo wastes a run. On the CPU the kernels run in the
+Triton interpreter on tiny shapes, so these check the code paths, not any number.
 """
 
+import json
 import os
 import py_compile
 import subprocess
@@ -16,6 +17,13 @@ import triton
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _env() -> dict:
+    # ROOT first, then the caller's path (a torch/triton pair run from side folders stays the one tested)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -24,55 +32,68 @@ def test_benchmark_compiles(script):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("script, extra, outputs", [
-    ("bench_grouped_gemm.py", [], ["grouped_gemm.json", "grouped_gemm.md"]),
-    ("bench_grouped_gemm.py", ["--rounds", "2", "--methods", "rowwise / emulated"], ["grouped_gemm.json"]),
-    ("bench_moe_layer.py", [], ["moe_layer.json", "moe_layer.md"]),
-    ("bench_quant.py", ["--sweep"], ["quant.json", "quant.md"]),
-    ("ab_layer_backends.py", [], ["ab_layer_backends.json", "ab_layer_backends.md"]),
-    ("ab_layer_backends.py", ["--uncached"], ["ab_layer_backends.md"]),
-    ("ab_triton_wgrad_padding.py", [], ["ab_triton_wgrad_padding.json", "ab_triton_wgrad_padding.md"]),
-    ("ab_padded_rows.py", [], ["ab_padded_rows.json", "ab_padded_rows.md"]),
-    ("sm90_resources.py", [], [f"sm90_resources_triton{triton.__version__}.md"]),
-    ("sweep_colwise_lag.py", ["--kinds", "dgrad"], ["colwise_lag.json", "colwise_lag.md"]),
-])
-def test_benchmark_smoke(script, extra, outputs, tmp_path):
-    # ROOT first, then the caller's path (a torch/triton pair run from side folders stays the one tested)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *extra, "--out", str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+def test_bench_entry_point_quick(tmp_path):
+    """The quantization, grouped-GEMM and dense kinds (the layer and training kinds take minutes in the
+    interpreter: their code is the demo's and the layer's, run by other tests)."""
+    cmd = [sys.executable, "-m", "moe_fp8.bench", "--preset", "all", "--quick", "--kinds", "quant", "gemm", "dense",
+           "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    for name in outputs:
-        assert (tmp_path / name).stat().st_size > 0
-
-
-@pytest.fixture
-def bench_quant(monkeypatch):
-    """``benchmarks/bench_quant.py`` imported, its kernels on the CPU (the interpreter)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench_quant
-
-    monkeypatch.setattr(bench_quant, "DEVICE", "cpu")
-    return bench_quant
-
-
-@pytest.mark.interpreter
-def test_bench_quant_reports_each_model_as_it_ends(bench_quant, monkeypatch):
-    """``bench_quant.run`` hands the table to its callback after every model (``main`` writes the
-    files then), so a run stopped by a time limit keeps the models it finished."""
-    two = {"one": bench_quant.SMOKE_MODELS["smoke"], "two": bench_quant.SMOKE_MODELS["smoke"]}
-    monkeypatch.setattr(bench_quant, "SMOKE_MODELS", two)
-    seen = []
-    bench_quant.run(["one", "two"], False, 0.0, None,
-                    on_model_done=lambda table, sweeps: seen.append(sorted({r["model"] for r in table.rows})))
-    assert seen == [["one"], ["one", "two"]]
+    report = json.loads((tmp_path / "bench_all_quick.json").read_text())
+    assert set(report["results"]) == {"quant", "gemm", "dense"}
+    assert {"date", "gpu", "torch", "triton"} <= set(report["meta"])
+    kernels = {r["kernel"] for r in report["results"]["quant"]}
+    assert kernels == {"rowwise (A)", "expert colwise fwd (W)"}
+    gemm = {r["method"]: r for r in report["results"]["gemm"]}
+    assert set(gemm) == {"bf16 torch._grouped_mm", "rowwise / emulated"}
+    assert 20 < gemm["rowwise / emulated"]["sqnr_out"] < 40  # FP8 against BF16: not equal, not garbage
+    dense = {r["recipe"]: r for r in report["results"]["dense"]}
+    assert dense["bf16"]["speedup"] == 1.0 and dense["ours rowwise"]["sqnr_vs_bf16"] > 20
+    md = (tmp_path / "bench_all_quick.md").read_text()
+    for title in ("Quantization kernels", "Grouped GEMM", "Dense MLP"):
+        assert f"## {title}" in md
+    table_rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(table_rows) == 3 + len(report["results"]["quant"]) + len(gemm) + len(dense)  # headers + rows
+    assert all(line.count("|") == table_rows[0].count("|") for line in table_rows[:3])
+    png = tmp_path / "bench_all_quick_speedups.png"
+    if png.exists():  # with matplotlib
+        assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
 @pytest.mark.interpreter
-def test_bench_quant_kernel_filter(bench_quant):
-    """``--kernels`` times only the rows whose kernel name contains one of its substrings."""
-    table, _ = bench_quant.run(["smoke"], False, 0.0, None, kernels=["padded", "tensorwise"])
+def test_bench_headline_and_tables():
+    """The speedup bars pick our default FP8 rows, against BF16 (quantization kernels: TorchAO)."""
+    from moe_fp8.bench import report
+
+    results = {
+        "quant": [dict(model="m", kernel="rowwise (A)", shape="s", ours_us=1.0, ours_frac=0.9, speedup=4.0),
+                  dict(model="m", kernel="tensorwise (A)", shape="s", ours_us=1.0, ours_frac=0.9)],
+        "gemm": [dict(shape="g", method="rowwise / cuda_auto", fwd_bwd_speedup_vs_bf16=1.4),
+                 dict(shape="g", method="rowwise / triton", fwd_bwd_speedup_vs_bf16=1.3)],
+        "layer": [dict(layer="l", tokens=8, recipe="bf16", speedup=1.0), dict(layer="l", tokens=8, recipe="rowwise",
+                                                                              speedup=1.5)],
+    }
+    assert report.headline(results) == [("quant m: rowwise (A)", 4.0, "TorchAO"), ("grouped GEMM g", 1.4, "BF16"),
+                                        ("layer l T=8 rowwise", 1.5, "BF16")]
+    text = report.table("quant", results["quant"])
+    assert "4.00x" in text and text.splitlines()[2].split()[-1] == "-"
+
+
+@pytest.mark.interpreter
+def test_sm90_resources_smoke(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--smoke", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / f"sm90_resources_triton{triton.__version__}.md").stat().st_size > 0
+
+
+@pytest.mark.interpreter
+def test_bench_quant_kernel_filter(monkeypatch):
+    """``run(kernels=...)`` times only the rows whose kernel name contains one of its substrings."""
+    from moe_fp8.bench import quant
+
+    monkeypatch.setattr(quant, "DEVICE", "cpu")
+    table = quant.run(["smoke"], None, kernels=["padded", "tensorwise"])
     kernels = {r["kernel"] for r in table.rows}
     assert kernels == {"tensorwise (A)", "group colwise dual, padded out", "group dual, a from amax, padded",
                        "group dual, both from amax, padded"}

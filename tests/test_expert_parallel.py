@@ -73,12 +73,12 @@ def test_bytes_per_row():
 
 
 def test_benchmark_quick_on_cpu(tmp_path):
-    """``benchmarks/bench_expert_parallel.py --quick`` runs end to end (gloo, world size 1; routing
+    """``python -m moe_fp8.bench.expert_parallel --quick`` runs end to end (gloo, world size 1; routing
     kernels' torch references) and its EP layers equal the plain layer."""
     root = Path(__file__).resolve().parent.parent
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    cmd = [sys.executable, str(root / "benchmarks" / "bench_expert_parallel.py"), "--quick", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "moe_fp8.bench.expert_parallel", "--quick", "--out", str(tmp_path)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "expert_parallel.json").read_text())["rows"]

@@ -6,7 +6,7 @@ The rule reads static shapes only (rows ``M`` of the activations, groups ``E = o
 it needs no host sync and a given layer shape always takes the same kernels: Triton when
 ``M <= CudaAutoBackend.triton_max_rows_per_group * E``.
 
-Why 1536 rows: whole-layer A/B on one H200 (``benchmarks/ab_layer_backends.py``, FP8MoE
+Why 1536 rows: whole-layer A/B on one H200 (a one-off script, FP8MoE
 ``rowwise`` forward+backward, 5-9 alternated rounds, 2026-11-30), the Triton 2D x 3D GEMM against
 ``cuda``'s, by average rows per group:
 

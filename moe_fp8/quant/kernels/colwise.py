@@ -323,7 +323,7 @@ def _column_block(
                         acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
                     bits = tl.max(acc, axis=0).to(tl.int32, bitcast=True)  # >= 0: ordered like the floats
                     tl.atomic_max(amax_cols, bits, mask=col_ok, sem="relaxed")
-                    # Several warps issue the atomic_max (threads 0-63 for 64 columns on sm_90), one
+                    # Several warps run the atomic_max (threads 0-63 for 64 columns on sm_90), one
                     # thread the release below: without a CTA barrier between them the release does
                     # not order the other warps' maxima (a worker could read a partial amax).
                     tl.debug_barrier()
@@ -468,11 +468,11 @@ def _colwise_kernel(
 # 143 µs), and 3.88, from which DeepSeek-V3 W1's dgrad and its wgrad operands (128 chunks) would
 # take lag 3. Where one column block has 512 chunks or more (Llama 4 and Qwen3 dgrad) lag 0 won,
 # by 1-5%; in jagged launches lag 0 was slowest or next slowest on every shape. Checked afterwards
-# by ``benchmarks/sweep_colwise_lag.py`` (lags 0-4, 12 shapes, ``colwise_lag_32x128.md``): its pick
+# by a sweep of lags 0-4 on 12 shapes (the sweep script and its results are in git history): its pick
 # was the fastest lag on 11 and 0.1% behind on the 12th; lag 3 was never the fastest. An earlier fit of
-# 3 per multiprocessor at 512-row chunks of 64 x 64 tiles (``colwise_lag.md``; lags 0-4): under
+# 3 per multiprocessor at 512-row chunks of 64 x 64 tiles (lags 0-4): under
 # this bound its picks there are within 3.1% of the best (DeepSeek-V3 W2: lag 3 against 2), at 32
-# columns (``colwise_lag_block32.md``) within 6%.
+# columns within 6%.
 # Only NVIDIA's H200 was measured; elsewhere (ROCm: 304 CUs on an MI300X) the rule is applied as is.
 MAX_LAG = 4
 _MEMBERS_PER_TWO_SMS = 7  # 3.5 member programs per multiprocessor, in integers

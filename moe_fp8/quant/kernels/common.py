@@ -3,7 +3,7 @@
 The cast. ``fp8_quantize`` (:mod:`moe_fp8.quant.triton_helpers`) pre-rounds ``x * inv_scale`` onto
 the FP8 grid in fp32 so that the final cast is exact everywhere, the CPU interpreter included
 (whose own cast is wrong). That costs ~20 integer/float instructions per element, which is about
-what the SMs can issue while HBM streams 3 bytes per element: it makes the kernels ALU-bound.
+what the SMs can execute while HBM streams 3 bytes per element: it makes the kernels ALU-bound.
 On NVIDIA GPUs of compute capability >= 8.9 Triton lowers the fp32 -> e4m3/e5m2 cast to
 ``cvt.rn.satfinite`` (IEEE round to nearest even, subnormals kept, -0 kept), the very rounding
 torch applies, so there the kernels cast the clamped product directly (``HW_CAST``); the GPU tests

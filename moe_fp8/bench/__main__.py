@@ -1,0 +1,109 @@
+"""``python -m moe_fp8.bench [--preset dsv3|llama4|qwen3|all] [--quick] [--kinds quant gemm ...]``.
+
+Runs the preset's benchmarks (quantization kernels, grouped GEMM, MoE layer, dense MLP, end-to-end
+training step), prints a table per kind and writes ``bench_<preset>[_quick].json``, ``.md`` and
+``_speedups.png`` to ``--out`` (default ``benchmarks/results``). TorchAO's counterparts run beside
+ours where ``torchao`` imports. Without CUDA every kind runs tiny shapes on the CPU (Triton kernels
+in the interpreter, FP8 GEMMs emulated): that checks the code paths, its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from . import presets, report
+
+
+def _collect(kind: str, args: dict, device: str, gemm_methods: list[str] | None) -> tuple[list[dict], dict]:
+    if kind == "quant":
+        from . import quant
+
+        return quant.collect(args["models"], device)
+    if kind == "gemm":
+        from . import grouped_gemm
+
+        return grouped_gemm.collect(args["shapes"], device, methods=gemm_methods), {}
+    if kind == "layer":
+        from . import layer
+
+        return layer.collect(args["layers"], args["tokens"], device), {}
+    if kind == "dense":
+        from . import dense
+
+        return dense.collect(device), {}
+    from . import train
+
+    return train.collect(device, steps=args.get("steps")), {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_fp8.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=list(presets.PRESETS), default="dsv3")
+    ap.add_argument("--quick", action="store_true", help="the first shape of each kind only")
+    ap.add_argument("--kinds", nargs="+", choices=presets.KINDS, help="kinds to run (default: the preset's)")
+    ap.add_argument("--gemm-methods", nargs="+", default=presets.GEMM_METHODS,
+                    help="grouped-GEMM method labels ('all': every recipe and backend)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # the kernels were defined at import, before the interpreter could be asked for: start again
+        argv = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, "-m", "moe_fp8.bench", *argv],
+                  dict(os.environ, TRITON_INTERPRET="1"))
+    plan = {k: (presets.quick(v) if args.quick else v) for k, v in presets.PRESETS[args.preset].items()
+            if args.kinds is None or k in args.kinds}
+    gemm_methods = None if device == "cpu" or args.gemm_methods == ["all"] else args.gemm_methods
+    name = f"bench_{args.preset}" + ("_quick" if args.quick else "")
+    start = time.time()
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                gpu=torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter; times mean nothing)",
+                torch=torch.__version__, triton=triton.__version__, torchao=_torchao_version(),
+                args=" ".join(argv if argv is not None else sys.argv[1:]), seconds=0.0)
+    results: dict[str, list[dict]] = {}
+    bar = _bar(len(plan))
+    for kind, kind_args in plan.items():
+        if bar is not None:
+            bar.set_description(f"{args.preset}: {kind}")
+        rows, extra = _collect(kind, kind_args, device, gemm_methods)
+        results[kind] = rows
+        meta.update({k: v for k, v in extra.items() if v is not None})
+        meta["seconds"] = time.time() - start
+        paths = report.write(args.out, name, meta, results)  # after every kind: a cut-short run keeps the rest
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    for kind, rows in results.items():
+        print(f"\n{report.TITLES[kind]}\n{report.table(kind, rows)}")
+    print(f"\nwrote {', '.join(str(p) for p in paths)} in {meta['seconds']:.0f} s")
+    return 0
+
+
+def _torchao_version() -> str | None:
+    try:
+        import torchao
+    except Exception:  # noqa: BLE001 - not installed, or not importable with this torch
+        return None
+    return torchao.__version__
+
+
+def _bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="kind", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

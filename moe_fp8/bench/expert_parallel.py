@@ -1,0 +1,163 @@
+"""Expert-parallel FP8MoE (``moe_fp8.parallel``) against the plain FP8MoE on one GPU (a NCCL group of
+one rank: the same code path as W ranks, every exchange a self-copy), and the bytes on the wire.
+
+Shapes: DeepSeek-V3 routed experts (H=7168, I=2048), 16 experts, top-8, T=8192 tokens, rowwise
+recipe, weight cache on. Rows timed (``triton.testing.do_bench`` medians, alternated rounds, median
+of the rounds): forward+backward of the plain layer, of the EP layer with BF16 dispatch and with
+FP8 dispatch (which also sends the BF16 rows while the weights need gradients), and the forward
+alone without grad (where FP8 dispatch sends only FP8 bytes + row scales). Overhead = EP / plain - 1.
+Also: host syncs per forward (``torch.cuda.set_sync_debug_mode("warn")``), peak memory of a step,
+and the bytes per routed row each dispatch puts on the wire (``dispatch_bytes_per_row``).
+
+Usage: ``python -m moe_fp8.bench.expert_parallel [--out DIR] [--tokens 8192] [--rounds 5] [--quick]``
+(writes ``expert_parallel.json`` / ``.md``). ``--quick`` (alias ``--smoke``): tiny shapes and few
+repetitions, runs on the CPU too (gloo, wall clock), to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from moe_fp8 import FP8MoE
+from moe_fp8.bench.report import run_env, write_report
+from moe_fp8.bench.timing import alternated_rounds, wall_median_ms
+from moe_fp8.parallel import dispatch_bytes_per_row, expert_parallel_from
+
+OUT = Path("benchmarks") / "results"
+
+
+def _timer(device: str, quick: bool):
+    if device != "cuda":
+        return lambda fn: wall_median_ms(fn, calls=2)
+    from triton.testing import do_bench  # noqa: PLC0415
+
+    return lambda fn: do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 300, return_mode="median")
+
+
+def _step(layer, x, dy):
+    def run():
+        x.grad = None
+        layer(x).backward(dy)
+    return run
+
+
+def _forward(layer, x):
+    def run():
+        with torch.no_grad():
+            layer(x)
+    return run
+
+
+def _syncs_per_forward(layer, x) -> int | None:
+    if not x.is_cuda:
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            layer(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("called a synchronizing" in str(w.message) for w in caught)  # not the mode's own notice
+
+
+def _peak_gib(run, device: str) -> float | None:
+    if device != "cuda":
+        return None
+    run()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", "--smoke", action="store_true", help="tiny shapes, few repetitions (CPU too)")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    H, I, E, K, T = (7168, 2048, 16, 8, args.tokens) if not (args.quick and device == "cpu") else (64, 32, 4, 2, 32)
+    rounds = 2 if args.quick else args.rounds
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        if device == "cuda":
+            torch.cuda.set_device(0)
+            dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        else:
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            rows, body = _bench(device, H, I, E, K, T, rounds, args.quick)
+        finally:
+            dist.destroy_process_group()
+    env = run_env(device, hidden=H, expert_hidden=I, experts=E, top_k=K, tokens=T, world_size=1)
+    method = (f"H={H}, I={I}, E={E}, top-{K}, T={T}, rowwise, NCCL world size 1, eager, "
+              f"do_bench medians, median of {rounds} alternated rounds")
+    write_report(args.out, "expert_parallel", env, rows, "Expert-parallel FP8MoE vs FP8MoE (one GPU)", method, body)
+    print("\n".join(body))
+
+
+def _bench(device: str, H: int, I: int, E: int, K: int, T: int, rounds: int, quick: bool):
+    torch.manual_seed(0)
+    backend = None if device == "cuda" else "emulated"
+    plain = FP8MoE(H, I, E, K, backend=backend, device=device, dtype=torch.bfloat16)
+    layers = {"FP8MoE": plain}
+    for d in ("bf16", "fp8"):
+        layers[f"EP, {d} dispatch"] = expert_parallel_from(plain, dist.group.WORLD, d)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    outs = {name: layer(x).detach() for name, layer in layers.items()}
+    equal = {name: bool(torch.equal(out, outs["FP8MoE"])) for name, out in outs.items()}
+    del outs
+    timer = _timer(device, quick)
+    step_ms = alternated_rounds({n: _step(m, x, dy) for n, m in layers.items()}, rounds, timer)
+    fwd_ms = alternated_rounds({n: _forward(m, x.detach()) for n, m in layers.items()}, rounds, timer)
+    step = {n: statistics.median(v) for n, v in step_ms.items()}
+    fwd = {n: statistics.median(v) for n, v in fwd_ms.items()}
+    rows = []
+    for name, layer in layers.items():
+        dispatch = getattr(layer.experts, "dispatch", None)
+        rows.append(dict(
+            layer=name, step_ms=step[name], step_overhead=step[name] / step["FP8MoE"] - 1,
+            forward_ms=fwd[name], forward_overhead=fwd[name] / fwd["FP8MoE"] - 1,
+            step_rounds_ms=step_ms[name], forward_rounds_ms=fwd_ms[name], equal_to_plain=equal[name],
+            syncs_per_forward=_syncs_per_forward(layer, x.detach()),
+            peak_gib=_peak_gib(_step(layer, x, dy), device),
+            wire_bytes_per_row_train=dispatch_bytes_per_row(H, dispatch, training=True) if dispatch else None,
+            wire_bytes_per_row_forward=dispatch_bytes_per_row(H, dispatch) if dispatch else None,
+        ))
+    bf16, fp8 = dispatch_bytes_per_row(H, "bf16"), dispatch_bytes_per_row(H, "fp8")
+    fp8_train = dispatch_bytes_per_row(H, "fp8", training=True)
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    body = ["| layer | fwd+bwd ms | overhead | forward (no grad) ms | overhead | output == FP8MoE | host syncs / fwd "
+            "| peak GiB | dispatch bytes / row (train, no grad) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        wire = ("-" if r["wire_bytes_per_row_train"] is None
+                else f"{r['wire_bytes_per_row_train']}, {r['wire_bytes_per_row_forward']}")
+        body.append(f"| {r['layer']} | {r['step_ms']:.3f} | {r['step_overhead']:+.1%} | {r['forward_ms']:.3f} | "
+                    f"{r['forward_overhead']:+.1%} | {r['equal_to_plain']} | {fmt(r['syncs_per_forward'], 'd')} | "
+                    f"{fmt(r['peak_gib'], '.2f')} | {wire} |")
+    body += ["", f"Dispatch bytes per routed row, FP8 rows over BF16: (H + 4) / 2H = {fp8}/{bf16} = {fp8 / bf16:.4f}; "
+             f"in training FP8 dispatch also sends the BF16 row for the weight gradient: {fp8_train}/{bf16} = "
+             f"{fp8_train / bf16:.4f}. The combine returns 2H = {bf16} bytes per row in both modes; the backward "
+             f"sends 2H each way."]
+    return rows, body
+
+
+if __name__ == "__main__":
+    main()
