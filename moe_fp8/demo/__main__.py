@@ -1,9 +1,9 @@
 """Command line of the demo: ``python -m moe_fp8.demo [--steps N --hidden H ...]``.
 
 Defaults depend on the device: on CPU a tiny model (one thread; FP8 GEMMs on the ``emulated``
-backend) that trains in a few minutes; on CUDA a model large enough for FP8 to pay (hidden 2048,
-16 experts of 1536, top 6, 16k tokens per step; the shared expert in FP8 too) on the real kernels. On CPU the FP8 GEMMs are
-emulated, so FP8 is slower there: the CPU run shows the loss curves, the GPU run the speed.
+backend) that trains in a few minutes; on CUDA a larger model on the real kernels (hidden 2048,
+16 experts of 1536, top 6, 16k tokens per step; the shared expert in FP8 too). On CPU the FP8 GEMMs
+are emulated, so FP8 is slower there: the CPU run shows the loss curves, the GPU run the speed.
 """
 
 from __future__ import annotations
