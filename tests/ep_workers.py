@@ -27,6 +27,15 @@ TIMEOUT = datetime.timedelta(seconds=60)
 BACKEND = "emulated"  # the grouped GEMM of the CPU FP8MoE tests (exact reference backend)
 
 
+
+def layer_grads(layer, x: torch.Tensor, dy: torch.Tensor):
+    """``(out, dx, {name: grad})`` of one forward+backward of ``layer`` on a fresh copy of ``x``."""
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(dy)
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
 def _dirty_allocator() -> None:
     """Fill and free a large block so that an uninitialised result cannot pass as zeros."""
     junk = torch.full((1 << 20,), float("nan"))
@@ -181,16 +190,9 @@ def check_layer(group, world: int, rank: int, dispatch: str, E: int) -> None:
     dy = torch.randn(sum(ts), H, generator=gen).to(torch.bfloat16)
     a, b = sum(ts[:rank]), sum(ts[: rank + 1])
 
-    def grads(layer, x, dy):
-        layer.zero_grad(set_to_none=True)
-        x = x.clone().requires_grad_()
-        out = layer(x)
-        out.backward(dy)
-        return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
-
-    out_all, gx_all, g_all = grads(full, x, dy)
-    _, _, g_local = grads(full, x[a:b], dy[a:b])
-    out, gx, g = grads(ep, x[a:b], dy[a:b])
+    out_all, gx_all, g_all = layer_grads(full, x, dy)
+    _, _, g_local = layer_grads(full, x[a:b], dy[a:b])
+    out, gx, g = layer_grads(ep, x[a:b], dy[a:b])
     tag = f"world={world} rank={rank} layer {dispatch}"
     _check_equal(f"{tag}: out", out, out_all[a:b])
     _check_equal(f"{tag}: grad x", gx, gx_all[a:b])

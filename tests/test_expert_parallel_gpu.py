@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ep_workers import layer_grads
 from moe_fp8 import FP8MoE
 from moe_fp8.parallel import expert_parallel_from
 
@@ -30,14 +31,6 @@ def group():
         dist.destroy_process_group()
 
 
-def _step(layer, x, dy):
-    layer.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_()
-    out = layer(x)
-    out.backward(dy)
-    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
-
-
 @pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
 @pytest.mark.parametrize("tokens", [T, 0])
 def test_nccl_world_of_one_equals_the_layer(group, dispatch, tokens):
@@ -48,7 +41,7 @@ def test_nccl_world_of_one_equals_the_layer(group, dispatch, tokens):
     ep = expert_parallel_from(full, group, dispatch)
     x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
-    want, got = _step(full, x, dy), _step(ep, x, dy)
+    want, got = layer_grads(full, x, dy), layer_grads(ep, x, dy)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for n, g in got[2].items():
         assert g is not None and torch.equal(g, want[2][n]), n

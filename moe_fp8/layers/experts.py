@@ -120,20 +120,22 @@ class FP8GroupedExperts(nn.Module):
             match), or on bf16 copies where the backend takes bf16 only (``cuda``, ``hybrid``,
             ``rocm``: fp32 modules without autocast).
         """
-        check_tensor("hidden_states", hidden_states, ndim=2, shape=(None, self.hidden_size))
-        check_tensor("top_k_index", top_k_index, ndim=2, shape=(hidden_states.shape[0], None))
-        if input_scales is not None:
-            check_tensor("input_scales", input_scales, shape=tuple(top_k_index.shape))
-        check_parameters(self, hidden_states, "hidden_states")
-        x, out_dtype = self.gemm_input(hidden_states)
+        x, out_dtype = self.gemm_input(hidden_states, top_k_index, input_scales)
         plan = make_dispatch_plan(top_k_index, self.num_experts)
         x_perm, x_fp8 = self.permuted_rows(x, plan, input_scales)
         y = self.grouped_mlp(x_perm, plan.offsets, x_fp8)
         return combine(y, plan, top_k_weights).to(out_dtype)
 
-    def gemm_input(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    def gemm_input(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   input_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.dtype]:
         """``(x, out_dtype)``: the token rows in the dtype the GEMMs take (the autocast dtype under
-        autocast; bf16 where the backend takes bf16 only) and the dtype the output returns in."""
+        autocast; bf16 where the backend takes bf16 only) and the dtype the output returns in, after
+        checking the arguments of :meth:`forward`."""
+        check_tensor("hidden_states", hidden_states, ndim=2, shape=(None, self.hidden_size))
+        check_tensor("top_k_index", top_k_index, ndim=2, shape=(hidden_states.shape[0], None))
+        if input_scales is not None:
+            check_tensor("input_scales", input_scales, shape=tuple(top_k_index.shape))
+        check_parameters(self, hidden_states, "hidden_states")
         x = hidden_states
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))

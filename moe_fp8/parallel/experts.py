@@ -104,12 +104,7 @@ class ExpertParallelExperts(FP8GroupedExperts):
         """Routed experts output of this rank's tokens; same arguments and result as
         :meth:`FP8GroupedExperts.forward`, with ``top_k_index`` GLOBAL expert ids (``[0, E)``; others
         are dropped). Every rank of the group must call it (collectives), also with ``T = 0``."""
-        check_tensor("hidden_states", hidden_states, ndim=2, shape=(None, self.hidden_size))
-        check_tensor("top_k_index", top_k_index, ndim=2, shape=(hidden_states.shape[0], None))
-        if input_scales is not None:
-            check_tensor("input_scales", input_scales, shape=tuple(top_k_index.shape))
-        check_parameters(self, hidden_states, "hidden_states")
-        x, out_dtype = self.gemm_input(hidden_states)
+        x, out_dtype = self.gemm_input(hidden_states, top_k_index, input_scales)
         plan = make_dispatch_plan(top_k_index, self.global_num_experts)
         fp8 = self.dispatch == "fp8"
         # BF16 rows travel in BF16 dispatch, and in FP8 dispatch while something needs a gradient
