@@ -31,8 +31,7 @@ def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | 
 
     if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
         return (f"triton {triton_version}'s interpreter fails with numpy {numpy_version} (triton-lang/triton "
-                "report 9171, "
-                "fixed in triton 3.7): install 'numpy<2.4' or triton >= 3.7 to run the interpreter tests")
+                "report 9171, fixed in triton 3.7): install 'numpy<2.4' or triton >= 3.7 to run the interpreter tests")
     return None
 
 

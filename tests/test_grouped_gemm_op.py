@@ -68,7 +68,8 @@ SQNR_FLOORS = {
 @pytest.mark.parametrize("recipe", [*FP8_RECIPES, "bf16"])
 def test_sqnr_against_fp64(recipe, kind):
     # 250 of 272 rows used (tail rows), group sizes not multiples of 16; K > 128 so blockwise has 2 blocks.
-    x, w, g, offs = make_inputs(272, 192, 64, 5, 250, kind, seed=zlib.crc32(f"{recipe}-{kind}".encode()) % 1000)  # the same seed in every process
+    seed = zlib.crc32(f"{recipe}-{kind}".encode()) % 1000  # the same seed in every process
+    x, w, g, offs = make_inputs(272, 192, 64, 5, 250, kind, seed=seed)
     y, dx, dw = run(x, w, g, offs, recipe=recipe, backend="emulated")
     ry, rdx, rdw = fp64_reference(x, w, g, offs)
     floors = SQNR_FLOORS[recipe]
@@ -151,7 +152,8 @@ def test_x_only_or_w_only_gradients(backend, monkeypatch):
     """Either gradient alone equals the pair's. With both, on the fused kernels (triton), the
     forward's row quantization of x and the dgrad's of grad_out hand the wgrad their per-group
     column amaxes (two calls); with x quantized upstream, a read of x alone gives x's (one call of
-    each) where its groups average ``UPSTREAM_AMAX_MIN_ROWS_PER_GROUP`` rows or more; with either gradient alone, or on the reference quantizers (emulated), nothing does
+    each) where its groups average ``UPSTREAM_AMAX_MIN_ROWS_PER_GROUP`` rows or more; with either
+    gradient alone, or on the reference quantizers (emulated), nothing does
     (the wgrad reduces both)."""
     calls, alone = [], []
     real = quant_seam.quantize_activation_group_amax

@@ -29,7 +29,9 @@ def random_topk_ids(T, E, k, kind, seed=0, dtype=torch.int64):
         p[torch.randperm(E, generator=g)[: max(0, min(E - k, E // 2))]] = 0
     else:
         p = torch.ones(E)
-    ids = torch.stack([torch.multinomial(p, k, generator=g) for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.long)
+    if not T:
+        return torch.empty(0, k, dtype=dtype)
+    ids = torch.stack([torch.multinomial(p, k, generator=g) for _ in range(T)])
     if kind == "one" and T:
         hot = int(torch.randint(E, (1,), generator=g))
         for t in range(T):  # slot 0 -> hot expert, keep the ids distinct

@@ -57,7 +57,8 @@ def library_kernels() -> set[tuple[str, str]]:
     for info in pkgutil.walk_packages(moe_fp8.__path__, "moe_fp8."):
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
-            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel") and obj.fn.__module__ == info.name:
+            jit = isinstance(obj, triton.runtime.JITFunction)
+            if jit and name.endswith("_kernel") and obj.fn.__module__ == info.name:
                 found.add((info.name, name))
     return found
 
@@ -65,7 +66,8 @@ def library_kernels() -> set[tuple[str, str]]:
 def record(target: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "launches.json"
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
         subprocess.run([sys.executable, str(Path(__file__).with_name("launch_recorder.py")), target, str(out)],
                        env=env, check=True)
         return json.loads(out.read_text())
@@ -138,7 +140,8 @@ def compile_one(target: str, launch: dict) -> dict:
         row["shared"] = kernel.metadata.shared
         row["ok"] = True
     except Exception as e:  # a compile error is the finding, reported per row
-        row.update(ok=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}")
+        last_line = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
+        row.update(ok=False, error=f"{type(e).__name__}: {last_line}")
     return row
 
 
@@ -169,8 +172,9 @@ def markdown(rows: list[dict], problems: list[str], header: str) -> str:
     for (kernel, target), rs in sorted(groups.items()):
         ok = [r for r in rs if r["ok"]]
         stage = ok[0]["stage"] if len(ok) == len(rs) else f"{len(rs) - len(ok)} failed"
-        lines.append(f"| `{kernel}` | {target} | {len(rs)} | {stage} | {max((r['registers'] for r in ok), default='-')} "
-                     f"| {max((r['spills'] for r in ok), default='-')} | {max((r['shared'] for r in ok), default='-')} |")
+        peak = {key: max((r[key] for r in ok), default="-") for key in ("registers", "spills", "shared")}
+        lines.append(f"| `{kernel}` | {target} | {len(rs)} | {stage} | {peak['registers']} | {peak['spills']} "
+                     f"| {peak['shared']} |")
     lines.append("\n" + ("Problems:\n\n" + "\n".join(f"- {p}" for p in problems) if problems else "No problems."))
     return "\n".join(lines) + "\n"
 

@@ -40,10 +40,11 @@ def _fp8(fmt: str) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- implementations
-# A 2D x 3D GEMM whose reduction is empty (``a (M, 0)``: K = 0 in forward, N = 0 in dgrad) is zeros
-# by construction here, on every backend: no library GEMM is trusted to write an empty sum (torch
-# 2.13's CPU ``torch._scaled_mm`` returns uninitialised memory for one). Empty groups of the
-# 2D x 2D form are zeroed where a library GEMM runs (``tail.zero_empty_groups``).
+# A GEMM whose reduction is empty (2D x 3D: ``a (M, 0)``, K = 0 in forward, N = 0 in dgrad; 2D x 2D:
+# no rows) or whose output is empty is zeros by construction here, on every backend: no library
+# GEMM is trusted to write an empty sum (torch 2.13's CPU ``torch._scaled_mm`` returns uninitialised
+# memory for one). Empty groups among others of the 2D x 2D form are zeroed where a library GEMM
+# runs (``tail.zero_empty_groups``); our Triton kernels and the emulated path write them as zeros.
 def _mm_2d3d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
              out_dtype: torch.dtype) -> Tensor:
     if a.shape[1] == 0 or b.shape[1] == 0:  # an empty reduction, or an empty output

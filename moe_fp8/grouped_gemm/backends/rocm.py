@@ -14,8 +14,8 @@ blockwise on the Triton kernel. Differences:
   ``ROCM_ALLOW_GROUP_GEMM_CK=1`` set; otherwise a per-group loop over offsets copied to the host:
   a host sync, so those recipes are not CUDA-graph capturable there.
 * wgrad (2D x 2D) runs on the Triton kernel: the CK path does not cover that form on every
-  PyTorch version (https://github.com/pytorch/pytorch/pull/161366), and Primus-Turbo measured CK's FP8 backward ~8x slower than
-  Triton on DeepSeek-V3 shapes. So no group padding is needed.
+  PyTorch version (https://github.com/pytorch/pytorch/pull/161366), and Primus-Turbo measured
+  CK's FP8 backward ~8x slower than Triton on DeepSeek-V3 shapes. So no group padding is needed.
 * ``use_fast_accum`` is ignored by CK; it is passed as False.
 
 Not run on AMD hardware here: the tests fake the platform and check what would be called.
