@@ -39,6 +39,15 @@ def _collect(kind: str, args: dict, device: str, gemm_methods: list[str] | None)
         from . import dense
 
         return dense.collect(device), {}
+    if kind == "dense_sweep":
+        from . import dense_sweep
+
+        return dense_sweep.collect(device), {}
+    if kind == "model":
+        from . import models
+
+        return models.collect(device, models=args.get("models"), modes=args.get("modes"),
+                              loss_steps=args.get("steps")), {}
     from . import train
 
     return train.collect(device, steps=args.get("steps")), {}
@@ -52,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", nargs="+", choices=presets.KINDS, help="kinds to run (default: the preset's)")
     ap.add_argument("--gemm-methods", nargs="+", default=presets.GEMM_METHODS,
                     help="grouped-GEMM method labels ('all': every recipe and backend)")
+    ap.add_argument("--models", nargs="+", help="whole-model kind: models to run (default: all three)")
+    ap.add_argument("--modes", nargs="+", help="whole-model kind: eager, compiled, reduce-overhead (default: all)")
+    ap.add_argument("--steps", type=int, help="whole-model kind: eager steps trained for the loss (default 150)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                   dict(os.environ, TRITON_INTERPRET="1"))
     plan = {k: (presets.quick(v) if args.quick else v) for k, v in presets.PRESETS[args.preset].items()
             if args.kinds is None or k in args.kinds}
+    if "model" in plan:
+        plan["model"] = dict(plan["model"], models=args.models, modes=args.modes, steps=args.steps)
     gemm_methods = None if device == "cpu" or args.gemm_methods == ["all"] else args.gemm_methods
     name = f"bench_{args.preset}" + ("_quick" if args.quick else "")
     start = time.time()

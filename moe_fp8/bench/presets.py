@@ -12,11 +12,12 @@ PRESETS: dict[str, dict[str, dict]] = {
     "qwen3": dict(quant=dict(models=["Qwen3-30B-A3B"]), gemm=dict(shapes=[6]),
                   layer=dict(layers=["qwen3_30b_a3b"], tokens=[8192, 32768])),
 }
+PRESETS["models"] = dict(dense_sweep=dict(), model=dict())
 PRESETS["all"] = dict(
     quant=dict(models=["DeepSeek-V3", "Llama 4", "Qwen3-30B-A3B"]), gemm=dict(shapes=[0, 2, 1, 3, 4, 5, 6]),
     layer=dict(layers=["deepseek_v3_e8", "deepseek_v3_e32", "llama4_scout", "qwen3_30b_a3b"], tokens=[8192]),
     dense=dict(), train=dict())
-KINDS = ("quant", "gemm", "layer", "dense", "train")
+KINDS = ("quant", "gemm", "layer", "dense", "train", "dense_sweep", "model")
 #: the grouped-GEMM methods a preset times (all of them with ``--gemm-methods all``)
 GEMM_METHODS = ["TorchAO fp8 rowwise", "rowwise / cuda_auto", "rowwise / cuda", "rowwise / triton",
                 "tensorwise / cuda", "rowwise / cuda, weight cache"]

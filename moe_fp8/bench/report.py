@@ -28,10 +28,18 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "train": [("model", "model", "s"), ("recipe", "recipe", "s"), ("steps", "steps", "d"),
               ("tokens/s", "tokens_per_s", ",.0f"), ("vs BF16", "speedup", ".2f"),
               ("val loss", "final_val_loss", ".4f")],
+    "dense_sweep": [("linear K->N", "layer", "s"), ("tokens", "tokens", "d"), ("BF16 ms", "bf16_ms", ".3f"),
+                    ("FP8 ms", "fp8_ms", ".3f"), ("vs BF16", "speedup", ".2f"), ("BF16 graph ms", "bf16_graph_ms", ".3f"),
+                    ("FP8 graph ms", "fp8_graph_ms", ".3f"), ("graph vs BF16", "graph_speedup", ".2f")],
+    "model": [("model", "model", "s"), ("mode", "mode", "s"), ("variant", "variant", "s"),
+              ("step ms", "step_ms", ".1f"), ("tokens/s", "tokens_per_s", ",.0f"), ("vs HF BF16", "speedup", ".2f"),
+              ("peak GiB", "peak_gib", ".2f"), ("loss", "final_loss", ".4f"), ("loss gap", "loss_gap", "+.2%")],
 }
 TITLES = {"quant": "Quantization kernels (bandwidth)", "gemm": "Grouped GEMM, forward+backward",
           "layer": "MoE layer (FP8MoE), forward+backward", "dense": "Dense MLP (FP8Linear), forward+backward",
-          "train": "End-to-end training step (Hugging Face model)"}
+          "train": "End-to-end training step (Hugging Face model)",
+          "dense_sweep": "Dense linear (FP8Linear rowwise vs nn.Linear), forward+backward",
+          "model": "Whole-model training step (Hugging Face models, converted vs unconverted)"}
 
 
 def _cell(row: dict, key: str, spec: str) -> str:
