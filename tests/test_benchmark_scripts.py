@@ -97,3 +97,20 @@ def test_bench_quant_kernel_filter(monkeypatch):
     kernels = {r["kernel"] for r in table.rows}
     assert kernels == {"tensorwise (A)", "group colwise dual, padded out", "group dual, a from amax, padded",
                        "group dual, both from amax, padded"}
+
+
+@pytest.mark.interpreter
+def test_bench_whole_model_kind_cpu():
+    """The whole-model kind trains every eager variant of a tiny Qwen3-MoE from the same weights:
+    the unconverted row is the reference, the converted ones stay close to its loss."""
+    pytest.importorskip("transformers")
+    from moe_fp8.bench import models, report
+
+    rows = models.collect("cpu", models=["qwen3_h1024"], loss_steps=3)
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == set(models.VARIANTS) and all("error" not in r for r in rows), rows
+    assert by_variant["hf_bf16"]["speedup"] == 1.0
+    for name in models.LOSS_VARIANTS:
+        assert 4.0 < by_variant[name]["final_loss"] < 6.5  # a byte-level model after 3 steps: ~ln(272)
+    assert abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
+    assert report.table("model", rows).count("\n") == len(rows)
