@@ -1,0 +1,128 @@
+"""The launch seam (moe_fp8.launch): routing of a launch (traced / interpreted / direct), the direct
+launch's cache key against Triton's own specialization, and (on a GPU) the direct launch itself."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_fp8 import launch as launch_mod
+from moe_fp8.launch import fast_launch, fast_launch_enabled, launch
+from moe_fp8.testing import dirty_allocator
+from moe_fp8.testing.launches import count_launches
+
+
+@triton.jit
+def _scaled_copy_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, NEGATE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(x_ptr + offs, mask=mask) * scale
+    tl.store(out_ptr + offs, -v if NEGATE else v, mask=mask)
+
+
+def _scaled_copy(x: torch.Tensor, out: torch.Tensor, scale: float, negate: bool, block: int = 32) -> None:
+    n = x.numel()
+    launch(_scaled_copy_kernel)[(triton.cdiv(n, block),)](x, out, n, scale, BLOCK=block, NEGATE=negate, num_warps=1)
+
+
+def test_launch_runs_the_kernel_and_is_counted():
+    dirty_allocator()
+    x = torch.randn(37)
+    out = torch.empty(37)
+    with count_launches() as n:
+        _scaled_copy(x, out, 2.0, True)
+    torch.testing.assert_close(out, -2.0 * x, rtol=0, atol=0)
+    assert (n.triton, n.torch) == (1, 0), n.ops  # the interpreter's own copies are no kernels of the caller
+    assert n.ops == {"triton:_scaled_copy_kernel": 1}
+
+
+def test_launch_rejects_what_is_not_a_kernel():
+    with pytest.raises(TypeError, match="kernel"):
+        launch(lambda x: x)
+    with pytest.raises(TypeError, match="enabled"):
+        with fast_launch(1):
+            pass
+
+
+def test_fast_launch_switch():
+    before = fast_launch_enabled()
+    with fast_launch(False):
+        assert not fast_launch_enabled()
+    assert fast_launch_enabled() == before
+
+
+class _OtherMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_tracing_is_recognised():
+    x = torch.ones(4)
+    assert not launch_mod._tracing((x, 3), {"BLOCK": 4})
+    with count_launches():
+        assert not launch_mod._tracing((x,), {})  # the counter launches eagerly
+    with _OtherMode():
+        assert launch_mod._tracing((x,), {})
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        assert launch_mod._tracing((fake,), {})
+    assert launch_mod._tracing((1,), {"x": fake})  # a fake tensor argument outside the mode
+
+
+def _int_values():
+    edges = [-(2**31) - 1, -(2**31), -17, -16, -1, 0, 1, 2, 15, 16, 17, 32, 2**31 - 1, 2**31, 2**31 + 16,
+             2**32, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]
+    return edges + [True, False, 0.0, 1.0, 16.0, -3.5, 1e40, None]
+
+
+def _tensor_values():
+    base = {dt: torch.zeros(64, dtype=dt) for dt in (torch.float32, torch.bfloat16, torch.uint8, torch.int32)}
+    return [t[i:] for t in base.values() for i in range(0, 9, 1 if t.element_size() == 1 else 2)]
+
+
+def test_cache_key_refines_the_triton_specialization():
+    """Two arguments with one key entry must get one Triton specialization, for every flag of the
+    parameter (const, specialized, aligned): the direct launch then reuses the kernel Triton picks."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    native = getattr(libtriton, "native_specialize_impl", None)
+    if native is None:
+        pytest.skip("this Triton specializes in Python (3.4): the refinement is checked on 3.5+")
+    from triton.backends.compiler import BaseBackend
+
+    values = _int_values() + _tensor_values()
+    for flags in [(False, True, True), (True, True, False), (False, False, True), (False, True, False)]:
+        seen = {}
+        for v in values:
+            key = launch_mod._spec(v, False)
+            assert key is not launch_mod._UNSUPPORTED
+            triton_spec = native(BaseBackend, v, *flags)
+            assert seen.setdefault(key, triton_spec) == triton_spec, (v, key, flags)
+    assert len({launch_mod._spec(v, True) for v in (1, True, 1.0)}) == 3  # constexpr: type and value
+    assert launch_mod._spec((1, 2), False) is launch_mod._UNSUPPORTED  # tuples take Triton's own path
+
+
+@pytest.mark.gpu
+def test_direct_launch_matches_triton_and_keys_on_alignment_and_constexprs():
+    torch.manual_seed(0)
+    x = torch.randn(1031, device="cuda")
+    launcher = launch(_scaled_copy_kernel)
+    assert fast_launch_enabled(), "the direct launch is off (MOE_FP8_FAST_LAUNCH=0 or a Triton outside 3.4-3.9)"
+    cases = [(x, 2.0, False), (x[1:], 0.5, True), (x[4:], 3.0, False), (x[16:], -1.0, True), (x[1:17], 1.0, False)]
+    for _ in range(2):  # the second round hits the cache
+        for src, scale, negate in cases:
+            got = torch.full_like(src, float("nan"))
+            _scaled_copy(src, got, scale, negate)
+            want = torch.full_like(src, float("nan"))
+            with fast_launch(False):
+                _scaled_copy(src, want, scale, negate)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            torch.testing.assert_close(got, -scale * src if negate else scale * src, rtol=0, atol=0)
+    # aligned / misaligned pointers, n % 16, n == 1 and NEGATE each give their own entry
+    keys = launcher.cache.keys()
+    assert len(keys) >= 4, keys
+    out = torch.empty(1, device="cuda")
+    _scaled_copy(x[:1], out, 1.0, False)
+    assert len(launcher.cache) == len(keys) + 1
+    torch.testing.assert_close(out, x[:1], rtol=0, atol=0)
