@@ -147,7 +147,8 @@ class _Launcher:
             return kernel[grid](*args, **kwargs)
         if _tracing(args, kwargs):
             return torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
-        if not (_STATE["fast"] and _VERSION_OK) or callable(grid) or getattr(kernel, "pre_run_hooks", None) or _hooked():
+        direct = _STATE["fast"] and _VERSION_OK and not callable(grid) and not getattr(kernel, "pre_run_hooks", None)
+        if not direct or _hooked():
             return kernel[grid](*args, **kwargs)
         return self._fast(grid, args, kwargs)
 

@@ -36,7 +36,8 @@ def test_launch_count_of_a_forward_backward(recipe):
     assert (n.total, n.triton) == EXPECTED[recipe], (
         f"{recipe}: one FP8MoE forward+backward now enqueues {n.total} kernels ({n.triton} Triton launches), "
         f"EXPECTED says {EXPECTED[recipe]}. If the change is meant, update EXPECTED in {__file__} "
-        f"(`TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_launch_count.py` prints the counts). By name: {sorted(n.ops.items())}"
+        f"(`TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_launch_count.py` prints the counts). "
+        f"By name: {sorted(n.ops.items())}"
     )
 
 
