@@ -121,7 +121,7 @@ def _spec(value, constexpr: bool):
 class _Launcher:
     """``launch(kernel)``: indexing with a grid gives the call that launches ``kernel``."""
 
-    __slots__ = ("kernel", "jit", "names", "constexpr", "defaults", "cache", "driver")
+    __slots__ = ("kernel", "jit", "names", "name_set", "constexpr", "defaults", "cache", "driver")
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -130,6 +130,7 @@ class _Launcher:
         if self.jit:
             params = kernel.params
             self.names = tuple(p.name for p in params)
+            self.name_set = frozenset(self.names)
             self.constexpr = tuple(p.is_constexpr for p in params)
             self.defaults = tuple(p.default for p in params)
             from triton.runtime import driver
@@ -175,7 +176,7 @@ class _Launcher:
         for name, default in zip(names[n:], self.defaults[n:]):
             values.append(kwargs.get(name, default))
         key = [self.driver.active.get_current_device(), _knob_state()]
-        key += [(k, v) for k, v in kwargs.items() if k not in names]
+        key += [(k, v) for k, v in kwargs.items() if k not in self.name_set]
         for value, constexpr in zip(values, self.constexpr):
             spec = _UNSUPPORTED if value is _MISSING else _spec(value, constexpr)
             if spec is _UNSUPPORTED:

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime.jit import JITFunction
 
 from moe_fp8 import launch as launch_mod
 from moe_fp8.launch import fast_launch, fast_launch_enabled, launch
@@ -126,3 +127,78 @@ def test_direct_launch_matches_triton_and_keys_on_alignment_and_constexprs():
     _scaled_copy(x[:1], out, 1.0, False)
     assert len(launcher.cache) == len(keys) + 1
     torch.testing.assert_close(out, x[:1], rtol=0, atol=0)
+
+
+def _plain_copy(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
+    pass
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: its launcher records each direct launch."""
+
+    def __init__(self):
+        self.function, self.packed_metadata, self.launches = object(), object(), []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _FakeJIT(JITFunction):
+    """A real JITFunction whose own path (``kernel[grid]``) compiles nothing: it records the call and
+    returns a fake compiled kernel per specialization, as Triton's cache would."""
+
+    def __init__(self):
+        super().__init__(_plain_copy)
+        self.slow_calls, self.compiled = [], {}
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.slow_calls.append((grid, args, kwargs))
+            return self.compiled.setdefault(len(self.slow_calls), _FakeCompiled())
+
+        return run
+
+
+class _FakeDriver:
+    class active:  # noqa: N801  (the attribute Triton's driver module has)
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+
+def test_direct_launch_passes_what_triton_passes(monkeypatch):
+    """The direct path on the CPU with a faked driver: the first call of a specialization goes through
+    ``kernel[grid]``; later ones call the compiled kernel's launcher with Triton's arguments (grid padded
+    to 3, stream, function, metadata, no hooks, every parameter in order with defaults filled in)."""
+    monkeypatch.setattr(launch_mod, "_VERSION_OK", True)
+    monkeypatch.setattr(launch_mod, "_hooked", lambda: False)
+    kernel = _FakeJIT()
+    launcher = launch(kernel)
+    launcher.driver = _FakeDriver
+    x = torch.zeros(64)
+    with fast_launch(True):
+        first = launcher[(3,)](x, x, 32, 2.0, BLOCK=16, num_warps=1)
+        assert len(kernel.slow_calls) == 1 and first.launches == []
+        again = launcher[(5, 2)](x[16:], x, 48, 0.5, BLOCK=16, num_warps=1)  # same specialization
+        assert again is first and len(kernel.slow_calls) == 1
+        (launched,) = first.launches
+        assert launched[:9] == (5, 2, 1, 1234, first.function, first.packed_metadata, None, None, None)
+        assert [a.data_ptr() for a in launched[9:11]] == [x[16:].data_ptr(), x.data_ptr()]
+        assert launched[11:] == (48, 0.5, 16, False)
+        # each of these changes what Triton specializes on: a new compile through Triton's own path
+        for args, kwargs in [((x[1:], x, 32, 2.0), dict(BLOCK=16, num_warps=1)),  # misaligned pointer
+                             ((x, x, 33, 2.0), dict(BLOCK=16, num_warps=1)),  # n % 16
+                             ((x, x, 1, 2.0), dict(BLOCK=16, num_warps=1)),  # n == 1
+                             ((x, x, 2**31, 2.0), dict(BLOCK=16, num_warps=1)),  # n needs i64
+                             ((x.int(), x, 32, 2.0), dict(BLOCK=16, num_warps=1)),  # dtype
+                             ((x, x, 32, 2.0), dict(BLOCK=32, num_warps=1)),  # constexpr
+                             ((x, x, 32, 2.0), dict(BLOCK=16, NEGATE=True, num_warps=1)),  # a default given
+                             ((x, x, 32, 2.0), dict(BLOCK=16, num_warps=2))]:  # launch option
+            before = len(kernel.slow_calls)
+            launcher[(1,)](*args, **kwargs)
+            assert len(kernel.slow_calls) == before + 1, (args, kwargs)
+        with fast_launch(False):
+            launcher[(1,)](x, x, 32, 2.0, BLOCK=16, num_warps=1)
+        assert len(kernel.slow_calls) == 10 and len(first.launches) == 1
+        monkeypatch.setattr(launch_mod, "_hooked", lambda: True)  # a profiler's hook: Triton's path calls it
+        launcher[(1,)](x, x, 32, 2.0, BLOCK=16, num_warps=1)
+        assert len(kernel.slow_calls) == 11 and len(first.launches) == 1
