@@ -51,7 +51,7 @@ def padded_offsets(offs: torch.Tensor) -> torch.Tensor:
     Five kernels, all int32: the sum wraps exactly as an int64 sum cast to int32 would, and ``& -16`` is
     ``// 16 * 16`` for negative sizes too."""
     sizes = offs.clone()
-    sizes[1:] -= offs[:-1]
+    sizes[1:].sub_(offs[:-1])
     return torch.cumsum(sizes.add_(ALIGN - 1).bitwise_and_(-ALIGN), 0, dtype=torch.int32)
 
 
