@@ -3,8 +3,8 @@
     launch(kernel)[grid](*args, **kwargs)      # same meaning as kernel[grid](*args, **kwargs)
 
 - While torch traces (``torch.compile``, a fake / functional / other tensor subclass among the
-  arguments, or a dispatch mode other than :mod:`moe_fp8.testing.launches`' counter) the call goes
-  through ``torch.library.wrap_triton`` so that Inductor sees the kernel.
+  arguments, or a dispatch mode that takes higher-order operators: fake, proxy, functional) the call
+  goes through ``torch.library.wrap_triton`` so that Inductor sees the kernel.
 - In the interpreter (``TRITON_INTERPRET=1``), on CPU tensors, or on a Triton without the fast
   path: plain ``kernel[grid](...)``.
 - Eagerly on a GPU with Triton 3.4-3.9: a direct launch. The compiled kernel is cached per
@@ -67,18 +67,24 @@ def fast_launch(enabled: bool) -> Iterator[None]:
         _STATE["fast"] = before
 
 
-def _counting_mode(mode) -> bool:
-    return getattr(mode, "moe_fp8_launch_counter", False)
+def _traces_kernels(mode) -> bool:
+    """Does dispatch mode ``mode`` take ``wrap_triton``'s operator (fake, proxy, functional modes and any
+    mode that handles higher-order operators)? Other modes (such as the launch counter) see a plain launch:
+    the operator would raise under them."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
+
+    return type(mode) in triton_kernel_wrapper_mutation.python_key_table or bool(
+        getattr(mode, "supports_higher_order_operators", False))
 
 
 def _tracing(args: tuple, kwargs: dict) -> bool:
-    """Is torch tracing this call (compile, a dispatch mode, or a tensor subclass argument)?"""
+    """Is torch tracing this call (compile, a tracing dispatch mode, or a tensor subclass argument)?"""
     if torch.compiler.is_compiling():
         return True
     if torch._C._len_torch_dispatch_stack():
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-        if not all(_counting_mode(m) for m in _get_current_dispatch_mode_stack()):
+        if any(_traces_kernels(m) for m in _get_current_dispatch_mode_stack()):
             return True
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSORS:

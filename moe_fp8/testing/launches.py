@@ -59,7 +59,7 @@ class LaunchCount:
 
 
 class _CountingMode(TorchDispatchMode):
-    moe_fp8_launch_counter = True  # the launch seam launches eagerly under this mode
+    """Counts aten ops; takes no higher-order operators, so the launch seam launches eagerly under it."""
 
     def __init__(self, count: LaunchCount) -> None:
         super().__init__()
