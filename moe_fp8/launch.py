@@ -39,6 +39,7 @@ FAST_LAUNCH_VERSIONS = ((3, 4), (3, 5), (3, 6), (3, 7), (3, 8), (3, 9))
 """Triton versions (major, minor) whose ``JITFunction.run`` launches the way the direct launch mirrors."""
 
 _VERSION_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) in FAST_LAUNCH_VERSIONS
+_KNOBS = getattr(triton, "knobs", None)  # Triton 3.4+
 _STATE = {"fast": os.environ.get("MOE_FP8_FAST_LAUNCH", "1") != "0"}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _MISSING = inspect.Parameter.empty
@@ -94,20 +95,18 @@ def _tracing(args: tuple, kwargs: dict) -> bool:
 
 def _hooked() -> bool:
     """Is a Triton launch hook registered (a profiler's): then Triton's own path must call it."""
-    from triton import knobs
-
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+    runtime = _KNOBS.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and (not hasattr(hook, "calls") or hook.calls):
             return True
-    return getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
+    return getattr(runtime, "add_stages_inspection_hook", None) is not None
 
 
 def _knob_state() -> tuple:
     """The compile knobs ``JITFunction.run`` folds into the options on every call."""
-    from triton import knobs
-
-    return (knobs.runtime.debug, getattr(knobs.compilation, "instrumentation_mode", None),
-            getattr(knobs.compilation, "fpsan_homomorphic_casts", None))
+    compilation = _KNOBS.compilation
+    return (_KNOBS.runtime.debug, getattr(compilation, "instrumentation_mode", None),
+            getattr(compilation, "fpsan_homomorphic_casts", None))
 
 
 def _spec(value, constexpr: bool):
@@ -196,7 +195,7 @@ class _Launcher:
             if run is not None and function is not None and meta is not None:
                 self.cache[key] = compiled, run, function, meta
             return compiled
-        for (name, _), (val, globals_dict) in self.kernel.used_global_vals.items():
+        for (name, _), (val, globals_dict) in getattr(self.kernel, "used_global_vals", {}).items():
             if globals_dict.get(name, _MISSING) != val:  # Triton's own path raises the error
                 return self.kernel[grid](*args, **kwargs)
         compiled, run, function, meta = entry
