@@ -9,7 +9,9 @@ every Triton launch through ``kernel[grid]``), one run measures:
   is enqueued first, so no launch waits for the device and the time is the host's alone; median of 20);
 * ``wall_ms``: ``max`` of the two, what a step costs when nothing overlaps it;
 * ``kernels``: device kernels (and memsets / copies) of one step in ``torch.profiler``;
-  ``counted``: what ``moe_fp8.testing.launches`` counts (Triton launches + kernel-launching torch ops).
+  ``counted``: what ``moe_fp8.testing.launches`` counts (Triton launches + kernel-launching torch ops);
+* per launch of a tiny Triton kernel (GPU busy, median of 5 x 400 launches): host microseconds of
+  ``kernel[grid](...)`` and of ``launch(kernel)[grid](...)`` with the direct launch on and off.
 
 Usage: ``python benchmarks/bench_host_overhead.py [--out DIR]`` on one GPU (about a minute, Triton
 compiles included); ``--smoke`` runs a tiny layer on the CPU (Triton interpreter) to check the script.
@@ -24,10 +26,12 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from moe_fp8 import FP8MoE
 from moe_fp8.bench.report import run_env, write_report
-from moe_fp8.launch import fast_launch
+from moe_fp8.launch import fast_launch, launch
 from moe_fp8.testing.launches import count_launches
 
 SHAPES = [dict(H=1024, E=64, I=384, K=8, T=8192), dict(H=2048, E=128, I=768, K=8, T=4096)]
@@ -35,6 +39,38 @@ SMOKE_SHAPES = [dict(H=64, E=4, I=32, K=2, T=48)]
 RECIPES = ("rowwise", "bf16")
 STEPS = 20
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: longer than the Python of any step here
+
+
+@triton.jit
+def _tiny_kernel(x_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * scale, mask=offs < n)
+
+
+def launch_us() -> dict:
+    """Host microseconds per launch of ``_tiny_kernel``: Triton's own ``kernel[grid]``, and the seam with
+    the direct launch on and off (the GPU kept busy so that no launch waits)."""
+    x = torch.zeros(1000, device="cuda")
+    calls = {
+        "triton kernel[grid]": lambda: _tiny_kernel[(8,)](x, 1000, 1.0, BLOCK=128),
+        "launch(kernel)[grid], direct": lambda: launch(_tiny_kernel)[(8,)](x, 1000, 1.0, BLOCK=128),
+        "launch(kernel)[grid], off": lambda: launch(_tiny_kernel)[(8,)](x, 1000, 1.0, BLOCK=128),
+    }
+    out = {}
+    for name, call in calls.items():
+        with fast_launch(not name.endswith("off")):
+            call()
+            rounds = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(SLEEP_CYCLES // 4)
+                t0 = time.perf_counter()
+                for _ in range(400):
+                    call()
+                rounds.append((time.perf_counter() - t0) / 400 * 1e6)
+            torch.cuda.synchronize()
+        out[name] = statistics.median(rounds)
+    return out
 
 
 def _layer(shape: dict, recipe: str, device: str):
@@ -134,6 +170,11 @@ def main() -> None:
     rows = [measure(shape, recipe, fast, device, steps)
             for shape in (SMOKE_SHAPES if args.smoke else SHAPES) for recipe in RECIPES for fast in (True, False)]
     lines = _table(rows)
+    if device == "cuda":
+        per_launch = launch_us()
+        rows.append(dict(per_launch_us=per_launch))
+        lines += ["", "| one launch of a tiny kernel | host µs |", "|---|---:|"]
+        lines += [f"| {name} | {us:.1f} |" for name, us in per_launch.items()]
     print("\n".join(lines))
     env = run_env(device)
     method = (f"median of {steps} steps; host time with the GPU kept busy by torch.cuda._sleep; "
