@@ -78,15 +78,21 @@ def _traces_kernels(mode) -> bool:
         getattr(mode, "supports_higher_order_operators", False))
 
 
-def _tracing(args: tuple, kwargs: dict) -> bool:
-    """Is torch tracing this call (compile, a tracing dispatch mode, or a tensor subclass argument)?"""
+def _tracing_context() -> bool:
+    """Is torch tracing (compile, or a dispatch mode that takes ``wrap_triton``'s operator)?"""
     if torch.compiler.is_compiling():
         return True
     if torch._C._len_torch_dispatch_stack():
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-        if any(_traces_kernels(m) for m in _get_current_dispatch_mode_stack()):
-            return True
+        return any(_traces_kernels(m) for m in _get_current_dispatch_mode_stack())
+    return False
+
+
+def _tracing(args: tuple, kwargs: dict) -> bool:
+    """Is torch tracing this call (compile, a tracing dispatch mode, or a tensor subclass argument)?"""
+    if _tracing_context():
+        return True
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSORS:
             return True
@@ -151,12 +157,16 @@ class _Launcher:
         kernel = self.kernel
         if not self.jit:
             return kernel[grid](*args, **kwargs)
-        if _tracing(args, kwargs):
-            return torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
         direct = _STATE["fast"] and _VERSION_OK and not callable(grid) and not getattr(kernel, "pre_run_hooks", None)
-        if not direct or _hooked():
-            return kernel[grid](*args, **kwargs)
+        if not direct or _tracing_context() or _hooked():
+            return self._triton(grid, args, kwargs)
         return self._fast(grid, args, kwargs)
+
+    def _triton(self, grid, args: tuple, kwargs: dict):
+        """Triton's own launch, through ``wrap_triton`` while torch traces."""
+        if _tracing(args, kwargs):
+            return torch.library.wrap_triton(self.kernel)[grid](*args, **kwargs)
+        return self.kernel[grid](*args, **kwargs)
 
     def _counted(self, grid, args: tuple, kwargs: dict):
         """Launch with every active counter recording it (and not counting the torch ops of the launch itself,
@@ -176,7 +186,7 @@ class _Launcher:
     def _fast(self, grid, args: tuple, kwargs: dict):
         names, n = self.names, len(args)
         if n > len(names):
-            return self.kernel[grid](*args, **kwargs)
+            return self._triton(grid, args, kwargs)
         values = list(args)
         for name, default in zip(names[n:], self.defaults[n:]):
             values.append(kwargs.get(name, default))
@@ -185,7 +195,7 @@ class _Launcher:
         for value, constexpr in zip(values, self.constexpr):
             spec = _UNSUPPORTED if value is _MISSING else _spec(value, constexpr)
             if spec is _UNSUPPORTED:
-                return self.kernel[grid](*args, **kwargs)
+                return self._triton(grid, args, kwargs)
             key.append(spec)
         key = tuple(key)
         entry = self.cache.get(key)
@@ -197,7 +207,7 @@ class _Launcher:
             return compiled
         for (name, _), (val, globals_dict) in getattr(self.kernel, "used_global_vals", {}).items():
             if globals_dict.get(name, _MISSING) != val:  # Triton's own path raises the error
-                return self.kernel[grid](*args, **kwargs)
+                return self._triton(grid, args, kwargs)
         compiled, run, function, meta = entry
         size = len(grid)
         stream = self.driver.active.get_current_stream(key[0])

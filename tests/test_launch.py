@@ -247,3 +247,19 @@ def test_layer_is_bitwise_the_same_with_and_without_the_direct_launch(recipe):
         slow = run()
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
+
+
+def test_direct_path_hands_tensor_subclasses_to_wrap_triton(monkeypatch):
+    """A fake tensor among the arguments of an eager call (AOTAutograd tracing a backward): wrap_triton."""
+    monkeypatch.setattr(launch_mod, "_VERSION_OK", True)
+    monkeypatch.setattr(launch_mod, "_hooked", lambda: False)
+    wrapped = []
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda k: wrapped.append(k) or k)
+    kernel = _FakeJIT()
+    launcher = launch(kernel)
+    launcher.driver = _FakeDriver
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.zeros(64))
+    with fast_launch(True):
+        launcher[(1,)](fake, fake, 32, 2.0, BLOCK=16)
+    assert wrapped == [kernel] and len(kernel.slow_calls) == 1 and launcher.cache == {}
