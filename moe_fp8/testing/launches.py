@@ -16,7 +16,6 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
