@@ -33,7 +33,8 @@ def check_tensor(
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:
-        dtypes = tuple(dtypes)
+        if type(dtypes) is not tuple:
+            dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
             raise TypeError(f"{name}: expected dtype in ({_names(dtypes)}), got {_names([t.dtype])}")
     if ndim is not None:
@@ -41,11 +42,19 @@ def check_tensor(
         if t.dim() not in ranks:
             want = " or ".join(f"{r}-D" for r in ranks)
             raise ValueError(f"{name}: expected a {want} tensor, got shape {tuple(t.shape)}")
-    if shape is not None:
-        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-            raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+    if shape is not None and not _shape_matches(t.shape, shape):
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
     return t
+
+
+def _shape_matches(got: torch.Size, want: tuple) -> bool:
+    if len(got) != len(want):
+        return False
+    for w, g in zip(want, got):
+        if w is not None and w != g:
+            return False
+    return True
 
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:

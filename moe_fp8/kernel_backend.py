@@ -93,9 +93,16 @@ def configure_launches_for(target: LaunchTarget):
         _CONFIGURED_FOR.pop()
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def device_guard(t: torch.Tensor):
-    """Make ``t``'s GPU the current device while launching (Triton launches on the current one)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Make ``t``'s GPU the current device while launching (Triton launches on the current one); nothing
+    to do when it is current already."""
+    device = t.device
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(device)
 
 
 def eager_or_custom_op(op, impl):

@@ -55,6 +55,28 @@ def test_padded_rows_bound(m, e, kind, seed):
     assert int(padded_offsets(offs)[-1]) <= rows
 
 
+
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "int32 extremes"])
+def test_padded_offsets_against_python(kind):
+    """End offsets of the groups rounded up to 16 rows, as Python ints wrapped to int32, for any
+    offsets: sorted (empty groups included), not monotonic, and sums that overflow int32."""
+    g = torch.Generator().manual_seed(len(kind))
+    for e in (0, 1, 2, 7, 65):
+        if kind == "sorted":
+            offs = torch.cumsum(torch.randint(0, 3, (e,), generator=g) * torch.randint(0, 40, (e,), generator=g), 0)
+        elif kind == "unsorted":
+            offs = torch.randint(-100, 100, (e,), generator=g)
+        else:
+            offs = torch.randint(-(2**31), 2**31 - 1, (e,), generator=g, dtype=torch.int64)
+        offs = offs.to(torch.int32)
+        ends, prev, total = [], 0, 0
+        for o in offs.tolist():
+            total += (o - prev + 15) // 16 * 16
+            ends.append((total + 2**31) % 2**32 - 2**31)
+            prev = o
+        got = padded_offsets(offs)
+        assert got.dtype == torch.int32 and got.tolist() == ends, (offs, got)
+
 def check(x: torch.Tensor, offs: torch.Tensor, *, wrapper: bool = True, column_major: bool = False,
           **launch_kw) -> None:
     """The wrapper and/or (with ``launch_kw``) the launcher on a poisoned buffer against the reference,

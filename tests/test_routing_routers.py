@@ -278,6 +278,10 @@ def test_expert_counts_and_bias_update():
     ids = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
     counts = expert_counts(ids, 5)
     assert counts.tolist() == [4, 2, 1, 1, 0] and counts.dtype == torch.int32
+    assert torch.equal(expert_counts(ids, 5, ids_in_range=True), counts)
+    assert expert_counts(torch.tensor([[0, 5], [-1, 4]]), 5).tolist() == [1, 0, 0, 0, 1]  # out of range: not counted
+    skewed = torch.randint(0, 3, (1000, 4), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(expert_counts(skewed, 64, ids_in_range=True), expert_counts(skewed, 64))
     bias = torch.zeros(5)
     update_correction_bias_(bias, counts, 0.1)  # mean load 1.6
     torch.testing.assert_close(bias, torch.tensor([-0.1, -0.1, 0.1, 0.1, 0.1]))

@@ -46,10 +46,13 @@ def padded_rows(num_rows: int, num_groups: int, rows_align: int = ROWS_ALIGN) ->
 
 
 def padded_offsets(offs: torch.Tensor) -> torch.Tensor:
-    """``(E,)`` int32 end offsets of the groups of ``offs`` each rounded up to 16 rows (on device)."""
-    o = offs.to(torch.int64)
-    sizes = torch.diff(o, prepend=o.new_zeros(1))
-    return torch.cumsum((sizes + ALIGN - 1) // ALIGN * ALIGN, 0).to(torch.int32)
+    """``(E,)`` int32 end offsets of the groups of ``offs`` each rounded up to 16 rows (on device).
+
+    Five kernels, all int32: the sum wraps exactly as an int64 sum cast to int32 would, and ``& -16`` is
+    ``// 16 * 16`` for negative sizes too."""
+    sizes = offs.clone()
+    sizes[1:].sub_(offs[:-1])
+    return torch.cumsum(sizes.add_(ALIGN - 1).bitwise_and_(-ALIGN), 0, dtype=torch.int32)
 
 
 def padded_row_index(offs: torch.Tensor, padded_offs: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, eager_custom_op, use_triton
+from ..launch import launch
 from ..launch_math import cdiv, next_power_of_2
 from .formats import resolve_format
 from .reference import HIGH_PRECISION_DTYPES, quantize_rowwise
@@ -127,7 +128,7 @@ def _swiglu_quantize_op(h: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Te
     if M:
         block_m, block_i = _blocks(I)
         with device_guard(h):
-            _swiglu_quant_kernel[(cdiv(M, block_m),)](
+            launch(_swiglu_quant_kernel)[(cdiv(M, block_m),)](
                 h, a, q, scale, M, I, h.stride(0), a.stride(0), q.stride(0),
                 POW2=pow2, BLOCK_M=block_m, BLOCK_I=block_i, **format_constexprs(f, h.device),
             )
@@ -153,8 +154,10 @@ def _swiglu_backward_op(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
         block_m, block_i = _blocks(min(I, 128))
         grid = (cdiv(M, block_m), cdiv(I, block_i))
         with device_guard(h):
-            _swiglu_bwd_kernel[grid](h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
-                                     BLOCK_M=block_m, BLOCK_I=block_i)
+            launch(_swiglu_bwd_kernel)[grid](
+                h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
+                BLOCK_M=block_m, BLOCK_I=block_i,
+            )
     return grad_h
 
 

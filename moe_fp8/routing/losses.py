@@ -12,16 +12,21 @@ from ..checks import check_tensor
 __all__ = ["expert_counts", "load_balancing_loss", "router_z_loss", "update_correction_bias_"]
 
 
-def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def expert_counts(topk_ids: torch.Tensor, num_experts: int, *, ids_in_range: bool = False) -> torch.Tensor:
     """``(E,)`` int32: how many (token, slot) pairs chose each expert.
 
-    Ids outside ``[0, E)`` are not counted. Integer atomics are order-independent, so the result
-    is the same on every run. (``torch.bincount`` is avoided: on CUDA it syncs to size its output.)
+    Ids outside ``[0, E)`` are not counted; ``ids_in_range=True`` (ids from a top-k over ``E``
+    columns) skips that masking (three kernels instead of eight). Integer atomics are
+    order-independent, so the result is the same on every run. (``torch.bincount`` is avoided: on
+    CUDA it syncs to size its output.)
     """
     ids = topk_ids.reshape(-1).long()
+    ones = torch.ones_like(ids, dtype=torch.int32)
+    if ids_in_range:
+        return torch.zeros(num_experts, dtype=torch.int32, device=ids.device).scatter_add_(0, ids, ones)
     valid = (ids >= 0) & (ids < num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
-    counts.scatter_add_(0, torch.where(valid, ids, num_experts), torch.ones_like(ids, dtype=torch.int32))
+    counts.scatter_add_(0, torch.where(valid, ids, num_experts), ones)
     return counts[:num_experts]
 
 

@@ -96,7 +96,7 @@ def route(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
 
-    counts = expert_counts(ids, E)
+    counts = expert_counts(ids, E, ids_in_range=True)  # a top-k over the E columns
     aux = None
     if cfg.aux_loss_coef > 0:
         aux = cfg.aux_loss_coef * load_balancing_loss(density, counts, k)

@@ -1,0 +1,57 @@
+"""How many device kernels one forward+backward of a small FP8MoE enqueues (Triton launches through
+moe_fp8.launch plus kernel-launching torch ops, counted by moe_fp8.testing.launches), pinned exactly.
+
+On the CPU the layer runs the Triton backend in the interpreter; a few counted ops are the CPU's own
+(the offsets' value checks that a GPU skips), so the numbers are the CPU's, and they move with any
+change of the launches on the hot path. If a change adds or removes launches on purpose, run
+    TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_launch_count.py
+and put the printed counts into EXPECTED (with the reason in the commit message)."""
+
+import pytest
+import torch
+
+from moe_fp8 import FP8MoE
+from moe_fp8.testing.launches import count_launches
+
+T, H, I, E, K = 24, 32, 32, 4, 2
+
+# recipe -> (total, triton) kernels of one forward+backward
+EXPECTED = {"rowwise": (90, 18), "bf16": (95, 5)}
+
+
+def _count(recipe: str):
+    torch.manual_seed(0)
+    moe = FP8MoE(H, I, E, K, recipe=recipe, backend="triton").to(torch.bfloat16)
+    x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
+    moe(x).float().sum().backward()  # the weight caches fill on the first step
+    moe.zero_grad()
+    with count_launches() as n:
+        moe(x).float().sum().backward()
+    return n
+
+
+@pytest.mark.parametrize("recipe", sorted(EXPECTED))
+def test_launch_count_of_a_forward_backward(recipe):
+    n = _count(recipe)
+    assert (n.total, n.triton) == EXPECTED[recipe], (
+        f"{recipe}: one FP8MoE forward+backward now enqueues {n.total} kernels ({n.triton} Triton launches), "
+        f"EXPECTED says {EXPECTED[recipe]}. If the change is meant, update EXPECTED in {__file__} "
+        f"(`TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_launch_count.py` prints the counts). "
+        f"By name: {sorted(n.ops.items())}"
+    )
+
+
+def test_counter_counts_kernels_not_views_or_allocations():
+    x = torch.randn(8, 8)
+    with count_launches() as n:
+        y = torch.empty(4)
+        x.reshape(-1)[:4].view(2, 2).t().unsqueeze(0).expand(3, 2, 2)  # views
+        (x + 1).sum()  # two kernels
+        y.zero_()  # one
+    assert (n.total, n.torch, n.triton) == (3, 3, 0), n.ops
+
+
+if __name__ == "__main__":
+    for r in sorted(EXPECTED):
+        c = _count(r)
+        print(f'"{r}": ({c.total}, {c.triton}),', sorted(c.ops.items()))
