@@ -105,7 +105,10 @@ class ConversionReport:
         head = ("module", "class", "became", "kept because", "detail")
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         line = "  ".join("{:<%d}" % w for w in widths)
-        counts = ", ".join(f"{k} {v}" for k, v in self.counts().items())
+        counts = self.counts()
+        why = ", ".join(f"{k[len('kept: '):]} {v}" for k, v in counts.items() if k.startswith("kept: "))
+        counts = ", ".join(f"{k} {v}" + (f" ({why})" if k == KEPT else "") for k, v in counts.items()
+                           if not k.startswith("kept: "))
         return "\n".join([
             f"moe_fp8 conversion (recipe {self.recipe}, min_dense_size {self.min_dense_size}): {counts}",
             f"FP8 parameters: {self.fp8_params:,} of {self.matmul_params:,} matmul parameters "

@@ -7,14 +7,15 @@
   ``Llama4Router``, ``MixtralTopKRouter``, the library's ``Router``), or an ``nn.Linear`` named
   ``gate`` / ``router`` whose parent has ``experts``: top-k selection is not robust to FP8 logits;
 * embeddings (``nn.Embedding``) and ``lm_head`` (by name, or an ``nn.Linear`` tied to an
-  embedding's weight): the logits' precision matters most and the vocab GEMM is rarely the cost;
+  embedding's weight): a lookup, and the logits that the loss and sampling read directly;
 * ``nn.Linear`` subclasses other than ``FP8Linear`` (their forward is not ``F.linear``).
 
 Then ``filter_fn(module, fqn) -> bool`` (False: kept), dims not multiple of 16 (``torch._scaled_mm``
-needs them), and the size rule ``min(in_features, out_features) < min_dense_size``: quantizing the
-input and the weight costs about three memory passes over each per GEMM, a fixed cost against a
-GEMM saving that grows with K*N, so below a size FP8 cannot pay. ``MIN_DENSE_SIZE`` (512) is a
-conservative default, not a measurement; ``python -m moe_fp8.bench dense`` measures it per shape.
+needs them), and the size rule ``min(in_features, out_features) < min_dense_size``: FP8 quantization
+is memory-bound work, about three memory passes over each operand (read, write the codes, read them
+again in the GEMM), a cost linear in the tensor sizes against a GEMM saving that grows with K*N, so
+below a size FP8 cannot pay. ``MIN_DENSE_SIZE`` (512) is a conservative default, not a measurement:
+``benchmarks/bench_dense_threshold.py`` measures where FP8 pays on a GPU (docs/conversion.md).
 """
 
 from __future__ import annotations
