@@ -272,3 +272,22 @@ def test_converting_twice():
     after = plain.fp8_conversion_report
     assert plain[0] is first and [e.became for e in after.entries] == [e.became for e in before.entries]
     assert "already FP8Linear" in after.entries[0].detail and after.fp8_params == before.fp8_params
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["v5", "v4"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_families_whole_model_gpu(family, layout):
+    """On the GPU, default backends (torch._scaled_grouped_mm / torch._scaled_mm, Triton quantizers)."""
+    model = _model(family, layout).cuda()
+    ids = _ids().cuda()
+    ref = model(ids).logits
+    converted = hf.convert(copy.deepcopy(model), min_dense_size=0)
+    counts = converted.fp8_conversion_report.counts()
+    assert counts[cr.FP8_EXPERTS] >= 1 and counts[cr.FP8_LINEAR] >= 4
+    out = converted(ids).logits
+    assert sqnr(ref.float(), out.float()) >= FLOOR
+    out.float().pow(2).mean().backward()
+    for name, m in _fp8_modules(converted).items():
+        for p in m.parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
