@@ -5,7 +5,8 @@ computes the same function, and train it for a few steps.
     python examples/hf_convert_train.py        # needs transformers: pip install -e '.[hf]'
 
 For a real model, load it with ``from_pretrained`` instead of building it from a config; the
-conversion is the same call (keep the default ``min_dense_size``: a real model's linears are large). ``python -m moe_fp8.demo`` is the full version of this script.
+conversion is the same call (keep the default ``min_dense_size``: a real model's linears are large).
+``python -m moe_fp8.demo`` is the full version of this script.
 """
 
 import copy

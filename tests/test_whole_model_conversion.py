@@ -200,7 +200,8 @@ def test_filter_fn_honoured():
     assert all(t is nn.Linear for t, _ in seen) and "lm_head" not in {f for _, f in seen}  # lm_head never asked
     for e in report.entries:
         if e.cls == "Linear" and e.fqn != "lm_head":
-            assert (e.became, e.reason) == ((cr.FP8_LINEAR, None) if ".self_attn." in e.fqn else (cr.KEPT, cr.FILTER_FN))
+            want = (cr.FP8_LINEAR, None) if ".self_attn." in e.fqn else (cr.KEPT, cr.FILTER_FN)
+            assert (e.became, e.reason) == want, e.fqn
     assert report.counts()[f"kept: {cr.FILTER_FN}"] == 6  # the dense MLP and the shared expert
     assert report.counts()[cr.FP8_EXPERTS] == 1  # filter_fn chooses among dense linears only
 

@@ -152,7 +152,8 @@ def _keep_reason(module: nn.Linear, name: str, fqn: str, ctx: dict) -> tuple[str
         return ctx["keep_reason"], ""
     if ctx["filter_fn"] is not None and not ctx["filter_fn"](module, fqn):
         return FILTER_FN, ""
-    bad = [f"{n}={v}" for n, v in (("in_features", module.in_features), ("out_features", module.out_features)) if v % 16]
+    dims = (("in_features", module.in_features), ("out_features", module.out_features))
+    bad = [f"{n}={v}" for n, v in dims if v % 16]
     if bad:
         return NOT_MULTIPLE_OF_16, ": " + ", ".join(bad)
     if min(module.in_features, module.out_features) < ctx["min_size"]:
