@@ -1,18 +1,19 @@
-"""Drop-in Hugging Face conversion: build a (tiny) ``DeepseekV3ForCausalLM``, convert its MoE blocks
-and dense linears to FP8 with ``moe_fp8.hf.convert`` / ``convert_to_fp8``, check that it computes the
-same function, and train it for a few steps.
+"""Drop-in Hugging Face conversion: build a (tiny) ``DeepseekV3ForCausalLM``, convert its MoE experts
+and dense linears to FP8 with one ``moe_fp8.hf.convert`` call, print its report, check that it
+computes the same function, and train it for a few steps.
 
     python examples/hf_convert_train.py        # needs transformers: pip install -e '.[hf]'
 
 For a real model, load it with ``from_pretrained`` instead of building it from a config; the
-conversion is the same two calls. ``python -m moe_fp8.demo`` is the full version of this script.
+conversion is the same call (keep the default ``min_dense_size``: a real model's linears are large).
+``python -m moe_fp8.demo`` is the full version of this script.
 """
 
 import copy
 
 import torch
 
-from moe_fp8 import convert_to_fp8, hf
+from moe_fp8 import hf
 from moe_fp8.testing import sqnr
 
 
@@ -30,9 +31,10 @@ def main() -> None:
     model = DeepseekV3ForCausalLM(cfg).to(device, torch.bfloat16)
     original = copy.deepcopy(model)
 
-    hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False)  # MoE blocks: FP8 grouped GEMMs
-    convert_to_fp8(model, filter_fn=lambda _module, fqn: not fqn.endswith("lm_head"))  # attention, shared experts
+    # experts: FP8 grouped GEMMs; attention, shared experts: FP8Linear (min_dense_size=0: this model is tiny)
+    hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False, min_dense_size=0)
     print(model.model.layers[0])
+    print(model.fp8_conversion_report)
 
     ids = torch.randint(0, 256, (4, 64), device=device)
     with torch.no_grad():

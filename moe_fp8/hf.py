@@ -1,5 +1,8 @@
-"""Hugging Face transformers integration: ``moe_fp8.hf.convert(model)`` (see ``layers/hf_convert.py``)."""
+"""Hugging Face transformers integration: ``moe_fp8.hf.convert(model)`` converts a whole model (MoE experts
+and dense linears) in place and attaches a ``ConversionReport`` (see ``layers/hf_convert.py``, docs/conversion.md)."""
 
+from .layers.conversion_report import ConversionReport
+from .layers.convert import MIN_DENSE_SIZE
 from .layers.hf_convert import SUPPORTED_BLOCKS, convert
 
-__all__ = ["SUPPORTED_BLOCKS", "convert"]
+__all__ = ["ConversionReport", "MIN_DENSE_SIZE", "SUPPORTED_BLOCKS", "convert"]

@@ -129,8 +129,9 @@ def test_convert_to_fp8(caplog):
     assert isinstance(model[0], FP8Linear) and model[0].recipe.name == "tensorwise"
     assert type(model[2][0]) is nn.Linear and type(model[2][1]) is nn.Linear  # 20 is not a multiple of 16
     assert type(model.head) is nn.Linear  # filtered out
-    assert "2.0 stays in BF16: out_features=20" in caplog.text
-    assert "2.1 stays in BF16: in_features=20" in caplog.text
+    assert "2.0 stays in BF16 (not a multiple of 16): 64->20: out_features=20" in caplog.text
+    assert "2.1 stays in BF16 (not a multiple of 16): 20->16: in_features=20" in caplog.text
+    assert model.fp8_conversion_report["head"].reason == "filter_fn"
     single = convert_to_fp8(nn.Linear(16, 32))
     assert isinstance(single, FP8Linear)
 

@@ -4,9 +4,11 @@ converted with the library (``moe_fp8.hf.convert``), once per recipe from the sa
 * ``bf16``: the MoE blocks converted with ``recipe="bf16"`` (the library's BF16 grouped GEMMs,
   the strongest BF16 baseline of the same module);
 * ``rowwise``: the MoE blocks converted with ``recipe="rowwise"``; with ``fp8_dense="shared"`` the
-  shared expert's linears too (``convert_to_fp8``), with ``"all"`` every ``nn.Linear`` but
-  ``lm_head``, with ``"none"`` the routed experts only. On the tiny CPU model (200 steps) the
-  validation-loss gap to BF16 was 0.75% with ``"none"``, 1.25% with ``"shared"``, 2.0% with ``"all"``.
+  shared expert's linears too (a ``filter_fn``), with ``"all"`` every dense linear the converter
+  takes (attention / MLA projections and shared experts; routers and ``lm_head`` stay), with
+  ``"none"`` the routed experts only (``dense=False``). The size rule is off (``min_dense_size=0``):
+  the demo's layers are small by design. On the tiny CPU model (200 steps) the validation-loss gap
+  to BF16 was 0.75% with ``"none"``, 1.25% with ``"shared"``, 2.0% with ``"all"``.
 
 The weight cache is off: a training step updates every weight, so a cached FP8 copy would never
 be reused.
@@ -21,7 +23,6 @@ import torch
 from torch import nn
 
 from .. import hf
-from ..layers import convert_to_fp8
 from .corpus import VOCAB
 
 
@@ -58,10 +59,10 @@ def deepseek_config(size: ModelSize):
     )
 
 
-DENSE_FILTERS = {
-    "none": None,
-    "shared": lambda _module, fqn: ".shared_experts." in fqn,
-    "all": lambda _module, fqn: not fqn.endswith("lm_head"),
+DENSE_FILTERS = {  # fp8_dense -> hf.convert's dense options
+    "none": dict(dense=False),
+    "shared": dict(filter_fn=lambda _module, fqn: ".shared_experts." in fqn, min_dense_size=0),
+    "all": dict(min_dense_size=0),
 }
 
 
@@ -78,8 +79,7 @@ def build_pair(size: ModelSize, device: str, *, backend: str | None, fp8_dense: 
     models = {}
     for recipe in ("bf16", "rowwise"):
         model = copy.deepcopy(base)
-        hf.convert(model, recipe=recipe, backend=backend, cache_weights=False)
-        if recipe != "bf16" and DENSE_FILTERS[fp8_dense] is not None:
-            convert_to_fp8(model, recipe="rowwise", filter_fn=DENSE_FILTERS[fp8_dense])
+        dense = DENSE_FILTERS[fp8_dense] if recipe != "bf16" else {}  # bf16: the linears stay as built
+        hf.convert(model, recipe=recipe, backend=backend, cache_weights=False, **dense)
         models[recipe] = model.train()
     return models

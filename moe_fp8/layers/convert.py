@@ -1,4 +1,22 @@
-"""``convert_to_fp8``: swap a model's dense ``nn.Linear`` layers for ``FP8Linear`` in place."""
+"""Dense part of a model conversion: ``nn.Linear`` -> ``FP8Linear`` in place, every decision reported.
+
+``convert_to_fp8`` (users' own models) and ``moe_fp8.hf.convert`` (after the MoE experts) share
+``convert_linears``. What stays high precision, whatever ``filter_fn`` says:
+
+* routers: a module whose class name contains ``Router`` (``DeepseekV3TopkRouter``,
+  ``Llama4Router``, ``MixtralTopKRouter``, the library's ``Router``), or an ``nn.Linear`` named
+  ``gate`` / ``router`` whose parent has ``experts``: top-k selection is not robust to FP8 logits;
+* embeddings (``nn.Embedding``) and ``lm_head`` (by name, or an ``nn.Linear`` tied to an
+  embedding's weight): a lookup, and the logits that the loss and sampling read directly;
+* ``nn.Linear`` subclasses other than ``FP8Linear`` (their forward is not ``F.linear``).
+
+Then ``filter_fn(module, fqn) -> bool`` (False: kept), dims not multiple of 16 (``torch._scaled_mm``
+needs them), and the size rule ``min(in_features, out_features) < min_dense_size``: FP8 quantization
+is memory-bound work, about three memory passes over each operand (read, write the codes, read them
+again in the GEMM), a cost linear in the tensor sizes against a GEMM saving that grows with K*N, so
+below a size FP8 cannot pay. ``MIN_DENSE_SIZE`` (512) is a conservative default, not a measurement:
+``benchmarks/bench_dense_threshold.py`` measures where FP8 pays on a GPU (docs/conversion.md).
+"""
 
 from __future__ import annotations
 
@@ -7,47 +25,137 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .conversion_report import (
+    BELOW_MIN_SIZE, BF16_EXPERTS, EMBEDDING, FILTER_FN, FP8_EXPERTS, FP8_LINEAR, KEPT, LM_HEAD, NOT_MULTIPLE_OF_16,
+    NOT_PLAIN_LINEAR, ROUTER, ConversionReport,
+)
+from .experts import FP8GroupedExperts
 from .fp8_linear import FP8Linear, _check_dense_recipe
 
-__all__ = ["convert_to_fp8"]
+__all__ = ["MIN_DENSE_SIZE", "check_conversion_args", "convert_linears", "convert_to_fp8"]
 
 log = logging.getLogger("moe_fp8")
+
+MIN_DENSE_SIZE = 512
+FilterFn = Callable[[nn.Module, str], bool]
 
 
 def convert_to_fp8(
     model: nn.Module,
     recipe="rowwise",
-    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    filter_fn: FilterFn | None = None,
     *,
+    min_dense_size: int = 0,
     fmt=None,
 ) -> nn.Module:
-    """Replace every plain ``nn.Linear`` of ``model`` (in place) by an ``FP8Linear`` sharing its
-    parameters, and return ``model``.
+    """Replace the plain ``nn.Linear`` layers of ``model`` (in place) by ``FP8Linear`` layers sharing
+    their parameters; return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``).
 
-    ``filter_fn(module, fqn)`` chooses which layers to convert (default: all). Layers whose
-    ``in_features`` or ``out_features`` is not a multiple of 16 stay in BF16, with the reason logged
-    on the ``moe_fp8`` logger at INFO level. A bare ``nn.Linear`` passed as ``model`` is returned
-    converted.
+    Routers, embeddings and ``lm_head`` stay as they are; so do layers ``filter_fn(module, fqn)``
+    rejects, layers with a dim not a multiple of 16, and (``min_dense_size > 0``) layers with
+    ``min(in_features, out_features) < min_dense_size`` (see this module's docstring; the default 0
+    converts every size, pass ``MIN_DENSE_SIZE`` for the rule). Each kept layer is also logged on the
+    ``moe_fp8`` logger at INFO level. Layers already ``FP8Linear`` (and FP8 experts) are reported as
+    they are: converting twice changes nothing. A bare ``nn.Linear`` is returned converted.
     """
     recipe = _check_dense_recipe(recipe)
-    if isinstance(model, nn.Linear) and type(model) is nn.Linear:
-        return _convert_one(model, "", recipe, filter_fn, fmt) or model
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            fqn = f"{parent_name}.{name}" if parent_name else name
-            new = _convert_one(child, fqn, recipe, filter_fn, fmt)
-            if new is not None:
-                setattr(parent, name, new)
+    check_conversion_args(model, filter_fn, min_dense_size)
+    report = ConversionReport(recipe.name, min_dense_size)
+    model = convert_linears(model, report, recipe=recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
+                            fmt=fmt)
+    model.fp8_conversion_report = report
     return model
 
 
-def _convert_one(module, fqn, recipe, filter_fn, fmt) -> FP8Linear | None:
+def check_conversion_args(model, filter_fn, min_dense_size) -> None:
+    """``TypeError`` / ``ValueError`` naming the argument, for the arguments both converters take."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn: expected a callable (module, fqn) -> bool or None, got {type(filter_fn).__name__}")
+    if isinstance(min_dense_size, bool) or not isinstance(min_dense_size, int):
+        raise TypeError(f"min_dense_size: expected an int, got {type(min_dense_size).__name__}")
+    if min_dense_size < 0:
+        raise ValueError(f"min_dense_size: expected >= 0, got {min_dense_size}")
+
+
+def convert_linears(model: nn.Module, report: ConversionReport, *, recipe, filter_fn: FilterFn | None,
+                    min_dense_size: int, fmt=None, keep_reason: str | None = None) -> nn.Module:
+    """Walk ``model``: record experts, routers, embeddings and linears in ``report``, swap the linears
+    that pass every rule (none when ``keep_reason`` is given: all are kept for that reason). Returns
+    ``model``, or its replacement when ``model`` itself is a converted ``nn.Linear``."""
+    ctx = dict(report=report, recipe=recipe, filter_fn=filter_fn, min_size=min_dense_size, fmt=fmt,
+               keep_reason=keep_reason, seen=set(),
+               tied={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)})
+    new = _visit(None, "", model, "", ctx)
+    return model if new is None else new
+
+
+def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Module | None:
+    """Record ``module`` (or recurse into it); return its replacement, or ``None`` to keep it."""
+    if id(module) in ctx["seen"]:
+        return None
+    ctx["seen"].add(id(module))
+    report = ctx["report"]
+    if isinstance(module, FP8GroupedExperts):
+        became = FP8_EXPERTS if module.recipe.is_fp8 else BF16_EXPERTS
+        detail = f"E={module.num_experts} H={module.hidden_size} I={module.expert_hidden_size}, {module.recipe.name}"
+        report.add(fqn, module, became, detail=detail)
+    elif isinstance(module, nn.Embedding):
+        report.add(fqn, module, KEPT, EMBEDDING, f"{module.num_embeddings}x{module.embedding_dim}")
+    elif _is_router(parent, name, module):
+        report.add(fqn, module, KEPT, ROUTER, _shape(module))
+    elif isinstance(module, nn.Linear):
+        return _linear(module, name, fqn, ctx)
+    else:
+        for child_name, child in list(module.named_children()):
+            new = _visit(module, child_name, child, f"{fqn}.{child_name}" if fqn else child_name, ctx)
+            if new is not None:
+                setattr(module, child_name, new)
+    return None
+
+
+def _is_router(parent, name: str, module: nn.Module) -> bool:
+    if "router" in type(module).__name__.lower():
+        return True
+    return isinstance(module, nn.Linear) and name in ("gate", "router") and hasattr(parent, "experts")
+
+
+def _shape(module: nn.Module) -> str:
+    w = getattr(module, "weight", None)
+    return "x".join(map(str, w.shape)) if w is not None else ""
+
+
+def _linear(module: nn.Linear, name: str, fqn: str, ctx: dict) -> FP8Linear | None:
+    report, detail = ctx["report"], f"{module.in_features}->{module.out_features}"
+    if isinstance(module, FP8Linear):
+        report.add(fqn, module, FP8_LINEAR, detail=f"{detail}, {module.recipe.name} (already FP8Linear)")
+        return None
+    reason = _keep_reason(module, name, fqn, ctx)
+    if reason is not None:
+        reason, why = reason
+        report.add(fqn, module, KEPT, reason, f"{detail}{why}")
+        log.info("%s stays in BF16 (%s): %s%s", fqn or "<model>", reason, detail, why)
+        return None
+    new = FP8Linear.from_linear(module, recipe=ctx["recipe"], fmt=ctx["fmt"])
+    report.add(fqn, new, FP8_LINEAR, detail=f"{detail}, {new.recipe.name}", cls=type(module).__name__)
+    return new
+
+
+def _keep_reason(module: nn.Linear, name: str, fqn: str, ctx: dict) -> tuple[str, str] | None:
+    """``(reason, detail suffix)`` when ``module`` stays high precision, else ``None``."""
+    if name == "lm_head" or id(module.weight) in ctx["tied"]:
+        return LM_HEAD, ""
     if type(module) is not nn.Linear:
-        return None
-    if filter_fn is not None and not filter_fn(module, fqn):
-        return None
-    bad = [f"{n}={v}" for n, v in (("in_features", module.in_features), ("out_features", module.out_features)) if v % 16]
+        return NOT_PLAIN_LINEAR, ""
+    if ctx["keep_reason"] is not None:
+        return ctx["keep_reason"], ""
+    if ctx["filter_fn"] is not None and not ctx["filter_fn"](module, fqn):
+        return FILTER_FN, ""
+    dims = (("in_features", module.in_features), ("out_features", module.out_features))
+    bad = [f"{n}={v}" for n, v in dims if v % 16]
     if bad:
-        log.info("convert_to_fp8: %s stays in BF16: %s not a multiple of 16", fqn or "<model>", ", ".join(bad))
-        return None
-    return FP8Linear.from_linear(module, recipe=recipe, fmt=fmt)
+        return NOT_MULTIPLE_OF_16, ": " + ", ".join(bad)
+    if min(module.in_features, module.out_features) < ctx["min_size"]:
+        return BELOW_MIN_SIZE, f": min(in, out) < {ctx['min_size']}"
+    return None

@@ -1,4 +1,5 @@
-"""``convert``: swap the MoE blocks of Hugging Face transformers models for FP8 ones, in place.
+"""``convert``: a whole Hugging Face transformers model to FP8 in place: the MoE blocks' experts (here)
+and the dense linears (``convert.convert_linears``), with a ``ConversionReport``.
 
 Supported blocks and what replaces what:
 
@@ -19,33 +20,88 @@ computes the fixed forward, so on those versions its output differs from the unc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from ..quant.recipes import get_recipe
 from ..routing import RouterConfig
+from .conversion_report import BF16_RECIPE, DENSE_OFF, ConversionReport
+from .convert import MIN_DENSE_SIZE, check_conversion_args, convert_linears
 from .experts import FP8GroupedExperts
+from .fp8_linear import DENSE_RECIPES, FP8Linear, _check_dense_recipe
 from .hf_blocks import FP8HFMoEBlock, FP8Llama4TextMoe
 
 __all__ = ["SUPPORTED_BLOCKS", "convert"]
 
 SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE", "Llama4TextMoe")
+_CONVERTED = (FP8GroupedExperts, FP8Linear, FP8HFMoEBlock, FP8Llama4TextMoe)
 
 
-def convert(model: nn.Module, *, recipe="rowwise", backend: str | None = None, fmt=None,
-            cache_weights: bool = True) -> nn.Module:
-    """Replace every supported MoE block of ``model`` in place; return ``model``.
+def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_recipe=None,
+            filter_fn: Callable[[nn.Module, str], bool] | None = None, min_dense_size: int = MIN_DENSE_SIZE,
+            backend: str | None = None, fmt=None, cache_weights: bool = True) -> nn.Module:
+    """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
+    return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it
+    became and why anything was kept; ``print`` it for a table).
 
-    ``model`` may also be a single block: the result is then the converted block (the same
-    object for transformers 5.x Mixtral / Qwen3-MoE / DeepSeek-V3 blocks, a new one otherwise).
+    * Experts: FP8 grouped GEMMs with ``recipe`` (``"bf16"``: the library's BF16 grouped path, for
+      A/B runs, and the dense linears are left untouched), ``backend`` / ``fmt`` / ``cache_weights``
+      as ``FP8GroupedExperts`` takes them.
+    * Dense linears (attention and MLA projections, dense MLPs, shared experts), when ``dense``:
+      ``FP8Linear`` with ``dense_recipe`` (default: ``recipe``; required for ``"blockwise"``),
+      sharing the parameters. Routers, embeddings and ``lm_head`` stay as they are; so do layers
+      ``filter_fn(module, fqn)`` rejects, dims not multiple of 16, and layers with
+      ``min(in_features, out_features) < min_dense_size`` (default ``MIN_DENSE_SIZE`` = 512, a
+      conservative guess: quantization costs ~3 memory passes per operand, the GEMM saving grows
+      with K*N; 0 converts every size). See ``moe_fp8/layers/convert.py`` and docs/conversion.md.
 
-    The converted blocks compute the same function with FP8 expert matmuls (``recipe="bf16"``:
-    the BF16 grouped path, for A/B runs). Raises ``ValueError`` naming the class of a block that
-    looks like an MoE block (has ``experts``) but is not supported, and when nothing was found.
+    ``model`` may also be a single block: the result is then the converted block (the same object
+    for transformers 5.x Mixtral / Qwen3-MoE / DeepSeek-V3 blocks, a new one otherwise). Raises
+    ``ValueError`` naming the class of a block that looks like an MoE block (has ``experts``) but is
+    not supported, when nothing was found, and when ``model`` holds modules this library converted
+    already (a model is converted once: convert a fresh copy to change recipe).
     """
-    opts = dict(recipe=recipe, backend=backend, fmt=fmt, cache_weights=cache_weights)
+    check_conversion_args(model, filter_fn, min_dense_size)
+    if not isinstance(dense, bool):
+        raise TypeError(f"dense: expected a bool, got {type(dense).__name__}")
+    expert_recipe = get_recipe(recipe)
+    linear_recipe = _dense_recipe(expert_recipe, dense_recipe, dense)
+    _refuse_converted(model)
+    opts = dict(recipe=expert_recipe, backend=backend, fmt=fmt, cache_weights=cache_weights)
     root = _convert_block(model, opts)
     if root is not None:  # a bare block: converted in place, or its replacement returned
-        return root
+        model = root
+    else:
+        _convert_blocks(model, opts)
+    report = ConversionReport(expert_recipe.name, min_dense_size)
+    keep = DENSE_OFF if not dense else BF16_RECIPE if not expert_recipe.is_fp8 else None
+    model = convert_linears(model, report, recipe=linear_recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
+                            fmt=fmt, keep_reason=keep)
+    model.fp8_conversion_report = report
+    return model
+
+
+def _dense_recipe(expert_recipe, dense_recipe, dense: bool):
+    if dense_recipe is not None:
+        return _check_dense_recipe(dense_recipe)
+    if not dense or not expert_recipe.is_fp8:
+        return None
+    if expert_recipe.name not in DENSE_RECIPES:
+        raise ValueError(f"dense_recipe: recipe {expert_recipe.name!r} has no dense FP8Linear form; pass "
+                         f"dense_recipe= one of {DENSE_RECIPES}, or dense=False")
+    return _check_dense_recipe(expert_recipe)
+
+
+def _refuse_converted(model: nn.Module) -> None:
+    for fqn, m in model.named_modules():
+        if isinstance(m, _CONVERTED):
+            raise ValueError(f"model: already converted by moe_fp8 ({type(m).__name__} at {fqn or '<model>'!r}); "
+                             "a model is converted once: convert a fresh copy")
+
+
+def _convert_blocks(model: nn.Module, opts: dict) -> None:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -58,7 +114,6 @@ def convert(model: nn.Module, *, recipe="rowwise", backend: str | None = None, f
         if found:
             raise ValueError(f"model: unsupported MoE block class(es) {found}; supported: {SUPPORTED_BLOCKS}")
         raise ValueError(f"model: no MoE block found; supported: {SUPPORTED_BLOCKS}")
-    return model
 
 
 def _convert_block(block: nn.Module, opts: dict) -> nn.Module | None:

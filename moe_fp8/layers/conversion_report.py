@@ -1,0 +1,118 @@
+"""``ConversionReport``: what a whole-model conversion did to each module, and why.
+
+``moe_fp8.hf.convert`` and ``convert_to_fp8`` attach one to the model they return, as
+``model.fp8_conversion_report``. Each entry is one module the converter looked at: MoE experts,
+dense ``nn.Linear`` layers, routers and embeddings. Parameters are counted once each (a tied
+``lm_head`` shares the embedding's weight); the FP8 fraction is over the matmul parameters
+(experts, linears, routers, ``lm_head``), embeddings excluded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import nn
+
+__all__ = ["BECAME", "ConversionReport", "ModuleConversion", "REASONS"]
+
+FP8_EXPERTS, BF16_EXPERTS, FP8_LINEAR, KEPT = "fp8 experts", "bf16 experts", "FP8Linear", "kept"
+BECAME = (FP8_EXPERTS, BF16_EXPERTS, FP8_LINEAR, KEPT)
+
+ROUTER, EMBEDDING, LM_HEAD = "router", "embedding", "lm_head"
+NOT_MULTIPLE_OF_16, BELOW_MIN_SIZE, FILTER_FN = "not a multiple of 16", "below min_dense_size", "filter_fn"
+NOT_PLAIN_LINEAR, DENSE_OFF, BF16_RECIPE = "not a plain nn.Linear", "dense=False", "recipe bf16"
+REASONS = (ROUTER, EMBEDDING, LM_HEAD, NOT_MULTIPLE_OF_16, BELOW_MIN_SIZE, FILTER_FN, NOT_PLAIN_LINEAR, DENSE_OFF,
+           BF16_RECIPE)
+
+
+@dataclass(frozen=True)
+class ModuleConversion:
+    """One module: its fully qualified name (``""`` for the root), original class, what it became
+    (one of ``BECAME``), why it was kept (one of ``REASONS``, ``None`` unless kept), a detail
+    (shapes, the recipe), whether its matmuls run in FP8 (an ``FP8Linear`` with recipe ``bf16``
+    does not) and its parameters (the objects, for counting each once)."""
+
+    fqn: str
+    cls: str
+    became: str
+    reason: str | None
+    detail: str
+    fp8: bool
+    params: tuple[nn.Parameter, ...] = field(repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+@dataclass
+class ConversionReport:
+    """The entries of one conversion (model order), with the settings that decided them."""
+
+    recipe: str
+    min_dense_size: int
+    entries: list[ModuleConversion] = field(default_factory=list)
+
+    def add(self, fqn: str, module: nn.Module, became: str, reason: str | None = None, detail: str = "",
+            cls: str | None = None) -> None:
+        """Record ``module`` (after conversion: its replacement; ``cls`` the original class) under ``fqn``."""
+        if became not in BECAME or (reason is None) != (became != KEPT) or (reason and reason not in REASONS):
+            raise ValueError(f"became/reason: expected one of {BECAME} and, when kept, one of {REASONS}; "
+                             f"got {became!r}, {reason!r}")
+        recipe = getattr(module, "recipe", None)
+        fp8 = became in (FP8_EXPERTS, FP8_LINEAR) and (recipe is None or recipe.is_fp8)
+        params = tuple(module.parameters())
+        self.entries.append(ModuleConversion(fqn, cls or type(module).__name__, became, reason, detail, fp8, params))
+
+    def __getitem__(self, fqn: str) -> ModuleConversion:
+        for e in self.entries:
+            if e.fqn == fqn:
+                return e
+        raise KeyError(fqn)
+
+    def counts(self) -> dict[str, int]:
+        """Modules per outcome (``BECAME``), and ``"kept: <reason>"`` per reason."""
+        c = Counter(e.became for e in self.entries)
+        c.update(f"kept: {e.reason}" for e in self.entries if e.reason)
+        return dict(c)
+
+    def _unique_numel(self, entries) -> int:
+        seen = {}
+        for e in entries:
+            for p in e.params:
+                seen[id(p)] = p.numel()
+        return sum(seen.values())
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters of experts, linears, routers and ``lm_head`` (embeddings excluded), each once."""
+        return self._unique_numel(e for e in self.entries if e.reason != EMBEDDING)
+
+    @property
+    def fp8_params(self) -> int:
+        """Parameters whose matmuls now run in FP8 (FP8 experts and ``FP8Linear``), each once."""
+        return self._unique_numel(e for e in self.entries if e.fp8)
+
+    @property
+    def fp8_fraction(self) -> float:
+        """``fp8_params / matmul_params`` (0.0 when there are none)."""
+        total = self.matmul_params
+        return self.fp8_params / total if total else 0.0
+
+    def __str__(self) -> str:
+        rows = [(e.fqn or "<model>", e.cls, e.became, e.reason or "", e.detail) for e in self.entries]
+        head = ("module", "class", "became", "kept because", "detail")
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        line = "  ".join("{:<%d}" % w for w in widths)
+        counts = self.counts()
+        why = ", ".join(f"{k[len('kept: '):]} {v}" for k, v in counts.items() if k.startswith("kept: "))
+        counts = ", ".join(f"{k} {v}" + (f" ({why})" if k == KEPT else "") for k, v in counts.items()
+                           if not k.startswith("kept: "))
+        return "\n".join([
+            f"moe_fp8 conversion (recipe {self.recipe}, min_dense_size {self.min_dense_size}): {counts}",
+            f"FP8 parameters: {self.fp8_params:,} of {self.matmul_params:,} matmul parameters "
+            f"({100 * self.fp8_fraction:.1f}%)",
+            line.format(*head).rstrip(),
+            *(line.format(*r).rstrip() for r in rows),
+        ])

@@ -1,0 +1,294 @@
+"""Whole-model conversion (``moe_fp8.hf.convert``, ``convert_to_fp8``) of tiny random models: the four
+Hugging Face MoE families in the transformers 5.x layout (3D experts) and the 4.x layout (the
+ModuleList blocks of test_hf_convert inside the same models), plain modules, and the report."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_convert import V4_BLOCKS, _first, _random  # noqa: E402
+
+from moe_fp8 import MIN_DENSE_SIZE, FP8GroupedExperts, FP8Linear, FP8MoE, convert_to_fp8, hf  # noqa: E402
+from moe_fp8 import kernel_backend  # noqa: E402
+from moe_fp8.layers import conversion_report as cr  # noqa: E402
+from moe_fp8.testing import sqnr  # noqa: E402
+from moe_fp8.testing.allocator import dirty_allocator  # noqa: E402
+
+H, I, V = 64, 32, 96  # H, I: the sizes of test_hf_convert's 4.x blocks
+FLOOR = 24.0  # logits of the whole model, every expert and dense linear in FP8 (26-31 dB measured)
+_COMMON = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+               tie_word_embeddings=False)
+
+MODELS = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        intermediate_size=I, num_local_experts=4, num_experts_per_tok=2, **{**_COMMON, "num_hidden_layers": 1})),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        intermediate_size=64, moe_intermediate_size=I, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        head_dim=16, **{**_COMMON, "num_hidden_layers": 1})),
+    "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(  # MLA, a dense layer
+        intermediate_size=64, moe_intermediate_size=I, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, rope_scaling=None,
+        **{**_COMMON, "num_key_value_heads": 4})),
+    "llama4": lambda: transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(  # layer 0 dense, layer 1 MoE
+        intermediate_size=I, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, head_dim=16, **_COMMON)),
+}
+
+
+class _Unpacked(nn.Module):
+    """What a 4.x decoder layer did with its MoE block's output: take the hidden states, in the input's shape."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return _first(self.block(x)).view(x.shape)
+
+
+def _model(family: str, layout: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[family]().to(torch.bfloat16)
+    if layout == "v4":  # every MoE block -> its 4.x form (ModuleList experts, 4.x routers)
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child).__name__ in hf.SUPPORTED_BLOCKS:
+                    block = _random(V4_BLOCKS[family]())
+                    with torch.no_grad():  # the 5.x models' init scale (initializer_range 0.02)
+                        for p in block.parameters():
+                            p.mul_(0.2)
+                    setattr(parent, name, block if family == "llama4" else _Unpacked(block))  # 5.x Llama 4 unpacks
+    return model
+
+
+def _ids(batch=2, seq=8):
+    return torch.randint(0, V, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _fp8_modules(model) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8GroupedExperts))}
+
+
+@pytest.mark.parametrize("layout", ["v5", "v4"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_families_whole_model(family, layout, monkeypatch):
+    """The CPU references: emulated expert GEMMs, reference quantizers (the same bytes as the Triton
+    kernels, which the skewed-routing test below runs in the interpreter)."""
+    monkeypatch.setattr(kernel_backend, "interpreter_enabled", lambda: False)  # quantizers: the reference
+    model = _model(family, layout)
+    ids = _ids()
+    ref = model(ids).logits
+    converted = hf.convert(copy.deepcopy(model), min_dense_size=0, backend="emulated")
+    report = converted.fp8_conversion_report
+    n_moe = sum(type(m).__name__ in hf.SUPPORTED_BLOCKS for m in model.modules())
+    by = {b: [e for e in report.entries if e.became == b] for b in cr.BECAME}
+    # what each module became, checked against the converted model itself
+    fp8 = _fp8_modules(converted)
+    assert {e.fqn for e in by[cr.FP8_LINEAR] + by[cr.FP8_EXPERTS]} == set(fp8)
+    assert len(by[cr.FP8_EXPERTS]) == n_moe and not by[cr.BF16_EXPERTS]
+    assert sum(isinstance(m, FP8Linear) for m in fp8.values()) == len(by[cr.FP8_LINEAR]) >= 4
+    kept = {e.fqn: e.reason for e in by[cr.KEPT]}
+    routers = [f for f, r in kept.items() if r == cr.ROUTER]
+    assert len(routers) == n_moe and all(f.rsplit(".", 1)[1] in ("gate", "router") for f in routers)
+    assert kept["model.embed_tokens"] == cr.EMBEDDING and kept["lm_head"] == cr.LM_HEAD
+    assert len(kept) == n_moe + 2
+    leftover = {n for n, m in converted.named_modules() if type(m) is nn.Linear}
+    assert leftover <= set(kept)  # every plain linear left is a reported router or lm_head
+    if layout == "v5":  # attention, MLA, dense MLPs, shared experts: all in FP8
+        assert any(".self_attn." in f for f in fp8)
+    if family in ("deepseek_v3", "llama4"):
+        assert any(".shared_expert" in f for f in fp8) and any(f.endswith(".mlp.down_proj") or
+                                                               f.endswith("feed_forward.down_proj") for f in fp8)
+    # the parameter accounting, recomputed from the model
+    fp8_params = {id(p): p.numel() for m in fp8.values() for p in m.parameters()}
+    kept_params = {id(p): p.numel() for n, m in converted.named_modules() if kept.get(n) in (cr.ROUTER, cr.LM_HEAD)
+                   for p in m.parameters()}
+    assert report.fp8_params == sum(fp8_params.values())
+    assert report.matmul_params == sum({**fp8_params, **kept_params}.values())
+    assert 0.5 < report.fp8_fraction < 1
+    # same function, and gradients reach every converted weight
+    out = converted(ids).logits
+    assert sqnr(ref.float(), out.float()) >= FLOOR
+    out.float().pow(2).mean().backward()
+    for name, m in fp8.items():
+        for pname, p in m.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), f"{name}.{pname}"
+            assert p.grad.abs().sum() > 0, f"{name}.{pname}"
+
+
+def test_default_size_rule_keeps_small_linears():
+    model = hf.convert(_model("deepseek_v3", "v5"))
+    report = model.fp8_conversion_report
+    assert report.min_dense_size == MIN_DENSE_SIZE == 512
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+    dense = [e for e in report.entries if e.cls == "Linear" and e.reason != cr.LM_HEAD]
+    assert len(dense) == 16 and all(e.reason == cr.BELOW_MIN_SIZE for e in dense)
+    assert "min(in, out) < 512" in dense[0].detail
+    assert report.counts()[cr.FP8_EXPERTS] == 1
+    # the rule's boundary, on a plain module: min(in, out) >= min_dense_size converts
+    plain = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 496), nn.Linear(496, 512))
+    convert_to_fp8(plain, min_dense_size=512)
+    assert isinstance(plain[0], FP8Linear) and type(plain[1]) is nn.Linear and type(plain[2]) is nn.Linear
+    assert [e.reason for e in plain.fp8_conversion_report.entries] == [None, cr.BELOW_MIN_SIZE, cr.BELOW_MIN_SIZE]
+
+
+class _Plain(nn.Module):
+    """A user's own model: embedding, an MLP with one odd width, a tied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, 32)
+        self.up = nn.Linear(32, 64)
+        self.odd = nn.Linear(64, 24)
+        self.back = nn.Linear(24, 32)
+        self.proj = nn.Linear(32, 32, bias=False)
+        self.head = nn.Linear(32, V, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = self.proj(self.back(torch.relu(self.odd(torch.relu(self.up(x))))) + x)
+        return self.head(x)
+
+
+def test_plain_model():
+    torch.manual_seed(0)
+    model = _Plain().to(torch.bfloat16)
+    ids = _ids()
+    ref = model(ids)
+    converted = convert_to_fp8(copy.deepcopy(model))
+    report = converted.fp8_conversion_report
+    got = {e.fqn: (e.became, e.reason) for e in report.entries}
+    assert got == {"embed": (cr.KEPT, cr.EMBEDDING), "up": (cr.FP8_LINEAR, None),
+                   "odd": (cr.KEPT, cr.NOT_MULTIPLE_OF_16), "back": (cr.KEPT, cr.NOT_MULTIPLE_OF_16),
+                   "proj": (cr.FP8_LINEAR, None), "head": (cr.KEPT, cr.LM_HEAD)}  # tied to the embedding
+    assert isinstance(converted.up, FP8Linear) and converted.up.weight is not model.up.weight  # a deep copy
+    assert report.fp8_params == 32 * 64 + 64 + 32 * 32
+    out = converted(ids)
+    assert sqnr(ref.float(), out.float()) >= FLOOR
+    out.float().pow(2).mean().backward()
+    for m in (converted.up, converted.proj):
+        assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0
+    text = str(report)
+    assert "FP8 parameters: 3,136 of" in text and "not a multiple of 16" in text and "64->24" in text
+
+
+def test_own_fp8moe_model():
+    """FP8MoE's router stays, its experts are reported as FP8 already, its shared experts convert."""
+    model = nn.ModuleDict({"moe": FP8MoE(64, 32, 4, 2, shared_expert_hidden_size=32), "out": nn.Linear(64, 64)})
+    convert_to_fp8(model)
+    kinds = {e.fqn: (e.became, e.reason) for e in model.fp8_conversion_report.entries}
+    assert kinds["moe.router"] == (cr.KEPT, cr.ROUTER) and kinds["moe.experts"] == (cr.FP8_EXPERTS, None)
+    assert kinds["out"] == (cr.FP8_LINEAR, None)
+    assert any(f.startswith("moe.shared_experts.") and b == cr.FP8_LINEAR for f, (b, _) in kinds.items())
+
+
+def test_filter_fn_honoured():
+    seen = []
+
+    def only_attention(module, fqn):
+        seen.append((type(module), fqn))
+        return ".self_attn." in fqn
+
+    model = hf.convert(_model("llama4", "v5"), filter_fn=only_attention, min_dense_size=0)
+    report = model.fp8_conversion_report
+    assert all(t is nn.Linear for t, _ in seen) and "lm_head" not in {f for _, f in seen}  # lm_head never asked
+    for e in report.entries:
+        if e.cls == "Linear" and e.fqn != "lm_head":
+            want = (cr.FP8_LINEAR, None) if ".self_attn." in e.fqn else (cr.KEPT, cr.FILTER_FN)
+            assert (e.became, e.reason) == want, e.fqn
+    assert report.counts()[f"kept: {cr.FILTER_FN}"] == 6  # the dense MLP and the shared expert
+    assert report.counts()[cr.FP8_EXPERTS] == 1  # filter_fn chooses among dense linears only
+
+
+def test_bf16_recipe_and_dense_off():
+    model = hf.convert(_model("qwen3_moe", "v5"), recipe="bf16", min_dense_size=0)
+    report = model.fp8_conversion_report
+    assert report.counts()[cr.BF16_EXPERTS] == 1 and cr.FP8_LINEAR not in report.counts()
+    assert report.counts()[f"kept: {cr.BF16_RECIPE}"] == 4 and report.fp8_fraction == 0.0
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+    model = hf.convert(_model("qwen3_moe", "v4"), dense=False, min_dense_size=0)
+    assert model.fp8_conversion_report.counts()[f"kept: {cr.DENSE_OFF}"] == 4
+    assert model.fp8_conversion_report.counts()[cr.FP8_EXPERTS] == 1
+    model = hf.convert(_model("qwen3_moe", "v5"), recipe="blockwise", dense_recipe="tensorwise", min_dense_size=0)
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert len(linears) == 4 and all(m.recipe.name == "tensorwise" for m in linears)
+
+
+@pytest.mark.interpreter
+def test_skewed_routing_empty_experts():
+    """DeepSeek-V3's selection bias pushed down for experts 2..7: every token goes to experts 0 and 1,
+    the others get no rows; outputs and gradients stay finite, the empty experts' gradients zero."""
+    model = _model("deepseek_v3", "v5")
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias[2:] = -100.0
+    ids = _ids()
+    ref = model(ids).logits
+    converted = hf.convert(copy.deepcopy(model), min_dense_size=0)
+    dirty_allocator()
+    out = converted(ids).logits
+    assert torch.isfinite(out).all() and sqnr(ref.float(), out.float()) >= FLOOR
+    out.float().pow(2).mean().backward()
+    for w in (converted.model.layers[1].mlp.experts.gate_up_proj, converted.model.layers[1].mlp.experts.down_proj):
+        g = w.grad
+        assert torch.isfinite(g).all() and g[:2].abs().sum() > 0 and torch.equal(g[2:], torch.zeros_like(g[2:]))
+
+
+def test_bad_arguments():
+    model = _model("mixtral", "v5")
+    with pytest.raises(TypeError, match="filter_fn: expected a callable"):
+        hf.convert(model, filter_fn="attn")
+    with pytest.raises(ValueError, match="min_dense_size: expected >= 0, got -1"):
+        hf.convert(model, min_dense_size=-1)
+    with pytest.raises(TypeError, match="min_dense_size: expected an int, got str"):
+        convert_to_fp8(model, min_dense_size="512")
+    with pytest.raises(TypeError, match="dense: expected a bool"):
+        hf.convert(model, dense="yes")
+    with pytest.raises(TypeError, match="model: expected an nn.Module, got dict"):
+        hf.convert({})
+    with pytest.raises(ValueError, match="recipe: expected one of"):
+        hf.convert(model, recipe="fp4")
+    with pytest.raises(ValueError, match="dense_recipe: recipe 'blockwise' has no dense FP8Linear form"):
+        hf.convert(model, recipe="blockwise")
+    with pytest.raises(ValueError, match="recipe: expected one of .* for a dense layer"):
+        hf.convert(model, dense_recipe="blockwise")
+    assert not any(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in model.modules())  # nothing half-done
+
+
+def test_converting_twice():
+    """hf.convert refuses a model it converted (a second recipe would silently not apply);
+    convert_to_fp8 is idempotent (FP8Linear layers are reported as they are)."""
+    model = hf.convert(_model("mixtral", "v4"), min_dense_size=0)
+    with pytest.raises(ValueError, match="model: already converted by moe_fp8 .*convert a fresh copy"):
+        hf.convert(model, recipe="bf16")
+    plain = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 20))
+    convert_to_fp8(plain)
+    first, before = plain[0], plain.fp8_conversion_report
+    convert_to_fp8(plain)
+    after = plain.fp8_conversion_report
+    assert plain[0] is first and [e.became for e in after.entries] == [e.became for e in before.entries]
+    assert "already FP8Linear" in after.entries[0].detail and after.fp8_params == before.fp8_params
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["v5", "v4"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_families_whole_model_gpu(family, layout):
+    """On the GPU, default backends (torch._scaled_grouped_mm / torch._scaled_mm, Triton quantizers)."""
+    model = _model(family, layout).cuda()
+    ids = _ids().cuda()
+    ref = model(ids).logits
+    converted = hf.convert(copy.deepcopy(model), min_dense_size=0)
+    counts = converted.fp8_conversion_report.counts()
+    assert counts[cr.FP8_EXPERTS] >= 1 and counts[cr.FP8_LINEAR] >= 4
+    out = converted(ids).logits
+    assert sqnr(ref.float(), out.float()) >= FLOOR
+    out.float().pow(2).mean().backward()
+    for name, m in _fp8_modules(converted).items():
+        for p in m.parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
