@@ -36,21 +36,24 @@ def _state(shape, dtype, seed):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype, quant_dtype, shape, fmt, pow2", [
-    (torch.bfloat16, torch.bfloat16, (3, 24, 40), "e4m3fn", False),
-    (torch.float32, torch.float32, (2, 5, 33), "e4m3fn", True),  # odd sizes, a partial row block
-    (torch.float32, torch.bfloat16, (1, 17, 64), "e4m3fnuz", False),  # fp32 master weights, bf16 GEMMs
+@pytest.mark.parametrize("dtype, quant_dtype, state_dtype, shape, fmt, pow2", [
+    (torch.bfloat16, torch.bfloat16, torch.float32, (3, 24, 40), "e4m3fn", False),
+    (torch.float32, torch.float32, torch.float32, (2, 5, 33), "e4m3fn", True),  # odd sizes, a partial row block
+    (torch.float32, torch.bfloat16, torch.float32, (1, 17, 64), "e4m3fnuz", False),  # fp32 master, bf16 GEMMs
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, (2, 16, 48), "e4m3fn", False),  # bf16 moments
 ])
-def test_kernel_matches_the_reference_byte_for_byte(dtype, quant_dtype, shape, fmt, pow2):
+def test_kernel_matches_the_reference_byte_for_byte(dtype, quant_dtype, state_dtype, shape, fmt, pow2):
     p, grad, m, v = _state(shape, dtype, seed=0)
+    m, v = m.to(state_dtype), v.to(state_dtype)
     p_ref, m_ref, v_ref = p.clone(), m.clone(), v.clone()
     hyper = adamw_hyper(step=3, **HYPER)
     dirty_allocator()
     got = adamw_quantize(p, grad, m, v, hyper, fmt=fmt, pow2=pow2, quant_dtype=quant_dtype)
     want = adamw_quantize_reference(p_ref, grad, m_ref, v_ref, hyper, fmt=fmt, pow2=pow2, quant_dtype=quant_dtype)
     # the update: the reference's fp32 math within one rounding (bit-equal in the interpreter)
-    torch.testing.assert_close(m, m_ref, rtol=2e-7, atol=0)
-    torch.testing.assert_close(v, v_ref, rtol=2e-7, atol=0)
+    state_rtol = 2e-7 if state_dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(m.float(), m_ref.float(), rtol=state_rtol, atol=0)
+    torch.testing.assert_close(v.float(), v_ref.float(), rtol=state_rtol, atol=0)
     torch.testing.assert_close(p.float(), p_ref.float(), rtol=2e-7 if dtype == torch.float32 else 2**-8, atol=0)
     _assert_quantized_equal(got, want)
     # the copies are the reference quantizers of the updated weight itself (the cache's contract)
@@ -87,8 +90,12 @@ def test_bad_input():
         adamw_hyper(step=0, **HYPER)
     with pytest.raises(TypeError, match="grad"):
         adamw_quantize(p, grad.float(), m, v, hyper)
-    with pytest.raises(TypeError, match="exp_avg"):
+    with pytest.raises(TypeError, match="exp_avg_sq"):
         adamw_quantize(p, grad, m.bfloat16(), v, hyper)
+    with pytest.raises(TypeError, match="exp_avg"):
+        adamw_quantize(p, grad, m.half(), v.half(), hyper)
+    with pytest.raises(TypeError, match="state_dtype"):
+        AdamWQuantize(_Block().parameters(), _Block(), state_dtype=torch.float16)
     with pytest.raises(ValueError, match="exp_avg_sq"):
         adamw_quantize(p, grad, m, v[:, :8], hyper)
     with pytest.raises(ValueError, match="p: expected a contiguous"):

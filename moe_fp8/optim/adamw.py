@@ -7,10 +7,11 @@ settings the last forward used (an entry exists once a forward ran; before, the 
 Every other parameter takes ``torch.optim.AdamW`` itself, and after the step every other stale
 cache entry is re-quantized (:func:`.after_step.refresh_weight_caches`).
 
-State: the fused weights keep torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``) with fp32
-moments whatever the parameter dtype (torch keeps them in the parameter's dtype), so a bf16
-weight is updated in fp32 and rounded once. ``load_state_dict`` casts moments to the parameter's
-dtype (torch's rule); the next step takes them back to fp32.
+State: the fused weights keep torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``), with moments in
+``state_dtype`` (fp32 by default, or bf16) whatever the parameter dtype (torch keeps them in the
+parameter's dtype); the update runs in fp32 and rounds the weight and moments once.
+``load_state_dict`` casts moments to the parameter's dtype (torch's rule); the next step takes
+them back to ``state_dtype``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from .adamw_kernel import adamw_fits
-from .adamw_quantize import PARAM_DTYPES, adamw_hyper, adamw_quantize
+from .adamw_quantize import PARAM_DTYPES, STATE_DTYPES, adamw_hyper, adamw_quantize
 from .after_step import cached_experts, refresh_weight_caches
 
 __all__ = ["AdamWQuantize"]
@@ -34,12 +35,16 @@ class AdamWQuantize(torch.optim.AdamW):
         params: as ``torch.optim.AdamW`` (parameters or groups); the expert weights among them are fused.
         model: the module holding the ``FP8GroupedExperts`` (``ValueError`` without any, or for one
             built with ``cache_weights=False``).
+        state_dtype: the fused weights' moments, ``torch.float32`` (default) or ``torch.bfloat16``.
         **kwargs: ``torch.optim.AdamW``'s options. Groups with ``amsgrad``, ``maximize``,
             ``capturable`` or ``differentiable`` take torch's step for every parameter.
     """
 
-    def __init__(self, params, model: nn.Module, **kwargs) -> None:
+    def __init__(self, params, model: nn.Module, *, state_dtype: torch.dtype = torch.float32, **kwargs) -> None:
+        if state_dtype not in STATE_DTYPES:
+            raise TypeError(f"state_dtype: expected one of {STATE_DTYPES}, got {state_dtype}")
         super().__init__(params, **kwargs)
+        self._state_dtype = state_dtype
         self._experts = cached_experts(model)
         self._fusable = {}
         for m in self._experts:
@@ -74,14 +79,14 @@ class AdamWQuantize(torch.optim.AdamW):
         return loss
 
     def _fused_step(self, p: nn.Parameter, group: dict) -> None:
-        state = self.state[p]
+        state, dtype = self.state[p], self._state_dtype
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
         for k in ("exp_avg", "exp_avg_sq"):
-            if state[k].dtype != torch.float32 or not state[k].is_contiguous():
-                state[k] = state[k].to(torch.float32, memory_format=torch.contiguous_format)
+            if state[k].dtype != dtype or not state[k].is_contiguous():
+                state[k] = state[k].to(dtype, memory_format=torch.contiguous_format)
         state["step"] += 1
         hyper = adamw_hyper(step=int(state["step"].item()), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                             weight_decay=group["weight_decay"])

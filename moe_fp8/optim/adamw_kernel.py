@@ -54,7 +54,8 @@ def _adamw_quantize_kernel(
     """The update is torch's single-tensor AdamW in fp32: ``p *= 1 - lr * wd``; ``m += (1 - b1) *
     (g - m)``; ``v = v * b2 + (1 - b2) * g * g``; ``p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)``
     (``decay``, ``1 - b1``, ``1 - b2``, ``step_size``, ``bc2_sqrt`` computed on the host in double). The FP8 copy quantizes the new
-    weight as stored (``p``'s dtype), cast to ``QUANT_DTYPE``."""
+    weight as stored (``p``'s dtype), cast to ``QUANT_DTYPE``. The moments are fp32 or bf16 (then
+    rounded once per step: the math runs in fp32)."""
     e = tl.program_id(0)
     r0 = tl.program_id(1) * ROWS
     cols = tl.arange(0, BLOCK_K)
@@ -69,8 +70,8 @@ def _adamw_quantize_kernel(
         p_old = tl.load(p_ptr + off, mask=mask, other=0.0)
         p = p_old.to(tl.float32)
         g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + off, mask=mask, other=0.0)
-        v = tl.load(v_ptr + off, mask=mask, other=0.0)
+        m = tl.load(m_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + off, mask=mask, other=0.0).to(tl.float32)
         p = p * decay
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * g * g
@@ -78,8 +79,8 @@ def _adamw_quantize_kernel(
         p = p - step_size * tl.math.div_rn(m, denom)
         p_new = cast_rne(p, p_old.dtype)  # the interpreter's own fp32 -> bf16 cast truncates
         tl.store(p_ptr + off, p_new, mask=mask)
-        tl.store(m_ptr + off, m, mask=mask)
-        tl.store(v_ptr + off, v, mask=mask)
+        tl.store(m_ptr + off, cast_rne(m, m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + off, cast_rne(v, v_ptr.dtype.element_ty), mask=mask)
         if QUANTIZE:
             w = cast_rne(p_new.to(tl.float32), QUANT_DTYPE).to(tl.float32)
             ax = tl.where(mask, tl.abs(w), 0.0)
@@ -111,7 +112,7 @@ def launch_adamw_quantize(
     quant_dtype: torch.dtype,
     hw_cast: bool | None = None,
 ) -> None:
-    """Update ``p (E, N, K)`` (and its fp32 ``exp_avg``, ``exp_avg_sq``) in place from ``grad``, all
+    """Update ``p (E, N, K)`` (and its ``exp_avg``, ``exp_avg_sq``, fp32 or bf16) in place from ``grad``, all
     contiguous; with ``out = (q (E, N, K) fp8, scale (E, N) fp32, amax_bits (E, K) int32 zeros)``
     fill them from the new weight cast to ``quant_dtype`` (``out = None``: the update alone).
     ``hyper``: the kernel's float arguments by name (see ``adamw_quantize.adamw_hyper``)."""

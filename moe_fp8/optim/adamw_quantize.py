@@ -22,6 +22,7 @@ from .adamw_kernel import adamw_fits, launch_adamw_quantize
 __all__ = ["adamw_hyper", "adamw_quantize", "adamw_quantize_reference", "adamw_update_reference"]
 
 PARAM_DTYPES = (torch.bfloat16, torch.float32)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -41,8 +42,8 @@ def _check(p, grad, exp_avg, exp_avg_sq, quant_dtype) -> None:
     check_tensor("p", p, dtypes=PARAM_DTYPES, ndim=3)
     shape = tuple(p.shape)
     check_tensor("grad", grad, dtypes=(p.dtype,), shape=shape)
-    check_tensor("exp_avg", exp_avg, dtypes=(torch.float32,), shape=shape)
-    check_tensor("exp_avg_sq", exp_avg_sq, dtypes=(torch.float32,), shape=shape)
+    check_tensor("exp_avg", exp_avg, dtypes=STATE_DTYPES, shape=shape)
+    check_tensor("exp_avg_sq", exp_avg_sq, dtypes=(exp_avg.dtype,), shape=shape)
     check_same_device(p=p, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     for name, t in (("p", p), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if not t.is_contiguous():
@@ -70,7 +71,8 @@ def adamw_quantize(
 
     Args:
         p: ``(E, N, K)`` contiguous expert weight (``nn.Linear`` layout), bf16 or fp32, updated in place.
-        grad: like ``p``; exp_avg, exp_avg_sq: like ``p`` in fp32, updated in place.
+        grad: like ``p``; exp_avg, exp_avg_sq: like ``p`` in fp32 (or both bf16: the update still
+            runs in fp32, the moments are rounded once), updated in place.
         hyper: :func:`adamw_hyper` of this step.
         fmt: FP8 format (``None``: detected for ``p``'s device); pow2: power-of-two scales.
         quant_dtype: what the GEMMs cast the weight to before quantizing (``None``: ``p``'s dtype).
@@ -102,14 +104,18 @@ def adamw_quantize(
 @torch.no_grad()
 def adamw_update_reference(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                            hyper: dict) -> None:
-    """The update of :func:`adamw_quantize` in pure torch (fp32 math, ``p`` rounded once to its dtype)."""
+    """The update of :func:`adamw_quantize` in pure torch (fp32 math; ``p`` and the moments rounded
+    once to their dtypes)."""
     h = hyper
     g = grad.float()
     w = p.float() * h["decay"]
-    exp_avg.add_(h["one_minus_beta1"] * (g - exp_avg))
-    exp_avg_sq.mul_(h["beta2"]).add_(h["one_minus_beta2"] * g * g)
-    denom = exp_avg_sq.sqrt() / h["bc2_sqrt"] + h["eps"]
-    p.copy_(w - h["step_size"] * (exp_avg / denom))
+    m, v = exp_avg.float(), exp_avg_sq.float()
+    m = m + h["one_minus_beta1"] * (g - m)
+    v = v * h["beta2"] + h["one_minus_beta2"] * g * g
+    denom = v.sqrt() / h["bc2_sqrt"] + h["eps"]
+    p.copy_(w - h["step_size"] * (m / denom))
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
 
 
 @torch.no_grad()
