@@ -22,14 +22,14 @@ from ..quant.kernels.rowwise import MAX_SINGLE_PASS_K
 from ..quant.triton_helpers import fp8_scales
 from ..routing.combine_kernels import cast_rne
 
-__all__ = ["HYPER_NAMES", "adamw_fits", "launch_adamw_quantize"]
+__all__ = ["DEFAULT_CONFIG", "HYPER_NAMES", "adamw_fits", "launch_adamw_quantize"]
 
 HYPER_NAMES = ("decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "bc2_sqrt", "eps")
 
-# Rows per program and elements per register tile: four fp32 operands live at once (twice the
-# quantization kernels' operands), so the tile is half of theirs. Not swept on a GPU.
-ROWS_PER_PROGRAM = 64
-TILE_ELEMENTS = 2048
+# Rows per program, elements per register tile (four fp32 operands live at once: twice the
+# quantization kernels' operands, so half their tile), software-pipeline stages of the row loop.
+# Not yet swept on a GPU: ``benchmarks/bench_weight_quant_step.py`` times a few configs.
+DEFAULT_CONFIG = dict(rows=64, tile=2048, stages=2, num_warps=None)
 
 
 @triton.jit
@@ -38,6 +38,7 @@ def _adamw_quantize_kernel(
     N, K,
     decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
     QUANTIZE: tl.constexpr,
+    STAGES: tl.constexpr,
     QUANT_DTYPE: tl.constexpr,
     POW2: tl.constexpr,
     ROWS: tl.constexpr,
@@ -53,15 +54,15 @@ def _adamw_quantize_kernel(
 ):
     """The update is torch's single-tensor AdamW in fp32: ``p *= 1 - lr * wd``; ``m += (1 - b1) *
     (g - m)``; ``v = v * b2 + (1 - b2) * g * g``; ``p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)``
-    (``decay``, ``1 - b1``, ``1 - b2``, ``step_size``, ``bc2_sqrt`` computed on the host in double). The FP8 copy quantizes the new
-    weight as stored (``p``'s dtype), cast to ``QUANT_DTYPE``. The moments are fp32 or bf16 (then
-    rounded once per step: the math runs in fp32)."""
+    (``decay``, ``1 - b1``, ``1 - b2``, ``step_size``, ``bc2_sqrt`` computed on the host in double).
+    The FP8 copy quantizes the new weight as stored (``p``'s dtype), cast to ``QUANT_DTYPE``. The
+    moments are fp32 or bf16 (then rounded once per step: the math runs in fp32)."""
     e = tl.program_id(0)
     r0 = tl.program_id(1) * ROWS
     cols = tl.arange(0, BLOCK_K)
     col_ok = cols < K
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for i in range(0, ROWS, BLOCK_M):
+    for i in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
         r = r0 + i + tl.arange(0, BLOCK_M)
         row_ok = r < N
         rows = e * N + r
@@ -111,15 +112,19 @@ def launch_adamw_quantize(
     pow2: bool,
     quant_dtype: torch.dtype,
     hw_cast: bool | None = None,
+    config: dict | None = None,
 ) -> None:
     """Update ``p (E, N, K)`` (and its ``exp_avg``, ``exp_avg_sq``, fp32 or bf16) in place from ``grad``, all
     contiguous; with ``out = (q (E, N, K) fp8, scale (E, N) fp32, amax_bits (E, K) int32 zeros)``
     fill them from the new weight cast to ``quant_dtype`` (``out = None``: the update alone).
-    ``hyper``: the kernel's float arguments by name (see ``adamw_quantize.adamw_hyper``)."""
+    ``hyper``: the kernel's float arguments by name (see ``adamw_quantize.adamw_hyper``); ``config``:
+    ``DEFAULT_CONFIG``'s keys (``num_warps=None``: 4 for tiles of at most 1024 elements, else 8)."""
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
     E, N, K = p.shape
     block_k = next_power_of_2(max(K, 16))
-    block_m = max(1, min(TILE_ELEMENTS // block_k, next_power_of_2(max(N, 1))))
-    rows = max(ROWS_PER_PROGRAM, block_m) // block_m * block_m
+    block_m = max(1, min(cfg["tile"] // block_k, next_power_of_2(max(N, 1))))
+    rows = max(cfg["rows"], block_m) // block_m * block_m
+    warps = cfg["num_warps"] or (4 if block_m * block_k <= 1024 else 8)
     if E * N * K == 0:
         return
     quantize = out is not None
@@ -127,8 +132,8 @@ def launch_adamw_quantize(
     _adamw_quantize_kernel[(E, cdiv(N, rows))](
         p, grad, exp_avg, exp_avg_sq, q, s, amax, N, K,
         *(hyper[k] for k in HYPER_NAMES),
-        QUANTIZE=quantize, QUANT_DTYPE=_TL_DTYPES[quant_dtype], POW2=bool(pow2), ROWS=rows, BLOCK_M=block_m,
-        BLOCK_K=block_k, num_warps=4 if block_m * block_k <= 1024 else 8, **format_constexprs(fmt, p.device, hw_cast),
+        QUANTIZE=quantize, STAGES=cfg["stages"], QUANT_DTYPE=_TL_DTYPES[quant_dtype], POW2=bool(pow2), ROWS=rows,
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps, **format_constexprs(fmt, p.device, hw_cast),
     )
 
 

@@ -66,6 +66,8 @@ def adamw_quantize(
     pow2: bool = False,
     quant_dtype: torch.dtype | None = None,
     quantize: bool = True,
+    hw_cast: bool | None = None,
+    config: dict | None = None,
 ) -> Quantized | None:
     """AdamW-update ``p`` in place and return the ``rowwise`` FP8 copies of the new weight.
 
@@ -77,6 +79,8 @@ def adamw_quantize(
         fmt: FP8 format (``None``: detected for ``p``'s device); pow2: power-of-two scales.
         quant_dtype: what the GEMMs cast the weight to before quantizing (``None``: ``p``'s dtype).
         quantize: ``False``: the update alone, returns ``None``.
+        hw_cast, config: the kernel's FP8 cast (``None``: the hardware cast where it is exact) and
+            launch config (``adamw_kernel.DEFAULT_CONFIG``'s keys); neither changes a result.
     Returns:
         ``(q_fwd (E, N, K), s_fwd (E, N), q_bwd (E, K, N), s_bwd (E, K))``: equal byte for byte to
         ``quantize_weight(p.to(quant_dtype), "rowwise", fmt, pow2, ...)`` of the updated ``p``.
@@ -94,7 +98,8 @@ def adamw_quantize(
                torch.empty((E, N), dtype=torch.float32, device=p.device),
                torch.zeros((E, K), dtype=torch.float32, device=p.device))
     launch_adamw_quantize(p, grad, exp_avg, exp_avg_sq, hyper, None if out is None else
-                          (out[0], out[1], out[2].view(torch.int32)), f, pow2, quant_dtype)
+                          (out[0], out[1], out[2].view(torch.int32)), f, pow2, quant_dtype,
+                          hw_cast, config)
     if not quantize:
         return None
     w = p if quant_dtype == p.dtype else p.to(quant_dtype)
@@ -140,4 +145,5 @@ def adamw_quantize_reference(
         return None
     f = resolve_format(fmt, p.device)
     w = p.to(quant_dtype)
-    return (*ref.quantize_expert_colwise(w, f, pow2=pow2), *ref.quantize_expert_colwise(w, f, pow2=pow2, transposed=True))
+    return (*ref.quantize_expert_colwise(w, f, pow2=pow2),
+            *ref.quantize_expert_colwise(w, f, pow2=pow2, transposed=True))
