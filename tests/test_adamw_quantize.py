@@ -1,6 +1,8 @@
 """adamw_quantize: the fused AdamW update + FP8 copies against torch.optim.AdamW and the reference
 quantizers (byte for byte), and AdamWQuantize filling the weight caches of FP8GroupedExperts."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -181,3 +183,33 @@ def test_optimizer_bf16_weights_and_unfused_layouts(monkeypatch):
     fused(x).backward(dy)
     amsgrad.step()
     assert "max_exp_avg_sq" in amsgrad.state[fused.experts.down_proj]
+
+
+@pytest.mark.interpreter
+def test_optimizer_state_dict_resumes_bit_for_bit():
+    """bf16 weights, fp32 moments: a state dict loaded into a fresh optimizer (moments kept in fp32,
+    not cast to the weights' dtype) continues exactly as the original; the router's state is torch's."""
+    torch.manual_seed(5)
+    runs = [_Block().to(torch.bfloat16) for _ in range(2)]
+    runs[1].load_state_dict(runs[0].state_dict())
+    grads = [{n: torch.randn_like(p) for n, p in runs[0].named_parameters()} for _ in range(3)]
+
+    def step(model, opt, g):
+        for n, p in model.named_parameters():
+            p.grad = g[n].clone()
+        opt.step()
+
+    first = AdamWQuantize(runs[0].parameters(), runs[0], **HYPER)
+    for g in grads[:2]:
+        step(runs[0], first, g)
+    runs[1].load_state_dict(runs[0].state_dict())
+    resumed = AdamWQuantize(runs[1].parameters(), runs[1], **HYPER)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))  # torch's load may share same-dtype tensors
+    assert resumed.state[runs[1].experts.gate_up_proj]["exp_avg"].dtype == torch.float32
+    assert resumed.state[runs[1].router.weight]["exp_avg"].dtype == torch.bfloat16
+    step(runs[0], first, grads[2])
+    step(runs[1], resumed, grads[2])
+    for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters()):
+        assert torch.equal(a, b), name
+    sa, sb = first.state[runs[0].experts.down_proj], resumed.state[runs[1].experts.down_proj]
+    assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))

@@ -187,3 +187,33 @@ def test_compiled_module_bypasses_the_cache_and_the_hook_does_nothing():
     for _ in range(2):
         _assert_same(_step(compiled, opts[0], xs, dy), _step(plain, opts[1], xs, dy))
     assert all(len(c) == 0 for c in hooked.experts._caches)
+
+
+def test_cache_refresh_put_and_keys():
+    """Fp8WeightCache's step-side API on its own: refresh re-quantizes stale entries only (views by
+    their geometry), put stores a value a later get serves, keys lists what an entry was made with."""
+    from moe_fp8.grouped_gemm import Fp8WeightCache
+
+    cache, made = Fp8WeightCache(), []
+
+    def quantize(t):
+        made.append(t.shape)
+        return (t * 2,)
+
+    w = torch.randn(2, 8, 4)
+    view = w.transpose(1, 2)
+    cache.get(view, "k", quantize)
+    cache.get(w, "k", quantize)
+    assert cache.refresh() == 0 and len(made) == 2  # nothing changed
+    assert cache.keys(view) == [(torch.float32, "k")] and cache.keys(w[:1]) == []
+    w.add_(1.0)
+    assert cache.refresh() == 2 and made[2:] == [torch.Size([2, 4, 8]), torch.Size([2, 8, 4])]
+    assert torch.equal(cache.get(view, "k", quantize)[0], view * 2) and cache.misses == 2
+    w.mul_(3.0)
+    cache.put(w, torch.float32, "k", (w + 5,))
+    assert torch.equal(cache.get(w, "k", quantize)[0], w + 5)  # a hit on what put stored
+    assert cache.refresh() == 1 and len(made) == 5  # the view only; put's entry is current
+    w.add_(1.0)
+    assert cache.refresh() == 2  # put kept the replaced entry's quantizer
+    del w, view
+    assert len(cache) == 0 and cache.refresh() == 0

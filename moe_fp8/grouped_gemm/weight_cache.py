@@ -158,7 +158,8 @@ class Fp8WeightCache:
 
     def put(self, w: torch.Tensor, dtype: torch.dtype, key: Hashable, value: Quantized) -> None:
         """Store ``value`` as the quantization of ``w`` (its state now) cast to ``dtype`` for settings
-        ``key``: what :meth:`get` would return on a miss, made elsewhere. Trusted, not checked."""
+        ``key``: what :meth:`get` would return on a miss, made elsewhere. Trusted, not checked. The
+        entry keeps the quantizer of the entry it replaces, if any, for :meth:`refresh`."""
         anchor, slot = self._slot(w, dtype, key)
         old = self._entries.get(slot)
         quantize = old.quantize if old is not None and old.ref() is anchor else None

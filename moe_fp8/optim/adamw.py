@@ -10,8 +10,8 @@ cache entry is re-quantized (:func:`.after_step.refresh_weight_caches`).
 State: the fused weights keep torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``), with moments in
 ``state_dtype`` (fp32 by default, or bf16) whatever the parameter dtype (torch keeps them in the
 parameter's dtype); the update runs in fp32 and rounds the weight and moments once.
-``load_state_dict`` casts moments to the parameter's dtype (torch's rule); the next step takes
-them back to ``state_dtype``.
+``load_state_dict`` loads them in ``state_dtype`` (torch's rule would cast them to the parameter's
+dtype), so a resumed run continues bit for bit.
 """
 
 from __future__ import annotations
@@ -53,6 +53,18 @@ class AdamWQuantize(torch.optim.AdamW):
             for p, cache in ((m.gate_up_proj, m._caches[0]), (m.down_proj, m._caches[1])):
                 if p.dtype in PARAM_DTYPES and p.is_contiguous() and adamw_fits(p.shape[2]):
                     self._fusable[p] = cache
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.AdamW.load_state_dict``, with the fused weights' moments kept in ``state_dtype``."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            if p in self._fusable and i in saved:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in saved[i]:
+                        self.state[p][k] = saved[i][k].to(p.device, self._state_dtype, copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):
