@@ -178,6 +178,7 @@ class Fp8WeightCache:
                 w = anchor.detach().as_strided(slot[2], slot[3], slot[4])
                 if self._valid(entry, anchor, w):
                     continue
+                entry.value = ()  # free the stale copies before making the new ones (a stale entry never hits)
                 value = tuple(entry.quantize(w.to(slot[1])))
             self._store(anchor, w, slot, value, entry.quantize)
             done += 1

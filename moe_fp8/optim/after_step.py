@@ -50,7 +50,8 @@ def quantize_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> R
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` updating (some of) ``model``'s expert weights in place.
-        model: a module holding ``FP8GroupedExperts`` (``FP8MoE``, a converted Hugging Face model).
+        model: a module holding ``FP8GroupedExperts`` (``FP8MoE``, a converted Hugging Face model):
+            those it holds now (see :func:`cached_experts`).
     Returns:
         The hook's handle (``.remove()`` it to stop).
 
