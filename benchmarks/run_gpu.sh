@@ -2,13 +2,14 @@
 # The H200 runs, in stages that each fit a 10-minute slot, results to one folder.
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
-#   STAGE: tests | ep | harness | demo | models | dsv3 | qwen3 | llama4 (the last four: python -m moe_fp8.bench presets)
+#   STAGE: tests | ep | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
+#   python -m moe_fp8.bench presets)
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang ends the stage instead of the run.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|ep|harness|demo|models|dsv3|qwen3|llama4 [OUT]}
+stage=${1:?usage: run_gpu.sh tests|ep|harness|demo|weightquant|models|dsv3|qwen3|llama4 [OUT]}
 out=${2:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -38,6 +39,10 @@ case $stage in
              --impl moe_fp8:cuda_auto:tensorwise --impl moe_fp8:cuda_auto:blockwise --impl moe_fp8:cuda_auto:bf16 \
              --json "$out/harness_gpu.json" --markdown "$out/harness_gpu.md" ;;
   demo)    run 420 demo.log python3 -m moe_fp8.demo --plot "$out/demo_loss.png" ;;
+  weightquant) run 300 weight_quant_tests.log python3 -m pytest -q -m gpu tests/test_adamw_quantize_gpu.py \
+             -p no:cacheprovider
+           run 180 weight_quant_step.log python3 benchmarks/bench_weight_quant_step.py --out "$out" ;;
+  dsv3|qwen3|llama4) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
   dsv3|qwen3|llama4|models) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
   *)       echo "unknown stage: $stage" >&2; exit 2 ;;
 esac

@@ -5,6 +5,7 @@ from .grouped_gemm import Fp8WeightCache, fp8_grouped_mm
 from .layers import MIN_DENSE_SIZE, ConversionReport, FP8GroupedExperts, FP8Linear, FP8MoE, convert_to_fp8
 from .quant.formats import Float8Format, detect_format
 from .quant.recipes import Float8Recipe, get_recipe
+from . import optim  # after .layers: it fills their weight caches
 
 __all__ = [
     "ConversionReport",
@@ -19,6 +20,7 @@ __all__ = [
     "detect_format",
     "fp8_grouped_mm",
     "get_recipe",
+    "optim",
     "testing",
 ]
 __version__ = "0.1.0"

@@ -29,6 +29,11 @@ bf16 only): ``p.to(bfloat16)`` would be a new tensor on every call and never hit
 ``cache.stand_in(p, torch.bfloat16)`` instead: the entry is keyed on ``p`` itself (with the
 target dtype) and the cast happens inside the quantization, on a miss only, so a hit never casts.
 The cached FP8 copies take as much memory as one BF16 copy of the weights.
+
+After an optimizer step, :meth:`Fp8WeightCache.refresh` re-quantizes every entry whose tensor
+changed (with the settings it was made with), and :meth:`Fp8WeightCache.put` stores copies made
+elsewhere (a fused optimizer kernel): either way the entry is keyed on the tensor's state now, so
+the next forward hits and any later in-place write misses (``moe_fp8.optim``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class _Entry:
     data_ptr: int
     version: int
     value: Quantized
+    quantize: Callable[[torch.Tensor], Quantized] | None
 
 
 class _StandIn(torch.autograd.Function):
@@ -131,23 +137,65 @@ class Fp8WeightCache:
         if self.bypassed(w):  # see the module docstring
             with torch.no_grad():
                 return tuple(quantize(w.detach().to(dtype)))
-        anchor = w if w._base is None else w._base
-        slot = (id(anchor), dtype, tuple(w.shape), w.stride(), w.storage_offset(), key)
+        anchor, slot = self._slot(w, dtype, key)
         entry = self._entries.get(slot)
-        if (
-            entry is not None
-            and entry.ref() is anchor
-            and entry.data_ptr == w.data_ptr()
-            and entry.version == w._version
-        ):
+        if entry is not None and self._valid(entry, anchor, w):
             self.hits += 1
             return entry.value
         self.misses += 1
         with torch.no_grad():
             value = tuple(quantize(w.detach().to(dtype)))
-        ref = weakref.ref(anchor, _dropper(weakref.ref(self), slot))
-        self._entries[slot] = _Entry(ref, w.data_ptr(), w._version, value)
+        self._store(anchor, w, slot, value, quantize)
         return value
+
+    def keys(self, w: torch.Tensor) -> list[tuple[torch.dtype, Hashable]]:
+        """The ``(dtype, key)`` pairs of the entries held for ``w`` (this very view of its base, in any
+        state, valid or stale): the settings the GEMMs quantized it with."""
+        anchor = w if w._base is None else w._base
+        geometry = (tuple(w.shape), w.stride(), w.storage_offset())
+        return [(slot[1], slot[5]) for slot, e in self._entries.items()
+                if slot[0] == id(anchor) and e.ref() is anchor and slot[2:5] == geometry]
+
+    def put(self, w: torch.Tensor, dtype: torch.dtype, key: Hashable, value: Quantized) -> None:
+        """Store ``value`` as the quantization of ``w`` (its state now) cast to ``dtype`` for settings
+        ``key``: what :meth:`get` would return on a miss, made elsewhere. Trusted, not checked. The
+        entry keeps the quantizer of the entry it replaces, if any, for :meth:`refresh`."""
+        anchor, slot = self._slot(w, dtype, key)
+        old = self._entries.get(slot)
+        quantize = old.quantize if old is not None and old.ref() is anchor else None
+        self._store(anchor, w, slot, tuple(value), quantize)
+
+    def refresh(self) -> int:
+        """Re-quantize every entry whose tensor is alive and changed since it was quantized, with the
+        settings it was made with (call after the weights' in-place update, e.g. ``optimizer.step()``);
+        skipped while a CUDA graph is captured. Returns how many entries were re-quantized."""
+        done = 0
+        for slot, entry in list(self._entries.items()):
+            anchor = entry.ref()
+            if anchor is None or entry.quantize is None or self.bypassed(anchor):
+                continue
+            with torch.no_grad():
+                w = anchor.detach().as_strided(slot[2], slot[3], slot[4])
+                if self._valid(entry, anchor, w):
+                    continue
+                entry.value = ()  # free the stale copies before making the new ones (a stale entry never hits)
+                value = tuple(entry.quantize(w.to(slot[1])))
+            self._store(anchor, w, slot, value, entry.quantize)
+            done += 1
+        return done
+
+    @staticmethod
+    def _slot(w: torch.Tensor, dtype: torch.dtype, key: Hashable) -> tuple[torch.Tensor, tuple]:
+        anchor = w if w._base is None else w._base
+        return anchor, (id(anchor), dtype, tuple(w.shape), w.stride(), w.storage_offset(), key)
+
+    @staticmethod
+    def _valid(entry: _Entry, anchor: torch.Tensor, w: torch.Tensor) -> bool:
+        return entry.ref() is anchor and entry.data_ptr == w.data_ptr() and entry.version == w._version
+
+    def _store(self, anchor: torch.Tensor, w: torch.Tensor, slot: tuple, value: Quantized, quantize) -> None:
+        ref = weakref.ref(anchor, _dropper(weakref.ref(self), slot))
+        self._entries[slot] = _Entry(ref, w.data_ptr(), w._version, value, quantize)
 
     def invalidate(self) -> None:
         """Drop every entry (after writing weights through ``.data``)."""
