@@ -42,7 +42,6 @@ case $stage in
   weightquant) run 300 weight_quant_tests.log python3 -m pytest -q -m gpu tests/test_adamw_quantize_gpu.py \
              -p no:cacheprovider
            run 180 weight_quant_step.log python3 benchmarks/bench_weight_quant_step.py --out "$out" ;;
-  dsv3|qwen3|llama4) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
   dsv3|qwen3|llama4|models) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
   *)       echo "unknown stage: $stage" >&2; exit 2 ;;
 esac

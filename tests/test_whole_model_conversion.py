@@ -124,11 +124,11 @@ def test_families_whole_model(family, layout, monkeypatch):
 def test_default_size_rule_keeps_small_linears():
     model = hf.convert(_model("deepseek_v3", "v5"))
     report = model.fp8_conversion_report
-    assert report.min_dense_size == MIN_DENSE_SIZE == 512
+    assert report.min_dense_size == MIN_DENSE_SIZE == 1536
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
     dense = [e for e in report.entries if e.cls == "Linear" and e.reason != cr.LM_HEAD]
     assert len(dense) == 16 and all(e.reason == cr.BELOW_MIN_SIZE for e in dense)
-    assert "min(in, out) < 512" in dense[0].detail
+    assert "min(in, out) < 1536" in dense[0].detail
     assert report.counts()[cr.FP8_EXPERTS] == 1
     # the rule's boundary, on a plain module: min(in, out) >= min_dense_size converts
     plain = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 496), nn.Linear(496, 512))

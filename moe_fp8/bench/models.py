@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..demo.corpus import VOCAB, batches, load_split
+from ..layers.convert import MIN_DENSE_SIZE
 
 MODES = ("eager", "compiled", "reduce-overhead")
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8")
@@ -106,18 +107,18 @@ def build(spec: ModelSpec, seq: int, device: str, seed: int = 0) -> nn.Module:
         return AutoModelForCausalLM.from_config(hf_config(spec, seq)).to(torch.bfloat16)
 
 
-def convert(base: nn.Module, variant: str, backend: str | None) -> nn.Module:
-    """A converted copy of ``base`` (``hf_bf16``: an unconverted copy)."""
+def convert(base: nn.Module, variant: str, backend: str | None, min_dense_size: int | None = None) -> nn.Module:
+    """A converted copy of ``base`` (``hf_bf16``: an unconverted copy); ``min_dense_size`` (default
+    ``MIN_DENSE_SIZE``) is the size rule for dense linears."""
     from .. import hf
-    from ..layers import convert_to_fp8
 
     model = copy.deepcopy(base)
+    min_dense_size = MIN_DENSE_SIZE if min_dense_size is None else min_dense_size
     if variant == "ours_bf16":
         hf.convert(model, recipe="bf16", backend=backend, cache_weights=False)
     elif variant in ("ours_fp8_experts", "ours_fp8"):
-        hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False)
-    if variant == "ours_fp8":
-        convert_to_fp8(model, recipe="rowwise", filter_fn=lambda _m, fqn: not fqn.endswith("lm_head"))
+        hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False, dense=variant == "ours_fp8",
+                   min_dense_size=min_dense_size)
     elif variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
     return model.train()
@@ -143,9 +144,9 @@ def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, mode: str):
 
 
 def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, timed: int, lr: float,
-                device: str, backend: str | None) -> dict:
+                device: str, backend: str | None, min_dense_size: int | None = None) -> dict:
     """Train a fresh copy of ``base`` for ``steps`` steps; step times, peak memory and losses."""
-    model = convert(base, variant, backend)
+    model = convert(base, variant, backend, min_dense_size)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device == "cuda")
     step = _step_fn(model, opt, mode)
@@ -196,7 +197,8 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
                 data = (b.to(device) for b in batches(train, batch, seq, seed=0))
                 try:
                     r = run_variant(base, variant, mode, data, steps=steps, timed=min(20, steps - steps // 3),
-                                    lr=lr, device=device, backend=backend)
+                                    lr=lr, device=device, backend=backend,
+                                    min_dense_size=None if gpu else 0)  # the CPU models' linears are tiny
                 except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
                     rows.append(dict(model=name, mode=mode, variant=variant, error=f"{type(e).__name__}: {e}"))
                     continue

@@ -14,8 +14,9 @@ Then ``filter_fn(module, fqn) -> bool`` (False: kept), dims not multiple of 16 (
 needs them), and the size rule ``min(in_features, out_features) < min_dense_size``: FP8 quantization
 is memory-bound work, about three memory passes over each operand (read, write the codes, read them
 again in the GEMM), a cost linear in the tensor sizes against a GEMM saving that grows with K*N, so
-below a size FP8 cannot pay. ``MIN_DENSE_SIZE`` (512) is a conservative default, not a measurement:
-``benchmarks/bench_dense_threshold.py`` measures where FP8 pays on a GPU (docs/conversion.md).
+below a size FP8 cannot pay. ``MIN_DENSE_SIZE`` (1536) is read off an H200 sweep at 8192 tokens
+(``benchmarks/results/dense_sweep.md``, GPU time alone): every shape with ``min(K, N) >= 1536``
+was 1.35-1.67x BF16, every one below 0.32-0.92x (docs/conversion.md).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = ["MIN_DENSE_SIZE", "check_conversion_args", "convert_linears", "conver
 
 log = logging.getLogger("moe_fp8")
 
-MIN_DENSE_SIZE = 512
+MIN_DENSE_SIZE = 1536
 FilterFn = Callable[[nn.Module, str], bool]
 
 
