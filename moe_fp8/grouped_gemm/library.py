@@ -1,9 +1,10 @@
 """The steps the autograd op runs, each callable two ways.
 
 Eagerly they are plain Python calls (no dispatcher overhead). Under ``torch.compile`` they are
-``torch.library`` custom ops (``moe_fp8::gg_*``) with shape-only fake implementations, so the
-compiler sees each backend GEMM and each quantization as one opaque node: ``fullgraph=True``
-works for every backend, Triton kernels and the CPU reference included.
+``torch.library`` ops (``moe_fp8::gg_*``) with shape-only fake implementations: ``triton_op`` s,
+whose bodies the compiler traces (our Triton kernels become ``triton_kernel_wrapper`` nodes, the
+library GEMMs aten ops), except the FP8 GEMMs of the ``emulated`` CPU reference, which read the
+offsets on the host and stay opaque custom ops. ``fullgraph=True`` works for every backend.
 """
 
 # No ``from __future__ import annotations`` here: torch.library infers each op's schema from the
@@ -117,38 +118,42 @@ def _wgrad_operand_layout(q: Tensor, offs: Tensor, fused: bool, padded_offs: Opt
     )
 
 
-# ----------------------------------------------------------------------------- custom ops
-_op_mm_2d3d = torch.library.custom_op("moe_fp8::gg_mm_2d3d", _mm_2d3d, mutates_args=())
-_op_mm_2d2d = torch.library.custom_op("moe_fp8::gg_mm_2d2d", _mm_2d2d, mutates_args=())
-_op_bf16_mm_2d3d = torch.library.custom_op("moe_fp8::gg_bf16_mm_2d3d", _bf16_mm_2d3d, mutates_args=())
-_op_bf16_mm_2d2d = torch.library.custom_op("moe_fp8::gg_bf16_mm_2d2d", _bf16_mm_2d2d, mutates_args=())
-_op_quantize_activation = torch.library.custom_op(
+# ----------------------------------------------------------------------------- torch.library ops
+_op_mm_2d3d = torch.library.triton_op("moe_fp8::gg_mm_2d3d", _mm_2d3d, mutates_args=())
+_op_mm_2d2d = torch.library.triton_op("moe_fp8::gg_mm_2d2d", _mm_2d2d, mutates_args=())
+_opaque_mm_2d3d = torch.library.custom_op("moe_fp8::gg_mm_2d3d_opaque", _mm_2d3d, mutates_args=())
+_opaque_mm_2d2d = torch.library.custom_op("moe_fp8::gg_mm_2d2d_opaque", _mm_2d2d, mutates_args=())
+_op_bf16_mm_2d3d = torch.library.triton_op("moe_fp8::gg_bf16_mm_2d3d", _bf16_mm_2d3d, mutates_args=())
+_op_bf16_mm_2d2d = torch.library.triton_op("moe_fp8::gg_bf16_mm_2d2d", _bf16_mm_2d2d, mutates_args=())
+_op_quantize_activation = torch.library.triton_op(
     "moe_fp8::gg_quantize_activation", _quantize_activation, mutates_args=()
 )
-_op_quantize_activation_group_amax = torch.library.custom_op(
+_op_quantize_activation_group_amax = torch.library.triton_op(
     "moe_fp8::gg_quantize_activation_group_amax", _quantize_activation_group_amax, mutates_args=()
 )
-_op_group_amax = torch.library.custom_op("moe_fp8::gg_group_amax", _group_amax, mutates_args=())
-_op_quantize_weight = torch.library.custom_op("moe_fp8::gg_quantize_weight", _quantize_weight, mutates_args=())
-_op_quantize_weight_forward_layout = torch.library.custom_op(
+_op_group_amax = torch.library.triton_op("moe_fp8::gg_group_amax", _group_amax, mutates_args=())
+_op_quantize_weight = torch.library.triton_op("moe_fp8::gg_quantize_weight", _quantize_weight, mutates_args=())
+_op_quantize_weight_forward_layout = torch.library.triton_op(
     "moe_fp8::gg_quantize_weight_forward_layout", _quantize_weight_forward_layout, mutates_args=()
 )
-_op_quantize_weight_dgrad_layout = torch.library.custom_op(
+_op_quantize_weight_dgrad_layout = torch.library.triton_op(
     "moe_fp8::gg_quantize_weight_dgrad_layout", _quantize_weight_dgrad_layout, mutates_args=()
 )
-_op_quantize_wgrad_operands = torch.library.custom_op(
+_op_quantize_wgrad_operands = torch.library.triton_op(
     "moe_fp8::gg_quantize_wgrad_operands", _quantize_wgrad_operands, mutates_args=()
 )
-_op_wgrad_operand_layout = torch.library.custom_op(
+_op_wgrad_operand_layout = torch.library.triton_op(
     "moe_fp8::gg_wgrad_operand_layout", _wgrad_operand_layout, mutates_args=()
 )
 
 
+@_opaque_mm_2d3d.register_fake
 @_op_mm_2d3d.register_fake
 def _(backend, a, scale_a, b, scale_b, offs, out_dtype):
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
+@_opaque_mm_2d2d.register_fake
 @_op_mm_2d2d.register_fake
 def _(backend, a, scale_a, b, scale_b, offs, out_dtype):
     return a.new_empty(offs.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
@@ -230,8 +235,19 @@ def _(q, offs, fused, padded_offs, padded_rows):
 
 
 # ----------------------------------------------------------------------------- entry points
-mm_2d3d = eager_or_custom_op(_op_mm_2d3d, _mm_2d3d)
-mm_2d2d = eager_or_custom_op(_op_mm_2d2d, _mm_2d2d)
+def _per_backend(traced, opaque, impl):
+    """``impl`` through the traced op, or through the opaque one for the ``emulated`` backend."""
+    calls = eager_or_custom_op(traced, impl), eager_or_custom_op(opaque, impl)
+
+    def call(backend: str, *args):
+        return calls[backend == "emulated"](backend, *args)
+
+    call.__name__ = impl.__name__.lstrip("_")
+    return call
+
+
+mm_2d3d = _per_backend(_op_mm_2d3d, _opaque_mm_2d3d, _mm_2d3d)
+mm_2d2d = _per_backend(_op_mm_2d2d, _opaque_mm_2d2d, _mm_2d2d)
 bf16_mm_2d3d = eager_or_custom_op(_op_bf16_mm_2d3d, _bf16_mm_2d3d)
 bf16_mm_2d2d = eager_or_custom_op(_op_bf16_mm_2d2d, _bf16_mm_2d2d)
 quantize_activation = eager_or_custom_op(_op_quantize_activation, _quantize_activation)

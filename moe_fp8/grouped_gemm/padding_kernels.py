@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..launch_math import cdiv, next_power_of_2
 from ..quant.kernels.common import max_combine
 
@@ -131,7 +132,7 @@ def launch_gather_rows_padded(
     block_r = block_r or (128 if column_major else 16)
     block_c = max((block_bytes or (128 if column_major else 512)) // x.element_size(), 1)
     grid = (cdiv(R, block_r), cdiv(C, block_c) if column_major else 1)
-    gather_rows_padded_kernel[grid](
+    launch(gather_rows_padded_kernel)[grid](
         x.view(bits), out.view(bits), offs, padded_offs, M, C, R, x.stride(0) if M > 1 else C,
         *((1, R) if column_major else (C, 1)), E,
         G_BLOCK=min(next_power_of_2(max(E, 1)), group_block), BLOCK_R=block_r, BLOCK_C=block_c,

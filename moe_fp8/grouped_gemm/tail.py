@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..launch_math import cdiv
 
 __all__ = ["launch_zero_empty_groups_kernel", "launch_zero_rows_kernel", "zero_empty_groups", "zero_rows_past_end"]
@@ -58,7 +59,7 @@ def launch_zero_rows_kernel(out: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     if out.stride(1) != 1:
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
     block_m = 32
-    _zero_rows_past_end_kernel[(cdiv(M, block_m),)](
+    launch(_zero_rows_past_end_kernel)[(cdiv(M, block_m),)](
         out, offs, offs.numel(), M, N, out.stride(0), BLOCK_M=block_m, BLOCK_N=128
     )
     return out
@@ -103,7 +104,7 @@ def launch_zero_empty_groups_kernel(out: torch.Tensor, offs: torch.Tensor) -> to
         raise ValueError(f"out: expected a contiguous (E={offs.numel()}, N, K) tensor, got shape "
                          f"{tuple(out.shape)} strides {out.stride()}")
     E, N, K = out.shape
-    _zero_empty_groups_kernel[(E, _EMPTY_GROUP_PROGRAMS)](
+    launch(_zero_empty_groups_kernel)[(E, _EMPTY_GROUP_PROGRAMS)](
         out, offs, N * K, BLOCK=1024, PROGRAMS=_EMPTY_GROUP_PROGRAMS
     )
     return out

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, use_triton
+from ..launch import launch
 from ..launch_math import cdiv
 from .padding_kernels import BITS_DTYPES
 
@@ -63,7 +64,7 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
         bits = BITS_DTYPES[t.element_size()]
         block = max(_TILE_BYTES // t.element_size(), 16)
         with device_guard(t):
-            _transpose_kernel[(cdiv(A, block), cdiv(B, block), E)](
+            launch(_transpose_kernel)[(cdiv(A, block), cdiv(B, block), E)](
                 src.view(bits), out.view(bits), A, B, src.stride(0), src.stride(1), B * A,
                 BLOCK_A=block, BLOCK_B=block, num_warps=4,
             )  # fmt: skip

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ..checks import check_multiple_of, check_offsets, check_same_device, check_tensor
 from ..kernel_backend import interpreter_enabled, launch_target
+from ..launch import launch
 from ..launch_math import cdiv, next_power_of_2
 from .emulated import FP8_DTYPES
 from .triton_configs import (
@@ -325,7 +326,7 @@ def triton_grouped_mm_2d3d(
         (scale_a.stride(0), 0) if mode == SCALE_ROWWISE else (0, 0))  # fmt: skip
     sb_strides = tuple(scale_b.stride()) + (0,) * (3 - scale_b.dim())
     grid = ((cdiv(M, cfg.block_m) + E) * cdiv(N, cfg.block_n),)
-    _grouped_mm_2d3d_kernel[grid](
+    launch(_grouped_mm_2d3d_kernel)[grid](
         a, b, out, scale_a, scale_b, offs,
         M, N, K, E,
         a.stride(0), a.stride(1),
@@ -394,7 +395,7 @@ def triton_grouped_mm_2d2d(
     cfg = config or config_2d2d(N, K, E, mode, a.device)
     max_imprecise = _max_imprecise(cfg, a.device)  # the head/tail slice is only 32 rows deep
     grid = (E * cdiv(N, cfg.block_m) * cdiv(K, cfg.block_n),)
-    _grouped_mm_2d2d_kernel[grid](
+    launch(_grouped_mm_2d2d_kernel)[grid](
         a, b, out, scale_a, scale_b, offs,
         M, N, K,
         a.stride(0), a.stride(1),

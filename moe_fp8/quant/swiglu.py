@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from ..checks import check_tensor
-from ..kernel_backend import device_guard, eager_custom_op, use_triton
+from ..kernel_backend import device_guard, eager_triton_op, use_triton
+from ..launch import launch
 from ..launch_math import cdiv, next_power_of_2
 from .formats import resolve_format
 from .reference import HIGH_PRECISION_DTYPES, quantize_rowwise
@@ -113,7 +114,7 @@ def _blocks(I: int) -> tuple[int, int]:
     return max(1, 2048 // block_i), block_i
 
 
-@eager_custom_op("moe_fp8::swiglu_quantize")
+@eager_triton_op("moe_fp8::swiglu_quantize")
 def _swiglu_quantize_op(h: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     f = resolve_format(fmt)
     I = h.shape[1] // 2
@@ -127,7 +128,7 @@ def _swiglu_quantize_op(h: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Te
     if M:
         block_m, block_i = _blocks(I)
         with device_guard(h):
-            _swiglu_quant_kernel[(cdiv(M, block_m),)](
+            launch(_swiglu_quant_kernel)[(cdiv(M, block_m),)](
                 h, a, q, scale, M, I, h.stride(0), a.stride(0), q.stride(0),
                 POW2=pow2, BLOCK_M=block_m, BLOCK_I=block_i, **format_constexprs(f, h.device),
             )
@@ -140,7 +141,7 @@ def _(h, fmt, pow2):
     return h.new_empty(M, I), h.new_empty(M, I, dtype=resolve_format(fmt).torch_dtype), h.new_empty(M, dtype=torch.float32)
 
 
-@eager_custom_op("moe_fp8::swiglu_backward")
+@eager_triton_op("moe_fp8::swiglu_backward")
 def _swiglu_backward_op(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
     M, I = h.shape[0], h.shape[1] // 2
     if not use_triton(_swiglu_bwd_kernel, h):
@@ -153,7 +154,7 @@ def _swiglu_backward_op(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
         block_m, block_i = _blocks(min(I, 128))
         grid = (cdiv(M, block_m), cdiv(I, block_i))
         with device_guard(h):
-            _swiglu_bwd_kernel[grid](h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
+            launch(_swiglu_bwd_kernel)[grid](h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
                                      BLOCK_M=block_m, BLOCK_I=block_i)
     return grad_h
 

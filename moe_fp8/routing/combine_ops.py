@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_same_device, check_tensor
+from ..launch import launch
 from ..quant.reference import HIGH_PRECISION_DTYPES
-from ..kernel_backend import device_guard, eager_custom_op, use_triton
+from ..kernel_backend import device_guard, eager_triton_op, use_triton
 from ..launch_math import cdiv, next_power_of_2
 from .combine_kernels import combine_backward_kernel, combine_kernel
 from .permute_ops import _permute_op
@@ -38,7 +39,7 @@ _BWD_WARPS = 4
 _PAD_ROWS_PER_PROGRAM = 16
 
 
-@torch.library.custom_op("moe_fp8::routing_combine", mutates_args=())
+@torch.library.triton_op("moe_fp8::routing_combine", mutates_args=())
 def _combine_op(
     y: torch.Tensor,
     pair_to_row: torch.Tensor,
@@ -55,7 +56,7 @@ def _combine_op(
         return out
     block = min(next_power_of_2(H), _FWD_BLOCK_H)
     with device_guard(y):
-        combine_kernel[(T, cdiv(H, block))](
+        launch(combine_kernel)[(T, cdiv(H, block))](
             y, weights if weights is not None else y, out, pair_to_row, H,
             TOPK=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=block, num_warps=_FWD_WARPS,
         )
@@ -67,7 +68,7 @@ def _(y, pair_to_row, row_to_pair, pad_rows, weights, top_k):
     return y.new_empty(pair_to_row.shape[0] // top_k, y.shape[1])
 
 
-@eager_custom_op("moe_fp8::routing_combine_backward")
+@eager_triton_op("moe_fp8::routing_combine_backward")
 def _combine_backward_op(
     grad_out: torch.Tensor, y: torch.Tensor, pair_to_row: torch.Tensor, pad_rows: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +87,7 @@ def _combine_backward_op(
     k_pow2 = next_power_of_2(k)
     block = min(next_power_of_2(H), max(128, _BWD_TILE // k_pow2))
     with device_guard(y):
-        combine_backward_kernel[(grid,)](
+        launch(combine_backward_kernel)[(grid,)](
             grad_out, y, weights, grad_y, grad_w, pair_to_row, pad_rows, T, H, num_pad,
             TOPK=k, TOPK_POW2=k_pow2, BLOCK_H=block, PAD_ROWS=_PAD_ROWS_PER_PROGRAM, num_warps=_BWD_WARPS,
         )

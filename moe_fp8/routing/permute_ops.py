@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_tensor
+from ..launch import launch
 from ..quant.formats import Float8Format, resolve_format
 from ..quant.reference import HIGH_PRECISION_DTYPES
 from ..quant.kernels.common import format_constexprs
@@ -62,7 +63,7 @@ def launch_permute(
     block, chunks = _row_blocking(H)
     consts = format_constexprs(fmt if quantize else resolve_format("e4m3fn"), x.device)
     with device_guard(x):
-        permute_rows_kernel[(grid,)](
+        launch(permute_rows_kernel)[(grid,)](
             x, out, scale if quantize else out, pair_to_row, pad_rows,
             T, H, x.stride(0), num_pad, padding_scale(fmt, pow2) if quantize else 0.0,
             TOPK=top_k, BLOCK_H=block, NUM_CHUNKS=chunks, PAD_ROWS=_PAD_ROWS_PER_PROGRAM,
@@ -72,7 +73,7 @@ def launch_permute(
 
 
 # --- bf16 permute (differentiable) ---------------------------------------------------------------
-@torch.library.custom_op("moe_fp8::routing_permute", mutates_args=())
+@torch.library.triton_op("moe_fp8::routing_permute", mutates_args=())
 def _permute_op(
     x: torch.Tensor, pair_to_row: torch.Tensor, row_to_pair: torch.Tensor, pad_rows: torch.Tensor, top_k: int
 ) -> torch.Tensor:
@@ -103,7 +104,7 @@ torch.library.register_autograd("moe_fp8::routing_permute", _permute_backward, s
 
 
 # --- fused permute + rowwise FP8 quantization ----------------------------------------------------
-@torch.library.custom_op("moe_fp8::routing_permute_quantize", mutates_args=())
+@torch.library.triton_op("moe_fp8::routing_permute_quantize", mutates_args=())
 def _permute_quantize_op(
     x: torch.Tensor,
     pair_to_row: torch.Tensor,

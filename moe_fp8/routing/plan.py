@@ -27,6 +27,7 @@ import torch
 
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
+from ..launch import launch
 from ..launch_math import cdiv, next_power_of_2
 from ..quant.kernels.common import multiprocessor_count
 from .plan_kernels import SYNC_SLOTS, plan_kernel
@@ -144,7 +145,7 @@ def _plan(ids: torch.Tensor, num_experts: int, pad_multiple: int) -> torch.Tenso
     scratch = torch.zeros(SYNC_SLOTS.value + E * num_chunks + E, dtype=torch.int32, device=dev)
     packed = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
     with device_guard(ids):
-        plan_kernel[(num_chunks,)](
+        launch(plan_kernel)[(num_chunks,)](
             ids, scratch, packed, N, M, num_chunks, chunk, cdiv(M, num_chunks),
             E=E, E_POW2=e_pow2, BLOCK=block, SCAN=_SCAN,
             PAD=P, PAD_POW2=next_power_of_2(max(P - 1, 1)),
@@ -155,7 +156,7 @@ def _plan(ids: torch.Tensor, num_experts: int, pad_multiple: int) -> torch.Tenso
 # Under torch.compile the plan is a custom op (with a fake kernel): one opaque node with a static
 # output shape instead of the Triton launch; eagerly a plain call. It returns the one packed buffer
 # (a custom op's outputs may not alias each other), which make_dispatch_plan splits into views.
-_plan_op = torch.library.custom_op("moe_fp8::routing_dispatch_plan", _plan, mutates_args=())
+_plan_op = torch.library.triton_op("moe_fp8::routing_dispatch_plan", _plan, mutates_args=())
 _build_plan = eager_or_custom_op(_plan_op, _plan)
 
 

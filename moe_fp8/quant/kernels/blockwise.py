@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...launch import launch
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
@@ -97,7 +98,7 @@ def launch_blockwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt:
     tile_r = br if br > 1 else max(1, min(_ROW_TILE_ELEMENTS // bc, next_power_of_2(R)))
     n_row_tiles, n_col_blocks = cdiv(R, tile_r), cdiv(C, bc)
     grid = (B * n_row_tiles * n_col_blocks,)
-    _blockwise_kernel[grid](
+    launch(_blockwise_kernel)[grid](
         x3, q, scale, R, C, n_row_tiles, n_col_blocks, cdiv(R, br), x3.stride(0), x3.stride(1), x3.stride(2),
         POW2=bool(pow2), TILE_R=tile_r, ROW_SCALES=br == 1, BLOCK_C=bc,
         num_warps=_num_warps(br, tile_r * bc), **format_constexprs(fmt, x.device, hw_cast),

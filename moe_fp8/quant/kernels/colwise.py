@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ...kernel_backend import launch_target
+from ...launch import launch
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
@@ -555,7 +556,7 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     padded = padded_offs is not None
     tail_per_chunk = cdiv(cdiv(rows_out, n_chunks), cfg["BLOCK_R"]) * cfg["BLOCK_R"]
     for grid, roles in launches:
-        _colwise_kernel[(grid,)](
+        launch(_colwise_kernel)[(grid,)](
             a, qa, sa, c_a, *strides_a, *b_args, offs, padded_offs if padded else offs, amax, cnt,
             G, n_uni, rows_in, rows_out, n_chunks, tail_per_chunk, nb_a, nb_b,
             POW2=bool(pow2), HAS_B=b is not None, UNIFORM=uniform, PADDED=padded,

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...launch import launch
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
@@ -312,7 +313,7 @@ def launch_rowwise(
         return
     cfg = config or rowwise_config(M, K)
     grid = (cdiv(M, cfg["BLOCK_M"]),)
-    _rowwise_kernel[grid](
+    launch(_rowwise_kernel)[grid](
         x, q, scale, M, K, max(rows_per_group, 1), stride_g, stride_r, stride_k,
         POW2=bool(pow2), **cfg, **format_constexprs(fmt, x.device, hw_cast),
     )
@@ -358,7 +359,7 @@ def launch_expert_rowwise_col_amax(
     cfg, rows = _col_amax_config(N, K, rows_per_program, tile, num_warps)
     if E * N == 0:
         return
-    _expert_rowwise_col_amax_kernel[(E, cdiv(N, rows))](
+    launch(_expert_rowwise_col_amax_kernel)[(E, cdiv(N, rows))](
         w, q, scale, amax_bits, N, K, w.stride(0), w.stride(1), w.stride(2),
         POW2=bool(pow2), ROWS=rows, STAGES=stages, **cfg, **format_constexprs(fmt, w.device, hw_cast),
     )
@@ -389,7 +390,7 @@ def launch_group_rowwise_amax(
         return
     G = offs.numel()
     write = q is not None
-    _group_rowwise_amax_kernel[(cdiv(M, rows),)](
+    launch(_group_rowwise_amax_kernel)[(cdiv(M, rows),)](
         x, q if write else amax_bits, scale if write else amax_bits, amax_bits, offs, M, K, G, x.stride(0),
         x.stride(1), POW2=bool(pow2), ROWS=rows, STAGES=stages, G_POW2=next_power_of_2(max(G, 1)),
         WRITE_ROWS=write, **cfg, **format_constexprs(fmt, x.device, hw_cast),

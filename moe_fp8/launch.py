@@ -1,0 +1,65 @@
+"""Kernel launches that ``torch.compile`` can see: ``launch(kernel)[grid](*args, **kwargs)``.
+
+While torch traces (``torch.compiler.is_compiling()``, a fake or functional tensor argument, or an
+active dispatch mode) the launch goes through ``torch.library.wrap_triton``, so the graph holds a
+``triton_kernel_wrapper`` node that Inductor launches from its generated code; otherwise the kernel
+launches directly. Under ``TRITON_INTERPRET=1`` the kernel is traced as a ``JITFunction`` of the same
+source whose launches run in the interpreter, so CPU graphs hold the same nodes as GPU graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from triton.runtime.jit import JITFunction
+
+__all__ = ["launch"]
+
+
+def launch(kernel):
+    """``launch(kernel)[grid](*args, **kwargs)``: ``kernel[grid](...)``, traceable (see the module)."""
+    return _Launch(kernel)
+
+
+class _Launch:
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            if not _tracing(args, kwargs):
+                return self.kernel[grid](*args, **kwargs)
+            return torch.library.wrap_triton(_traceable(self.kernel))[grid](*args, **kwargs)
+
+        return run
+
+
+def _tracing(args, kwargs) -> bool:
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return True
+    return any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in (*args, *kwargs.values()))
+
+
+@functools.lru_cache(maxsize=None)
+def _traceable(kernel):
+    """``kernel`` itself, or for an interpreted kernel a ``JITFunction`` that launches it."""
+    if isinstance(kernel, JITFunction) or not hasattr(kernel, "rewrite"):
+        return kernel
+    return _InterpretedJIT(kernel)
+
+
+class _InterpretedJIT(JITFunction):
+    """The ``JITFunction`` of an interpreted kernel's source; its launches run the interpreter."""
+
+    def __init__(self, interpreted):
+        super().__init__(interpreted.fn)
+        self.interpreted = interpreted
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
