@@ -5,6 +5,10 @@ active dispatch mode) the launch goes through ``torch.library.wrap_triton``, so 
 ``triton_kernel_wrapper`` node that Inductor launches from its generated code; otherwise the kernel
 launches directly. Under ``TRITON_INTERPRET=1`` the kernel is traced as a ``JITFunction`` of the same
 source whose launches run in the interpreter, so CPU graphs hold the same nodes as GPU graphs.
+
+A traced launch is functionalized: each tensor argument the kernel may write is cloned on its own
+(on CPU every argument counts as written: the mutation analysis needs a GPU target). So a tensor
+passed in place of an unused pointer must be one that the kernel does not write (an input).
 """
 
 from __future__ import annotations
@@ -63,3 +67,7 @@ class _InterpretedJIT(JITFunction):
 
     def run(self, *args, grid, warmup, **kwargs):
         return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    # A JITFunction hashes its source's dependencies, which the interpreter's kernels cannot give.
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__

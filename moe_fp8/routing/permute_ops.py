@@ -64,7 +64,7 @@ def launch_permute(
     consts = format_constexprs(fmt if quantize else resolve_format("e4m3fn"), x.device)
     with device_guard(x):
         launch(permute_rows_kernel)[(grid,)](
-            x, out, scale if quantize else out, pair_to_row, pad_rows,
+            x, out, scale if quantize else x, pair_to_row, pad_rows,
             T, H, x.stride(0), num_pad, padding_scale(fmt, pow2) if quantize else 0.0,
             TOPK=top_k, BLOCK_H=block, NUM_CHUNKS=chunks, PAD_ROWS=_PAD_ROWS_PER_PROGRAM,
             QUANTIZE=quantize, POW2=pow2, num_warps=_num_warps(block), **consts,
