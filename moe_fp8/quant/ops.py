@@ -1,11 +1,11 @@
-"""Public Triton FP8 quantizers: validated wrappers around the ``moe_fp8::*`` torch custom ops.
+"""Public Triton FP8 quantizers: validated wrappers around the ``moe_fp8::*`` torch ops.
 
 Each ``triton_quantize_*`` function resolves the format (a :class:`Float8Format`, its name, its
-torch dtype, or ``None`` to detect it), then calls a ``torch.library.custom_op`` whose fake
+torch dtype, or ``None`` to detect it), then calls a ``torch.library.triton_op`` whose fake
 implementation gives shapes, dtypes and strides, so ``torch.compile(fullgraph=True)`` traces
-through without graph breaks; eager calls skip the dispatcher and run the op's function directly
-(``kernel_backend.eager_custom_op``). The op checks its inputs (metadata only, no device sync) and raises
-``TypeError``/``ValueError`` naming the argument. Results equal the matching function of
+through without graph breaks, down to the Triton kernels; eager calls skip the dispatcher and run
+the op's function directly (``kernel_backend.eager_triton_op``). The op checks its inputs (metadata
+only, no device sync) and raises ``TypeError``/``ValueError`` naming the argument. Results equal the matching function of
 :mod:`moe_fp8.quant.reference` byte for byte (FP8 values and fp32 scales).
 
 Inputs may be bf16, fp16 or fp32 with any strides (unit stride on the last dim is what makes the

@@ -10,9 +10,9 @@ Numerics: ``a`` is computed in fp32 and rounded once to ``h``'s dtype; its FP8 r
 ``moe_fp8.quant.reference.quantize_rowwise`` exactly (same bytes and scales as quantizing the
 returned ``a``). ``silu`` uses the hardware ``exp``, so ``a`` may differ from torch's in the last
 bit. Rows are independent: ``M`` may be anything, including 0. On a CPU without the Triton
-interpreter both functions run the same math in plain torch. Both are torch custom ops
+interpreter both functions run the same math in plain torch. Both are ``torch.library.triton_op`` s
 (``moe_fp8::swiglu_quantize``, ``moe_fp8::swiglu_backward``) with fake kernels, so
-``torch.compile`` traces them as opaque nodes.
+``torch.compile`` traces them down to their kernels.
 """
 
 from __future__ import annotations

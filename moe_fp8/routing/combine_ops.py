@@ -12,7 +12,7 @@ form writes and re-reads the gathered ``(T, k, H)`` tensor (plus an fp32 copy fo
 sum): about 3x the bytes of the one-pass kernel, which reads the k rows once and writes the
 token once. ``index_add_`` avoids the copy but uses float atomics, whose order (and bits) vary.
 
-Exposed as the torch custom ops ``moe_fp8::routing_combine`` (autograd registered) and
+Exposed as the torch ops (``triton_op``) ``moe_fp8::routing_combine`` (autograd registered) and
 ``moe_fp8::routing_combine_backward``.
 """
 

@@ -1,7 +1,7 @@
 """Permute token rows into the expert-sorted layout: bf16 (baseline) or fused with rowwise FP8 quantization.
 
-Both are torch custom ops (``moe_fp8::routing_permute``, ``moe_fp8::routing_permute_quantize``)
-with fake kernels, so they trace under ``torch.compile`` and capture in CUDA graphs. The bf16
+Both are ``torch.library.triton_op`` s (``moe_fp8::routing_permute``, ``moe_fp8::routing_permute_quantize``)
+with fake kernels, so ``torch.compile`` traces them down to the kernel and they capture in CUDA graphs. The bf16
 permute is differentiable (its backward is the unweighted combine); the quantizing one marks its
 outputs non-differentiable (FP8 codes feed a GEMM whose autograd op owns the backward).
 """
