@@ -5,8 +5,8 @@ torch dtype, or ``None`` to detect it), then calls a ``torch.library.triton_op``
 implementation gives shapes, dtypes and strides, so ``torch.compile(fullgraph=True)`` traces
 through without graph breaks, down to the Triton kernels; eager calls skip the dispatcher and run
 the op's function directly (``kernel_backend.eager_triton_op``). The op checks its inputs (metadata
-only, no device sync) and raises ``TypeError``/``ValueError`` naming the argument. Results equal the matching function of
-:mod:`moe_fp8.quant.reference` byte for byte (FP8 values and fp32 scales).
+only, no device sync) and raises ``TypeError``/``ValueError`` naming the argument. Results equal the
+matching function of :mod:`moe_fp8.quant.reference` byte for byte (FP8 values and fp32 scales).
 
 Inputs may be bf16, fp16 or fp32 with any strides (unit stride on the last dim is what makes the
 loads wide). Kernels run on CUDA/ROCm tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
