@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -39,7 +40,11 @@ class _Launch:
         def run(*args, **kwargs):
             if not _tracing(args, kwargs):
                 return self.kernel[grid](*args, **kwargs)
-            return torch.library.wrap_triton(_traceable(self.kernel))[grid](*args, **kwargs)
+            kernel = _traceable(self.kernel)
+            if "maxnreg" in kwargs:  # torch moves num_warps / num_stages into a config itself, not maxnreg
+                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+                kernel = _configured(kernel, tuple(sorted(options.items())))
+            return torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
 
         return run
 
@@ -48,6 +53,12 @@ def _tracing(args, kwargs) -> bool:
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return True
     return any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in (*args, *kwargs.values()))
+
+
+@functools.lru_cache(maxsize=None)
+def _configured(kernel, options: tuple):
+    """``kernel`` with its launch options as the one config of an autotuner (what torch traces)."""
+    return triton.autotune(configs=[triton.Config({}, **dict(options))], key=[])(kernel)
 
 
 @functools.lru_cache(maxsize=None)
