@@ -20,6 +20,7 @@ import triton
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 __all__ = ["launch"]
@@ -64,9 +65,7 @@ def _configured(kernel, options: tuple):
 @functools.lru_cache(maxsize=None)
 def _traceable(kernel):
     """``kernel`` itself, or for an interpreted kernel a ``JITFunction`` that launches it."""
-    if isinstance(kernel, JITFunction) or not hasattr(kernel, "rewrite"):
-        return kernel
-    return _InterpretedJIT(kernel)
+    return _InterpretedJIT(kernel) if isinstance(kernel, InterpretedFunction) else kernel
 
 
 class _InterpretedJIT(JITFunction):
