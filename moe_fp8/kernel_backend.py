@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = [
     "interpreter_enabled", "triton_runs_on", "use_triton", "device_guard", "eager_or_custom_op", "eager_custom_op",
+    "eager_triton_op",
     "LaunchTarget", "launch_target", "configure_launches_for",
 ]
 
@@ -138,17 +139,26 @@ def _plain_eager_call(args, kwargs) -> bool:
     return True
 
 
-def eager_custom_op(name: str):
+def eager_custom_op(name: str, *, make=torch.library.custom_op):
     """Decorator: ``fn`` becomes the torch custom op ``name`` (no mutated arguments) for
     ``torch.compile``, called through :func:`eager_or_custom_op` (directly) in eager mode. The
     returned function keeps the op's ``register_fake``; the op itself is its ``op`` attribute.
-    Only for ops without a registered backward (eager calls would skip it)."""
+    Only for ops without a registered backward (eager calls would skip it). ``make`` builds the op
+    (``torch.library.custom_op``: one opaque node; see :func:`eager_triton_op`)."""
 
     def wrap(fn):
-        op = torch.library.custom_op(name, fn, mutates_args=())
+        op = make(name, fn, mutates_args=())
         call = eager_or_custom_op(op, fn)
         call.register_fake = op.register_fake
         call.op = op
         return call
 
     return wrap
+
+
+def eager_triton_op(name: str):
+    """:func:`eager_custom_op` for a function whose kernels launch through :func:`moe_fp8.launch.launch`:
+    the op is a ``torch.library.triton_op``, so ``torch.compile`` traces its body and the graph holds
+    the Triton kernels themselves (``triton_kernel_wrapper`` nodes) instead of one opaque call. The
+    body must be traceable with fake tensors (shape- and dtype-dependent Python only)."""
+    return eager_custom_op(name, make=torch.library.triton_op)

@@ -4,7 +4,12 @@
 
 - While torch traces (``torch.compile``, a fake / functional / other tensor subclass among the
   arguments, or a dispatch mode that takes higher-order operators: fake, proxy, functional) the call
-  goes through ``torch.library.wrap_triton`` so that Inductor sees the kernel.
+  goes through ``torch.library.wrap_triton`` so that the graph holds a ``triton_kernel_wrapper``
+  node that Inductor launches from its generated code. Under ``TRITON_INTERPRET=1`` the kernel is
+  traced as a ``JITFunction`` of the same source whose launches run in the interpreter, so CPU
+  graphs hold the same nodes as GPU graphs. A traced launch is functionalized: each tensor argument
+  the kernel may write is cloned on its own, so a tensor passed in place of an unused pointer must
+  be one the kernel does not write (an input).
 - In the interpreter (``TRITON_INTERPRET=1``), on CPU tensors, or on a Triton without the fast
   path: plain ``kernel[grid](...)``.
 - Eagerly on a GPU with Triton 3.4-3.9: a direct launch. The compiled kernel is cached per
@@ -31,6 +36,7 @@ from typing import Any
 
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 __all__ = ["launch", "fast_launch", "fast_launch_enabled", "FAST_LAUNCH_VERSIONS"]
@@ -156,7 +162,7 @@ class _Launcher:
             return self._counted(grid, args, kwargs)
         kernel = self.kernel
         if not self.jit:
-            return kernel[grid](*args, **kwargs)
+            return self._triton(grid, args, kwargs)
         direct = _STATE["fast"] and _VERSION_OK and not callable(grid) and not getattr(kernel, "pre_run_hooks", None)
         if not direct or _tracing_context() or _hooked():
             return self._triton(grid, args, kwargs)
@@ -164,9 +170,40 @@ class _Launcher:
 
     def _triton(self, grid, args: tuple, kwargs: dict):
         """Triton's own launch, through ``wrap_triton`` while torch traces."""
-        if _tracing(args, kwargs):
-            return torch.library.wrap_triton(self.kernel)[grid](*args, **kwargs)
-        return self.kernel[grid](*args, **kwargs)
+        if not _tracing(args, kwargs):
+            return self.kernel[grid](*args, **kwargs)
+        kernel = _traceable(self.kernel)
+        if "maxnreg" in kwargs:  # torch moves num_warps / num_stages into a config itself, not maxnreg
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+            kernel = _configured(kernel, tuple(sorted(options.items())))
+        return torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _configured(kernel, options: tuple):
+    """``kernel`` with its launch options as the one config of an autotuner (what torch traces)."""
+    return triton.autotune(configs=[triton.Config({}, **dict(options))], key=[])(kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _traceable(kernel):
+    """``kernel`` itself, or for an interpreted kernel a ``JITFunction`` that launches it."""
+    return _InterpretedJIT(kernel) if isinstance(kernel, InterpretedFunction) else kernel
+
+
+class _InterpretedJIT(JITFunction):
+    """The ``JITFunction`` of an interpreted kernel's source; its launches run the interpreter."""
+
+    def __init__(self, interpreted):
+        super().__init__(interpreted.fn)
+        self.interpreted = interpreted
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    # A JITFunction hashes its source's dependencies, which the interpreter's kernels cannot give.
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
 
     def _counted(self, grid, args: tuple, kwargs: dict):
         """Launch with every active counter recording it (and not counting the torch ops of the launch itself,

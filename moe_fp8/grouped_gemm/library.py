@@ -1,9 +1,10 @@
 """The steps the autograd op runs, each callable two ways.
 
 Eagerly they are plain Python calls (no dispatcher overhead). Under ``torch.compile`` they are
-``torch.library`` custom ops (``moe_fp8::gg_*``) with shape-only fake implementations, so the
-compiler sees each backend GEMM and each quantization as one opaque node: ``fullgraph=True``
-works for every backend, Triton kernels and the CPU reference included.
+``torch.library`` ops (``moe_fp8::gg_*``) with shape-only fake implementations: ``triton_op`` s,
+whose bodies the compiler traces (our Triton kernels become ``triton_kernel_wrapper`` nodes, the
+library GEMMs aten ops), except the FP8 GEMMs of the ``emulated`` CPU reference, which read the
+offsets on the host and stay opaque custom ops. ``fullgraph=True`` works for every backend.
 """
 
 # No ``from __future__ import annotations`` here: torch.library infers each op's schema from the
@@ -117,31 +118,49 @@ def _wgrad_operand_layout(q: Tensor, offs: Tensor, fused: bool, padded_offs: Opt
     )
 
 
-# ----------------------------------------------------------------------------- custom ops
-_op_mm_2d3d = torch.library.custom_op("moe_fp8::gg_mm_2d3d", _mm_2d3d, mutates_args=())
-_op_mm_2d2d = torch.library.custom_op("moe_fp8::gg_mm_2d2d", _mm_2d2d, mutates_args=())
-_op_bf16_mm_2d3d = torch.library.custom_op("moe_fp8::gg_bf16_mm_2d3d", _bf16_mm_2d3d, mutates_args=())
-_op_bf16_mm_2d2d = torch.library.custom_op("moe_fp8::gg_bf16_mm_2d2d", _bf16_mm_2d2d, mutates_args=())
-_op_quantize_activation = torch.library.custom_op(
-    "moe_fp8::gg_quantize_activation", _quantize_activation, mutates_args=()
-)
-_op_quantize_activation_group_amax = torch.library.custom_op(
-    "moe_fp8::gg_quantize_activation_group_amax", _quantize_activation_group_amax, mutates_args=()
-)
-_op_group_amax = torch.library.custom_op("moe_fp8::gg_group_amax", _group_amax, mutates_args=())
-_op_quantize_weight = torch.library.custom_op("moe_fp8::gg_quantize_weight", _quantize_weight, mutates_args=())
-_op_quantize_weight_forward_layout = torch.library.custom_op(
-    "moe_fp8::gg_quantize_weight_forward_layout", _quantize_weight_forward_layout, mutates_args=()
-)
-_op_quantize_weight_dgrad_layout = torch.library.custom_op(
-    "moe_fp8::gg_quantize_weight_dgrad_layout", _quantize_weight_dgrad_layout, mutates_args=()
-)
-_op_quantize_wgrad_operands = torch.library.custom_op(
-    "moe_fp8::gg_quantize_wgrad_operands", _quantize_wgrad_operands, mutates_args=()
-)
-_op_wgrad_operand_layout = torch.library.custom_op(
-    "moe_fp8::gg_wgrad_operand_layout", _wgrad_operand_layout, mutates_args=()
-)
+# ----------------------------------------------------------------------------- torch.library ops
+class _Op:
+    """One step as two ops: ``moe_fp8::gg_<name>``, a ``triton_op`` traced under torch.compile, and
+    ``moe_fp8::gg_<name>_opaque``, a custom op, for the calls where ``opaque(args)`` says the body
+    reads device data on the host (the emulated backend, the reference quantizers)."""
+
+    def __init__(self, name: str, impl, opaque):
+        self.traced = torch.library.triton_op(f"moe_fp8::gg_{name}", impl, mutates_args=())
+        self.opaque = torch.library.custom_op(f"moe_fp8::gg_{name}_opaque", impl, mutates_args=())
+        self.calls = eager_or_custom_op(self.traced, impl), eager_or_custom_op(self.opaque, impl)
+        self.is_opaque = opaque
+
+    def register_fake(self, fake):
+        self.traced.register_fake(fake)
+        self.opaque.register_fake(fake)
+        return fake
+
+    def __call__(self, *args):
+        return self.calls[self.is_opaque(args)](*args)
+
+
+def _emulated(args) -> bool:
+    return args[0] == "emulated"
+
+
+def _unfused(position: int):
+    return lambda args: len(args) <= position or not args[position]
+
+
+_op_mm_2d3d = _Op("mm_2d3d", _mm_2d3d, _emulated)
+_op_mm_2d2d = _Op("mm_2d2d", _mm_2d2d, _emulated)
+_op_bf16_mm_2d3d = _Op("bf16_mm_2d3d", _bf16_mm_2d3d, lambda args: False)
+_op_bf16_mm_2d2d = _Op("bf16_mm_2d2d", _bf16_mm_2d2d, lambda args: False)
+_op_quantize_activation = _Op("quantize_activation", _quantize_activation, _unfused(4))
+_op_quantize_activation_group_amax = _Op("quantize_activation_group_amax", _quantize_activation_group_amax,
+                                         _unfused(4))
+_op_group_amax = _Op("group_amax", _group_amax, _unfused(2))
+_op_quantize_weight = _Op("quantize_weight", _quantize_weight, _unfused(4))
+_op_quantize_weight_forward_layout = _Op("quantize_weight_forward_layout", _quantize_weight_forward_layout,
+                                         _unfused(3))
+_op_quantize_weight_dgrad_layout = _Op("quantize_weight_dgrad_layout", _quantize_weight_dgrad_layout, _unfused(4))
+_op_quantize_wgrad_operands = _Op("quantize_wgrad_operands", _quantize_wgrad_operands, _unfused(5))
+_op_wgrad_operand_layout = _Op("wgrad_operand_layout", _wgrad_operand_layout, _unfused(2))
 
 
 @_op_mm_2d3d.register_fake
@@ -230,17 +249,15 @@ def _(q, offs, fused, padded_offs, padded_rows):
 
 
 # ----------------------------------------------------------------------------- entry points
-mm_2d3d = eager_or_custom_op(_op_mm_2d3d, _mm_2d3d)
-mm_2d2d = eager_or_custom_op(_op_mm_2d2d, _mm_2d2d)
-bf16_mm_2d3d = eager_or_custom_op(_op_bf16_mm_2d3d, _bf16_mm_2d3d)
-bf16_mm_2d2d = eager_or_custom_op(_op_bf16_mm_2d2d, _bf16_mm_2d2d)
-quantize_activation = eager_or_custom_op(_op_quantize_activation, _quantize_activation)
-quantize_activation_group_amax = eager_or_custom_op(_op_quantize_activation_group_amax,
-                                                    _quantize_activation_group_amax)
-group_amax = eager_or_custom_op(_op_group_amax, _group_amax)
-quantize_weight = eager_or_custom_op(_op_quantize_weight, _quantize_weight)
-quantize_weight_forward_layout = eager_or_custom_op(_op_quantize_weight_forward_layout,
-                                                    _quantize_weight_forward_layout)
-quantize_weight_dgrad_layout = eager_or_custom_op(_op_quantize_weight_dgrad_layout, _quantize_weight_dgrad_layout)
-quantize_wgrad_operands = eager_or_custom_op(_op_quantize_wgrad_operands, _quantize_wgrad_operands)
-wgrad_operand_layout = eager_or_custom_op(_op_wgrad_operand_layout, _wgrad_operand_layout)
+mm_2d3d = _op_mm_2d3d
+mm_2d2d = _op_mm_2d2d
+bf16_mm_2d3d = _op_bf16_mm_2d3d
+bf16_mm_2d2d = _op_bf16_mm_2d2d
+quantize_activation = _op_quantize_activation
+quantize_activation_group_amax = _op_quantize_activation_group_amax
+group_amax = _op_group_amax
+quantize_weight = _op_quantize_weight
+quantize_weight_forward_layout = _op_quantize_weight_forward_layout
+quantize_weight_dgrad_layout = _op_quantize_weight_dgrad_layout
+quantize_wgrad_operands = _op_quantize_wgrad_operands
+wgrad_operand_layout = _op_wgrad_operand_layout

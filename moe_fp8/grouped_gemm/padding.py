@@ -115,8 +115,8 @@ def _gather_rows_padded(x: torch.Tensor, offs: torch.Tensor, padded_offs: torch.
     return out
 
 
-# Under torch.compile one opaque node with a fake kernel (static output shape); eagerly a plain call.
-_gather_op = torch.library.custom_op("moe_fp8::gather_rows_padded", _gather_rows_padded, mutates_args=())
+# Under torch.compile a triton_op with a fake kernel (static output shape), traced to its launch; eagerly a plain call.
+_gather_op = torch.library.triton_op("moe_fp8::gather_rows_padded", _gather_rows_padded, mutates_args=())
 _gather = eager_or_custom_op(_gather_op, _gather_rows_padded)
 
 

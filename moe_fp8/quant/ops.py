@@ -1,12 +1,12 @@
-"""Public Triton FP8 quantizers: validated wrappers around the ``moe_fp8::*`` torch custom ops.
+"""Public Triton FP8 quantizers: validated wrappers around the ``moe_fp8::*`` torch ops.
 
 Each ``triton_quantize_*`` function resolves the format (a :class:`Float8Format`, its name, its
-torch dtype, or ``None`` to detect it), then calls a ``torch.library.custom_op`` whose fake
+torch dtype, or ``None`` to detect it), then calls a ``torch.library.triton_op`` whose fake
 implementation gives shapes, dtypes and strides, so ``torch.compile(fullgraph=True)`` traces
-through without graph breaks; eager calls skip the dispatcher and run the op's function directly
-(``kernel_backend.eager_custom_op``). The op checks its inputs (metadata only, no device sync) and raises
-``TypeError``/``ValueError`` naming the argument. Results equal the matching function of
-:mod:`moe_fp8.quant.reference` byte for byte (FP8 values and fp32 scales).
+through without graph breaks, down to the Triton kernels; eager calls skip the dispatcher and run
+the op's function directly (``kernel_backend.eager_triton_op``). The op checks its inputs (metadata
+only, no device sync) and raises ``TypeError``/``ValueError`` naming the argument. Results equal the
+matching function of :mod:`moe_fp8.quant.reference` byte for byte (FP8 values and fp32 scales).
 
 Inputs may be bf16, fp16 or fp32 with any strides (unit stride on the last dim is what makes the
 loads wide). Kernels run on CUDA/ROCm tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..checks import check_offsets, check_same_device, check_tensor
-from ..kernel_backend import eager_custom_op
+from ..kernel_backend import eager_triton_op
 from .formats import Float8Format, resolve_format
 from .kernels.blockwise import launch_blockwise, supported_block
 from .kernels.colwise import launch_expert_colwise_t, launch_group_colwise
@@ -67,7 +67,7 @@ def _check_rowwise(x, fmt: str) -> Float8Format:
     return _format(fmt, x.device)
 
 
-@eager_custom_op("moe_fp8::quantize_rowwise")
+@eager_triton_op("moe_fp8::quantize_rowwise")
 def _rowwise_op(x: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_rowwise(x, fmt)
     M, K = x.shape
@@ -98,7 +98,7 @@ def _check_group_amax(x, offs, fmt: str) -> Float8Format:
     return _format(fmt, x.device)
 
 
-@eager_custom_op("moe_fp8::quantize_rowwise_group_amax")
+@eager_triton_op("moe_fp8::quantize_rowwise_group_amax")
 def _rowwise_group_amax_op(
     x: torch.Tensor, offs: torch.Tensor, fmt: str, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,7 +130,7 @@ def triton_quantize_rowwise_with_group_amax(
     return _rowwise_group_amax_op(x, offs, _format(fmt, x.device).name, bool(pow2))
 
 
-@eager_custom_op("moe_fp8::group_amax")
+@eager_triton_op("moe_fp8::group_amax")
 def _group_amax_op(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     f = _check_group_amax(x, offs, None)  # the platform's format: the launch needs one, writes none
     amax = torch.zeros((offs.numel(), x.shape[1]), dtype=_F32, device=x.device)
@@ -183,7 +183,7 @@ def _expert_layout(w: torch.Tensor, f: Float8Format, pow2: bool, transposed: boo
     return q, scale
 
 
-@eager_custom_op("moe_fp8::quantize_expert_colwise")
+@eager_triton_op("moe_fp8::quantize_expert_colwise")
 def _expert_colwise_op(w: torch.Tensor, fmt: str, pow2: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _expert_layout(w, _check_expert(w, fmt), pow2, transposed)
 
@@ -224,7 +224,7 @@ def _dgrad_layout_from_amax(w: torch.Tensor, col_amax: torch.Tensor, f: Float8Fo
     return q, scale
 
 
-@eager_custom_op("moe_fp8::quantize_expert_colwise_dual")
+@eager_triton_op("moe_fp8::quantize_expert_colwise_dual")
 def _expert_dual_op(
     w: torch.Tensor, fmt: str, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -260,7 +260,7 @@ def triton_quantize_expert_colwise_dual(
     return _expert_dual_op(w, _format(fmt, w.device).name, bool(pow2))
 
 
-@eager_custom_op("moe_fp8::quantize_expert_rowwise_with_amax")
+@eager_triton_op("moe_fp8::quantize_expert_rowwise_with_amax")
 def _expert_rowwise_amax_op(w: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     f = _check_expert(w, fmt)
     if not col_amax_fits(w.shape[2]):
@@ -296,7 +296,7 @@ def _check_col_amax(w, col_amax) -> None:
     check_same_device(w=w, col_amax=col_amax)
 
 
-@eager_custom_op("moe_fp8::quantize_expert_colwise_from_amax")
+@eager_triton_op("moe_fp8::quantize_expert_colwise_from_amax")
 def _expert_colwise_from_amax_op(
     w: torch.Tensor, col_amax: torch.Tensor, fmt: str, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,7 +357,7 @@ def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows, a_amax=None,
     return _format(fmt, a.device), rows_out
 
 
-@eager_custom_op("moe_fp8::quantize_group_colwise")
+@eager_triton_op("moe_fp8::quantize_group_colwise")
 def _group_colwise_op(
     x: torch.Tensor, offs: torch.Tensor, fmt: str, pow2: bool, column_major: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,7 +391,7 @@ def triton_quantize_group_colwise(
     return _group_colwise_op(x, offs, _format(fmt, x.device).name, bool(pow2), bool(column_major))
 
 
-@eager_custom_op("moe_fp8::quantize_group_colwise_dual")
+@eager_triton_op("moe_fp8::quantize_group_colwise_dual")
 def _group_dual_op(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -483,7 +483,7 @@ def _check_tensorwise(x, fmt: str, rows: Optional[torch.Tensor] = None) -> Float
     return _format(fmt, x.device)
 
 
-@eager_custom_op("moe_fp8::quantize_tensorwise")
+@eager_triton_op("moe_fp8::quantize_tensorwise")
 def _tensorwise_op(x: torch.Tensor, fmt: str, pow2: bool,
                    rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_tensorwise(x, fmt, rows)
@@ -515,7 +515,7 @@ def triton_quantize_tensorwise(
     return _tensorwise_op(x, _format(fmt, x.device).name, bool(pow2), rows)
 
 
-@eager_custom_op("moe_fp8::quantize_expert_tensorwise")
+@eager_triton_op("moe_fp8::quantize_expert_tensorwise")
 def _expert_tensorwise_op(w: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_expert(w, fmt)
     w = w.contiguous()
@@ -555,7 +555,7 @@ def _block_scale_shape(x, block) -> tuple[int, ...]:
     return (*x.shape[:-2], -(-R // br), -(-C // bc))
 
 
-@eager_custom_op("moe_fp8::quantize_blockwise")
+@eager_triton_op("moe_fp8::quantize_blockwise")
 def _blockwise_op(x: torch.Tensor, fmt: str, block: list[int], pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_blockwise(x, fmt, block)
     q = torch.empty(x.shape, dtype=f.torch_dtype, device=x.device)

@@ -10,9 +10,9 @@ Numerics: ``a`` is computed in fp32 and rounded once to ``h``'s dtype; its FP8 r
 ``moe_fp8.quant.reference.quantize_rowwise`` exactly (same bytes and scales as quantizing the
 returned ``a``). ``silu`` uses the hardware ``exp``, so ``a`` may differ from torch's in the last
 bit. Rows are independent: ``M`` may be anything, including 0. On a CPU without the Triton
-interpreter both functions run the same math in plain torch. Both are torch custom ops
+interpreter both functions run the same math in plain torch. Both are ``torch.library.triton_op`` s
 (``moe_fp8::swiglu_quantize``, ``moe_fp8::swiglu_backward``) with fake kernels, so
-``torch.compile`` traces them as opaque nodes.
+``torch.compile`` traces them down to their kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_tensor
-from ..kernel_backend import device_guard, eager_custom_op, use_triton
+from ..kernel_backend import device_guard, eager_triton_op, use_triton
 from ..launch import launch
 from ..launch_math import cdiv, next_power_of_2
 from .formats import resolve_format
@@ -114,7 +114,7 @@ def _blocks(I: int) -> tuple[int, int]:
     return max(1, 2048 // block_i), block_i
 
 
-@eager_custom_op("moe_fp8::swiglu_quantize")
+@eager_triton_op("moe_fp8::swiglu_quantize")
 def _swiglu_quantize_op(h: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     f = resolve_format(fmt)
     I = h.shape[1] // 2
@@ -141,7 +141,7 @@ def _(h, fmt, pow2):
     return h.new_empty(M, I), h.new_empty(M, I, dtype=resolve_format(fmt).torch_dtype), h.new_empty(M, dtype=torch.float32)
 
 
-@eager_custom_op("moe_fp8::swiglu_backward")
+@eager_triton_op("moe_fp8::swiglu_backward")
 def _swiglu_backward_op(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
     M, I = h.shape[0], h.shape[1] // 2
     if not use_triton(_swiglu_bwd_kernel, h):
@@ -154,10 +154,8 @@ def _swiglu_backward_op(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
         block_m, block_i = _blocks(min(I, 128))
         grid = (cdiv(M, block_m), cdiv(I, block_i))
         with device_guard(h):
-            launch(_swiglu_bwd_kernel)[grid](
-                h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
-                BLOCK_M=block_m, BLOCK_I=block_i,
-            )
+            launch(_swiglu_bwd_kernel)[grid](h, grad_a, grad_h, M, I, h.stride(0), grad_a.stride(0), grad_h.stride(0),
+                                     BLOCK_M=block_m, BLOCK_I=block_i)
     return grad_h
 
 

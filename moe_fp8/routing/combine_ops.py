@@ -12,7 +12,7 @@ form writes and re-reads the gathered ``(T, k, H)`` tensor (plus an fp32 copy fo
 sum): about 3x the bytes of the one-pass kernel, which reads the k rows once and writes the
 token once. ``index_add_`` avoids the copy but uses float atomics, whose order (and bits) vary.
 
-Exposed as the torch custom ops ``moe_fp8::routing_combine`` (autograd registered) and
+Exposed as the torch ops (``triton_op``) ``moe_fp8::routing_combine`` (autograd registered) and
 ``moe_fp8::routing_combine_backward``.
 """
 
@@ -23,7 +23,7 @@ import torch
 from ..checks import check_same_device, check_tensor
 from ..launch import launch
 from ..quant.reference import HIGH_PRECISION_DTYPES
-from ..kernel_backend import device_guard, eager_custom_op, use_triton
+from ..kernel_backend import device_guard, eager_triton_op, use_triton
 from ..launch_math import cdiv, next_power_of_2
 from .combine_kernels import combine_backward_kernel, combine_kernel
 from .permute_ops import _permute_op
@@ -39,7 +39,7 @@ _BWD_WARPS = 4
 _PAD_ROWS_PER_PROGRAM = 16
 
 
-@torch.library.custom_op("moe_fp8::routing_combine", mutates_args=())
+@torch.library.triton_op("moe_fp8::routing_combine", mutates_args=())
 def _combine_op(
     y: torch.Tensor,
     pair_to_row: torch.Tensor,
@@ -68,7 +68,7 @@ def _(y, pair_to_row, row_to_pair, pad_rows, weights, top_k):
     return y.new_empty(pair_to_row.shape[0] // top_k, y.shape[1])
 
 
-@eager_custom_op("moe_fp8::routing_combine_backward")
+@eager_triton_op("moe_fp8::routing_combine_backward")
 def _combine_backward_op(
     grad_out: torch.Tensor, y: torch.Tensor, pair_to_row: torch.Tensor, pad_rows: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

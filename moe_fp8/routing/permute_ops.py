@@ -1,7 +1,7 @@
 """Permute token rows into the expert-sorted layout: bf16 (baseline) or fused with rowwise FP8 quantization.
 
-Both are torch custom ops (``moe_fp8::routing_permute``, ``moe_fp8::routing_permute_quantize``)
-with fake kernels, so they trace under ``torch.compile`` and capture in CUDA graphs. The bf16
+Both are ``torch.library.triton_op`` s (``moe_fp8::routing_permute``, ``moe_fp8::routing_permute_quantize``)
+with fake kernels, so ``torch.compile`` traces them down to the kernel and they capture in CUDA graphs. The bf16
 permute is differentiable (its backward is the unweighted combine); the quantizing one marks its
 outputs non-differentiable (FP8 codes feed a GEMM whose autograd op owns the backward).
 """
@@ -64,7 +64,7 @@ def launch_permute(
     consts = format_constexprs(fmt if quantize else resolve_format("e4m3fn"), x.device)
     with device_guard(x):
         launch(permute_rows_kernel)[(grid,)](
-            x, out, scale if quantize else out, pair_to_row, pad_rows,
+            x, out, scale if quantize else x, pair_to_row, pad_rows,
             T, H, x.stride(0), num_pad, padding_scale(fmt, pow2) if quantize else 0.0,
             TOPK=top_k, BLOCK_H=block, NUM_CHUNKS=chunks, PAD_ROWS=_PAD_ROWS_PER_PROGRAM,
             QUANTIZE=quantize, POW2=pow2, num_warps=_num_warps(block), **consts,
@@ -73,7 +73,7 @@ def launch_permute(
 
 
 # --- bf16 permute (differentiable) ---------------------------------------------------------------
-@torch.library.custom_op("moe_fp8::routing_permute", mutates_args=())
+@torch.library.triton_op("moe_fp8::routing_permute", mutates_args=())
 def _permute_op(
     x: torch.Tensor, pair_to_row: torch.Tensor, row_to_pair: torch.Tensor, pad_rows: torch.Tensor, top_k: int
 ) -> torch.Tensor:
@@ -104,7 +104,7 @@ torch.library.register_autograd("moe_fp8::routing_permute", _permute_backward, s
 
 
 # --- fused permute + rowwise FP8 quantization ----------------------------------------------------
-@torch.library.custom_op("moe_fp8::routing_permute_quantize", mutates_args=())
+@torch.library.triton_op("moe_fp8::routing_permute_quantize", mutates_args=())
 def _permute_quantize_op(
     x: torch.Tensor,
     pair_to_row: torch.Tensor,

@@ -153,10 +153,10 @@ def _plan(ids: torch.Tensor, num_experts: int, pad_multiple: int) -> torch.Tenso
     return packed
 
 
-# Under torch.compile the plan is a custom op (with a fake kernel): one opaque node with a static
-# output shape instead of the Triton launch; eagerly a plain call. It returns the one packed buffer
+# Under torch.compile the plan is a triton_op (with a fake kernel, static output shape): traced to its
+# Triton launch; eagerly a plain call. It returns the one packed buffer
 # (a custom op's outputs may not alias each other), which make_dispatch_plan splits into views.
-_plan_op = torch.library.custom_op("moe_fp8::routing_dispatch_plan", _plan, mutates_args=())
+_plan_op = torch.library.triton_op("moe_fp8::routing_dispatch_plan", _plan, mutates_args=())
 _build_plan = eager_or_custom_op(_plan_op, _plan)
 
 

@@ -391,7 +391,7 @@ def launch_group_rowwise_amax(
     G = offs.numel()
     write = q is not None
     launch(_group_rowwise_amax_kernel)[(cdiv(M, rows),)](
-        x, q if write else amax_bits, scale if write else amax_bits, amax_bits, offs, M, K, G, x.stride(0),
+        x, q if write else x, scale if write else x, amax_bits, offs, M, K, G, x.stride(0),
         x.stride(1), POW2=bool(pow2), ROWS=rows, STAGES=stages, G_POW2=next_power_of_2(max(G, 1)),
         WRITE_ROWS=write, **cfg, **format_constexprs(fmt, x.device, hw_cast),
     )

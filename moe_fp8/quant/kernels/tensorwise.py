@@ -84,10 +84,8 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, groups: int, 
     programs = max(1, min(cdiv(numel, _BLOCK), per_group))
     partial = torch.empty((groups, programs), dtype=torch.float32, device=x.device)
     row_len = x.shape[1:].numel() if rows is not None else 1  # elements per row along dim 0
-    launch(_partial_amax_kernel)[(programs, groups)](
-        x, partial, numel, partial if rows is None else rows, row_len, HAS_ROWS=rows is not None, BLOCK=_BLOCK,
-        num_warps=8,
-    )
+    launch(_partial_amax_kernel)[(programs, groups)](x, partial, numel, x if rows is None else rows, row_len,
+                                             HAS_ROWS=rows is not None, BLOCK=_BLOCK, num_warps=8)  # fmt: skip
     launch(_tensorwise_cast_kernel)[(programs, groups)](
         x, q, scale, partial, programs, numel, POW2=bool(pow2), BLOCK=_BLOCK, PARTIALS=next_power_of_2(programs),
         num_warps=8, **format_constexprs(fmt, x.device, hw_cast),

@@ -1,0 +1,204 @@
+"""What ``torch.compile`` sees of the library: our Triton kernels as ``triton_kernel_wrapper`` nodes
+in the AOT graphs (forward and backward), not opaque ``moe_fp8::*`` calls, and compiled results
+equal to eager ones. CPU: tiny shapes, Triton interpreter, a graph-capturing AOT backend. GPU:
+Inductor on converted Hugging Face decoder layers, ``mode="reduce-overhead"`` on a whole model."""
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+from moe_fp8 import FP8Linear, FP8MoE, hf
+from moe_fp8.testing import sqnr
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DeepseekV3Config, Qwen3MoeConfig  # noqa: E402
+
+H, I, E, K, T = 32, 32, 4, 2, 16
+
+# Without a GPU target Triton cannot analyse which arguments a kernel writes; torch then logs a
+# warning per kernel and treats every argument as written (correct, only more copies).
+logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").setLevel(logging.ERROR)
+
+
+class _Capture:
+    """An AOT backend (eager execution) that keeps the forward and backward FX graphs."""
+
+    def __init__(self):
+        self.graphs = []
+        self.backend = aot_autograd(fw_compiler=self._keep, bw_compiler=self._keep)
+
+    def _keep(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm
+
+    def kernels(self, graph) -> list[str]:
+        """Names of the Triton kernels launched by ``graph``'s ``triton_kernel_wrapper`` nodes."""
+        return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in graph.graph.nodes
+                if "triton_kernel_wrapper" in str(n.target)]
+
+    def library_ops(self, graph) -> set[str]:
+        return {str(n.target) for n in graph.graph.nodes if str(n.target).startswith("moe_fp8.")}
+
+
+def _run(module, x, dy, call=None):
+    """Output, x's gradient and the parameters' gradients of ``call(x)`` (default ``module(x)``)."""
+    module.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    out = (module if call is None else call)(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(dy)
+    return out, x.grad, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _compiled_vs_eager(module, x, dy):
+    torch._dynamo.reset()
+    cap = _Capture()
+    want = _run(module, x, dy)
+    got = _run(module, x, dy, torch.compile(module, fullgraph=True, backend=cap.backend))
+    assert len(cap.graphs) == 2, "one forward and one backward graph (fullgraph)"
+    return want, got, cap
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("recipe", ["rowwise"])
+def test_fp8_moe_graph_holds_the_triton_kernels(recipe):
+    """Forward+backward of FP8MoE (Triton grouped GEMM backend) compiled: every kernel of routing,
+    quantization and GEMM is a node of the graph, and the results are bit for bit eager's."""
+    torch.manual_seed(0)
+    moe = FP8MoE(H, I, E, K, recipe=recipe, backend="triton").to(torch.bfloat16)
+    x, dy = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
+    want, got, cap = _compiled_vs_eager(moe, x, dy)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert want[2].keys() == got[2].keys() and all(torch.equal(want[2][n], got[2][n]) for n in want[2])
+    fw, bw = (set(cap.kernels(g)) for g in cap.graphs)
+    assert {"plan_kernel", "permute_rows_kernel", "combine_kernel"} <= fw
+    assert "combine_backward_kernel" in bw
+    assert {"_swiglu_quant_kernel", "_grouped_mm_2d3d_kernel", "_expert_rowwise_col_amax_kernel"} <= fw
+    assert {"_swiglu_bwd_kernel", "_grouped_mm_2d3d_kernel", "_grouped_mm_2d2d_kernel"} <= bw
+    assert not any(cap.library_ops(g) for g in cap.graphs)  # nothing opaque left
+
+
+@pytest.mark.interpreter
+def test_emulated_backend_keeps_only_its_gemms_opaque():
+    """The CPU reference GEMMs and quantizers (what ``emulated`` runs) read the offsets on the host:
+    they stay opaque custom ops; routing, permute, SwiGLU and combine are still traced to kernels."""
+    torch.manual_seed(1)
+    moe = FP8MoE(H, I, E, K, recipe="rowwise", backend="emulated").to(torch.bfloat16)
+    x, dy = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
+    want, got, cap = _compiled_vs_eager(moe, x, dy)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    fw, bw = cap.graphs
+    for graph, gemm in ((fw, "moe_fp8.gg_mm_2d3d_opaque.default"), (bw, "moe_fp8.gg_mm_2d2d_opaque.default")):
+        assert gemm in cap.library_ops(graph)
+        assert all(op.endswith("_opaque.default") for op in cap.library_ops(graph))
+    assert {"permute_rows_kernel", "combine_kernel"} <= set(cap.kernels(fw))
+
+
+@pytest.mark.interpreter
+def test_fp8_linear_graph_holds_the_quantization_kernels():
+    torch.manual_seed(2)
+    lin = FP8Linear(32, 16, dtype=torch.bfloat16)
+    x, dy = torch.randn(8, 32).bfloat16(), torch.randn(8, 16).bfloat16()
+    want, got, cap = _compiled_vs_eager(lin, x, dy)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert all(torch.equal(want[2][n], got[2][n]) for n in want[2])
+    assert cap.kernels(cap.graphs[0]) and cap.kernels(cap.graphs[1])
+    assert not any(cap.library_ops(g) for g in cap.graphs)
+
+
+def _config(name: str):
+    common = dict(hidden_size=H, moe_intermediate_size=I, num_experts_per_tok=K, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    if name == "qwen3_moe":
+        return Qwen3MoeConfig(num_experts=E, intermediate_size=64, norm_topk_prob=True, head_dim=16, **common)
+    return DeepseekV3Config(n_routed_experts=E, intermediate_size=64, n_group=2, topk_group=1, n_shared_experts=1,
+                            first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                            qk_nope_head_dim=8, v_head_dim=16, **common)
+
+
+class _Layer(torch.nn.Module):
+    """A converted model's first decoder layer, with the model's rotary embedding for its inputs."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.layer, self.rotary = model.model.layers[0], model.model.rotary_emb
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], device=x.device)[None]
+        return self.layer(x, position_ids=pos, position_embeddings=self.rotary(x, pos))
+
+
+def _converted_layer(name: str, recipe: str, backend: str, device="cpu"):
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(_config(name)).to(device, torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    hf.convert(model, recipe=recipe, backend=backend)
+    return _Layer(model)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name, recipe", [("qwen3_moe", "rowwise"), ("deepseek_v3", "bf16")])
+def test_hf_decoder_layer_compiles_with_the_triton_kernels(name, recipe):
+    """One decoder layer of a converted tiny model, attention included: fullgraph forward+backward,
+    our kernels in the graph, equal to eager (the same kernels; the compiled attention and norms may
+    round differently, hence SQNR)."""
+    layer = _converted_layer(name, recipe, "triton")
+    x, dy = torch.randn(1, 8, H).bfloat16(), torch.randn(1, 8, H).bfloat16()
+    want, got, cap = _compiled_vs_eager(layer, x, dy)
+    assert sqnr(want[0], got[0]) >= 40 and sqnr(want[1], got[1]) >= 40
+    assert want[2].keys() == got[2].keys()
+    for n in want[2]:
+        assert sqnr(want[2][n], got[2][n]) >= 30, n
+    fw, bw = (set(cap.kernels(g)) for g in cap.graphs)
+    assert {"permute_rows_kernel", "combine_kernel"} <= fw and "combine_backward_kernel" in bw
+    if recipe == "rowwise":
+        assert "_grouped_mm_2d3d_kernel" in fw and "_grouped_mm_2d2d_kernel" in bw
+    assert not any(cap.library_ops(g) for g in cap.graphs)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "bf16"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_gpu_hf_decoder_layer_inductor(name, recipe):
+    """Inductor, fullgraph, forward+backward of a converted decoder layer against eager."""
+    layer = _converted_layer(name, recipe, None, device="cuda")
+    x, dy = torch.randn(2, 64, H, device="cuda").bfloat16(), torch.randn(2, 64, H, device="cuda").bfloat16()
+    torch._dynamo.reset()
+    want = _run(layer, x, dy)
+    got = _run(layer, x, dy, torch.compile(layer, fullgraph=True))
+    assert sqnr(want[0], got[0]) >= 30 and sqnr(want[1], got[1]) >= 30
+    for n in want[2]:
+        assert sqnr(want[2][n], got[2][n]) >= 25, n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "bf16"])
+def test_gpu_reduce_overhead_whole_model_sees_optimizer_updates(recipe):
+    """``mode="reduce-overhead"`` (CUDA graphs) on a whole converted model: training steps with an
+    optimizer between replays; each compiled step equals an eager step of the same weights (the
+    FP8 weight cache must see every update: a stale cache would give the first step's weights)."""
+    torch.manual_seed(4)
+    cfg = _config("qwen3_moe")
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
+    hf.convert(model, recipe=recipe)
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    losses = []
+    for step in range(4):
+        with torch.no_grad():
+            want = model(ids, labels=ids).loss.float()
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = compiled(ids, labels=ids).loss
+        assert abs(loss.float().item() - want.item()) <= 2e-2 * max(1.0, abs(want.item())), step
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(set(losses)) == len(losses), "every step sees the updated weights"
