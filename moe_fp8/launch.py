@@ -48,6 +48,7 @@ _VERSION_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) in FAST_L
 _KNOBS = getattr(triton, "knobs", None)  # Triton 3.4+
 _STATE = {"fast": os.environ.get("MOE_FP8_FAST_LAUNCH", "1") != "0"}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # kernels are decorated at import
 _MISSING = inspect.Parameter.empty
 _UNSUPPORTED = object()
 
@@ -179,32 +180,6 @@ class _Launcher:
         return torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
-def _configured(kernel, options: tuple):
-    """``kernel`` with its launch options as the one config of an autotuner (what torch traces)."""
-    return triton.autotune(configs=[triton.Config({}, **dict(options))], key=[])(kernel)
-
-
-@functools.lru_cache(maxsize=None)
-def _traceable(kernel):
-    """``kernel`` itself, or for an interpreted kernel a ``JITFunction`` that launches it."""
-    return _InterpretedJIT(kernel) if isinstance(kernel, InterpretedFunction) else kernel
-
-
-class _InterpretedJIT(JITFunction):
-    """The ``JITFunction`` of an interpreted kernel's source; its launches run the interpreter."""
-
-    def __init__(self, interpreted):
-        super().__init__(interpreted.fn)
-        self.interpreted = interpreted
-
-    def run(self, *args, grid, warmup, **kwargs):
-        return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
-
-    # A JITFunction hashes its source's dependencies, which the interpreter's kernels cannot give.
-    __hash__ = object.__hash__
-    __eq__ = object.__eq__
-
     def _counted(self, grid, args: tuple, kwargs: dict):
         """Launch with every active counter recording it (and not counting the torch ops of the launch itself,
         such as the interpreter's copies)."""
@@ -259,6 +234,9 @@ _LAUNCHERS: dict[int, _Launcher] = {}
 def launch(kernel) -> _Launcher:
     """The launcher of a Triton ``kernel`` (``@triton.jit``): ``launch(kernel)[grid](*args, **kwargs)``
     launches it like ``kernel[grid](*args, **kwargs)`` and returns what that returns."""
+    if torch.compiler.is_compiling() and not _INTERPRET:
+        # Dynamo traces this call: it takes wrap_triton's kernel as it is (no id(), no launcher cache)
+        return torch.library.wrap_triton(kernel)
     launcher = _LAUNCHERS.get(id(kernel))
     if launcher is not None and launcher.kernel is kernel:
         return launcher
@@ -268,3 +246,30 @@ def launch(kernel) -> _Launcher:
     if launcher.jit:  # the project's kernels live as long as their modules: cache their launchers
         _LAUNCHERS[id(kernel)] = launcher
     return launcher
+
+
+@functools.lru_cache(maxsize=None)
+def _configured(kernel, options: tuple):
+    """``kernel`` with its launch options as the one config of an autotuner (what torch traces)."""
+    return triton.autotune(configs=[triton.Config({}, **dict(options))], key=[])(kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _traceable(kernel):
+    """``kernel`` itself, or for an interpreted kernel a ``JITFunction`` that launches it."""
+    return _InterpretedJIT(kernel) if isinstance(kernel, InterpretedFunction) else kernel
+
+
+class _InterpretedJIT(JITFunction):
+    """The ``JITFunction`` of an interpreted kernel's source; its launches run the interpreter."""
+
+    def __init__(self, interpreted):
+        super().__init__(interpreted.fn)
+        self.interpreted = interpreted
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    # A JITFunction hashes its source's dependencies, which the interpreter's kernels cannot give.
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
