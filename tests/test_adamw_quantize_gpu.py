@@ -34,9 +34,10 @@ def test_kernel_byte_for_byte_on_the_gpu(shape, dtype, quant_dtype, state_dtype,
     hyper = adamw_hyper(step=5, **HYPER)
     got = adamw_quantize(p, grad, m, v, hyper, fmt="e4m3fn", quant_dtype=quant_dtype, hw_cast=hw_cast)
     adamw_quantize_reference(p_ref, grad, m_ref, v_ref, hyper, fmt="e4m3fn", quant_dtype=quant_dtype)
-    tol = 2e-6 if dtype == torch.float32 else 2**-8
+    # fp32 math in another order than torch's (FMA, sqrt): bf16 results may round one ulp (2^-7) apart
+    tol = 2e-6 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(p.float(), p_ref.float(), rtol=tol, atol=1e-7)
-    stol = 2e-6 if state_dtype == torch.float32 else 2**-8
+    stol = 2e-6 if state_dtype == torch.float32 else 2**-7
     torch.testing.assert_close(m.float(), m_ref.float(), rtol=stol, atol=1e-9)
     torch.testing.assert_close(v.float(), v_ref.float(), rtol=stol, atol=1e-12)
     w = p.to(quant_dtype)  # the copies are the reference quantizers of the weight the kernel wrote
