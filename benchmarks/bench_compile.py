@@ -14,12 +14,12 @@ writes ``compile.json`` and ``compile.md``).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from moe_fp8 import FP8MoE
 from moe_fp8.bench.report import run_env, write_report
+from moe_fp8.bench.timing import event_median_ms
 
 SHAPES = [(1024, 64, 384, 8, 8192), (2048, 128, 768, 8, 4096)]  # H, E, I, k, T
 RECIPES = ("bf16", "rowwise")
@@ -36,15 +36,7 @@ def step_ms(fn, x, dy, steps: int, graphs: bool) -> float:
 
     for _ in range(5):
         step()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return event_median_ms(step, steps)
 
 
 def bench(H, E, I, k, T, recipe, steps) -> dict:

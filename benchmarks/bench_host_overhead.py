@@ -31,6 +31,7 @@ import triton.language as tl
 
 from moe_fp8 import FP8MoE
 from moe_fp8.bench.report import run_env, write_report
+from moe_fp8.bench.timing import event_median_ms
 from moe_fp8.launch import fast_launch, launch
 from moe_fp8.testing.launches import count_launches
 
@@ -89,18 +90,6 @@ def _layer(shape: dict, recipe: str, device: str):
     return step
 
 
-def _gpu_ms(step, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _host_ms(step, device: str, steps: int) -> float:
     times = []
     for _ in range(steps):
@@ -135,7 +124,7 @@ def measure(shape: dict, recipe: str, fast: bool, device: str, steps: int = STEP
         row = dict(shape=shape, recipe=recipe, fast_launch=fast, counted=counted.total, triton=counted.triton)
         if device == "cuda":
             torch.cuda.synchronize()
-            row.update(gpu_ms=_gpu_ms(step, steps), host_ms=_host_ms(step, device, steps),
+            row.update(gpu_ms=event_median_ms(step, steps), host_ms=_host_ms(step, device, steps),
                        kernels=_profiled_kernels(step))
         else:
             row.update(gpu_ms=float("nan"), host_ms=_host_ms(step, device, steps), kernels=-1)

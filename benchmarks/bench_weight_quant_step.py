@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 
 import torch
 from torch import nn
 
 from moe_fp8 import FP8GroupedExperts
 from moe_fp8.bench.report import run_env, write_report
+from moe_fp8.bench.timing import event_median_ms
 from moe_fp8.grouped_gemm import library as lib
 from moe_fp8.grouped_gemm import select_backend
 from moe_fp8.optim import AdamWQuantize, adamw_hyper, adamw_quantize, quantize_after_step
@@ -78,20 +77,7 @@ def _plain_quantize(layers: nn.ModuleList, fmt: str, fused: bool) -> None:
 def _median_ms(step, steps: int, device: str) -> float:
     for _ in range(3 if device == "cuda" else 1):
         step()
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return event_median_ms(step, steps)
 
 
 def _bytes_per_param(path: str, p_bytes: int) -> int:

@@ -43,3 +43,22 @@ def alternated_rounds(steps: dict[str, Callable[[], object]], rounds: int,
         for name, step in steps.items():
             times[name].append(timer(step))
     return times
+
+
+def event_median_ms(step: Callable[[], object], steps: int) -> float:
+    """Median milliseconds of ``steps`` calls of ``step``, each between two CUDA events (wall clock
+    on the CPU); what a host-bound call costs shows up, as it does in a training step."""
+    times = []
+    for _ in range(steps):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
