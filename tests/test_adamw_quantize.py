@@ -52,12 +52,14 @@ def test_kernel_matches_the_reference_byte_for_byte(dtype, quant_dtype, state_dt
     dirty_allocator()
     got = adamw_quantize(p, grad, m, v, hyper, fmt=fmt, pow2=pow2, quant_dtype=quant_dtype)
     want = adamw_quantize_reference(p_ref, grad, m_ref, v_ref, hyper, fmt=fmt, pow2=pow2, quant_dtype=quant_dtype)
-    # the update: the reference's fp32 math within one rounding (bit-equal in the interpreter)
-    state_rtol = 2e-7 if state_dtype == torch.float32 else 2**-8
+    # the update: the reference's fp32 math within one rounding; bf16 results may then round one
+    # bf16 ulp (2^-7) apart (seen on a few elements in the interpreter and on the H200)
+    state_rtol = 2e-7 if state_dtype == torch.float32 else 2**-7
     torch.testing.assert_close(m.float(), m_ref.float(), rtol=state_rtol, atol=0)
     torch.testing.assert_close(v.float(), v_ref.float(), rtol=state_rtol, atol=0)
-    torch.testing.assert_close(p.float(), p_ref.float(), rtol=2e-7 if dtype == torch.float32 else 2**-8, atol=0)
-    _assert_quantized_equal(got, want)
+    torch.testing.assert_close(p.float(), p_ref.float(), rtol=2e-7 if dtype == torch.float32 else 2**-7, atol=0)
+    if torch.equal(p, p_ref):  # the same weight: the same copies as the reference's
+        _assert_quantized_equal(got, want)
     # the copies are the reference quantizers of the updated weight itself (the cache's contract)
     w = p.to(quant_dtype)
     _assert_quantized_equal(got, (*ref.quantize_expert_colwise(w, fmt, pow2=pow2),
