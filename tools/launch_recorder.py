@@ -28,6 +28,7 @@ from moe_fp8 import FP8MoE, fp8_grouped_mm  # noqa: E402
 from moe_fp8.grouped_gemm.tail import launch_zero_empty_groups_kernel, launch_zero_rows_kernel  # noqa: E402
 from moe_fp8.kernel_backend import LaunchTarget, configure_launches_for  # noqa: E402
 from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
+from moe_fp8.optim.adamw_quantize import adamw_hyper, adamw_quantize  # noqa: E402
 from moe_fp8.quant import E4M3FN, E4M3FNUZ  # noqa: E402
 from moe_fp8.quant.formats import FORMAT_ENV_VAR  # noqa: E402
 
@@ -91,7 +92,7 @@ class _Recorder:
 def workload(fmt) -> None:
     """Launch every kernel of the library at least once, in the layouts training uses: FP8MoE
     (rowwise, weights cached and not), the grouped GEMM in each FP8 recipe, FP8Linear, and the
-    zeroing kernels. Shapes are small but wide enough (256) for the GPU's widest tiles."""
+    zeroing kernels, and the fused AdamW + quantize step. Shapes are small but wide enough (256) for the GPU's widest tiles."""
     torch.manual_seed(0)
     bf16 = torch.bfloat16
     H, I, E, T = 256, 256, 4, 64
@@ -111,6 +112,9 @@ def workload(fmt) -> None:
         fp8_linear(x, w, recipe=recipe, fmt=fmt).sum().backward()
     launch_zero_rows_kernel(torch.randn(T, H, dtype=bf16), torch.tensor([10, 40], dtype=torch.int32))
     launch_zero_empty_groups_kernel(torch.randn(E, I, H, dtype=bf16), offs)
+    w = torch.randn(E, I, H, dtype=bf16)
+    hyper = adamw_hyper(step=1, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    adamw_quantize(w, torch.randn_like(w), torch.zeros(w.shape), torch.zeros(w.shape), hyper, fmt=fmt)
 
 
 def record(target_name: str) -> list[Launch]:
