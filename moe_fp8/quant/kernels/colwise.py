@@ -542,10 +542,15 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     else:
         work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
         amax, cnt = work[: g1 * (c_a + c_b)], work[g1 * (c_a + c_b):]
-    # Without b: b's branch is compiled but never runs; its outputs get one-element stand-ins of their
-    # dtypes, not qa / sa (a traced launch clones each argument the kernel may write apart).
-    b_args = (b, qb, sb, c_b, b.stride(0), b.stride(1), qb.stride(0), qb.stride(1)) if b is not None else (
-        a, qa.new_empty(1), sa.new_empty(1), 0, 0, 0, 0, 0)
+    # Without b: b's branch is compiled but never runs. Eagerly its outputs point at qa / sa (no
+    # allocation); while traced they get one-element stand-ins of their dtypes (a traced launch clones
+    # each argument the kernel may write apart, so an alias of qa would lose qa's writes).
+    if b is not None:
+        b_args = (b, qb, sb, c_b, b.stride(0), b.stride(1), qb.stride(0), qb.stride(1))
+    elif type(qa) is torch.Tensor and not torch.compiler.is_compiling():
+        b_args = (a, qa, sa, 0, 0, 0, 0, 0)
+    else:
+        b_args = (a, qa.new_empty(1), sa.new_empty(1), 0, 0, 0, 0, 0)
     offs = cnt if uniform else offs  # any int32 pointer: UNIFORM never reads it
     if cfg.pop("TWO_PASS", False) or amax_bits is not None:  # no program waits: no ticket needed, no lag
         passes = (ROLES_WORKERS,) if amax_bits is not None else (ROLES_MEMBERS, ROLES_WORKERS)
