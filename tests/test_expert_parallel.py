@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import ep_workers
 from moe_fp8 import FP8MoE
-from moe_fp8.parallel import ExpertParallelExperts, dispatch_bytes_per_row, expert_major_order
+from moe_fp8.parallel import ExpertParallelExperts, destination_plan, destination_ranks, dispatch_bytes_per_row
 
 WORLD = 4
 
@@ -40,21 +40,25 @@ def test_expert_parallel_gloo_2_3_4_ranks(monkeypatch):
             pytest.fail("\n".join(msgs) or str(e))
 
 
-def test_expert_major_order_against_a_loop():
-    """The device-side re-permutation equals the order written out by loops (odd counts, zeros)."""
-    counts = torch.tensor([[2, 0, 1], [0, 0, 0], [3, 1, 0]], dtype=torch.int32)
-    order = expert_major_order(counts, int(counts.sum()))
-    starts, pos = {}, 0
-    for s in range(3):
-        for e in range(3):
-            starts[s, e] = pos
-            pos += int(counts[s, e])
-    want = [starts[s, e] + i for e in range(3) for s in range(3) for i in range(int(counts[s, e]))]
-    assert order.to_expert.tolist() == want
-    assert order.to_source[order.to_expert].tolist() == list(range(len(want)))
-    assert order.offsets.tolist() == [5, 6, 7] and order.offsets.dtype == torch.int32
-    empty = expert_major_order(torch.zeros(2, 2, dtype=torch.int32), 0)
-    assert empty.to_expert.numel() == 0 and empty.offsets.tolist() == [0, 0]
+def test_destination_ranks_against_a_loop():
+    """Each token's distinct destination ranks, increasing, padded with -1 to min(k, W) columns;
+    ids outside [0, E) go nowhere. The plan over them sends each token to each rank once."""
+    gen = torch.Generator().manual_seed(0)
+    for world, el, k in ((1, 8, 4), (3, 2, 4), (4, 1, 2), (8, 2, 3), (2, 3, 1)):
+        E = world * el
+        ids = torch.randint(-1, E + 1, (37, k), generator=gen)
+        got = destination_ranks(ids, el, world)
+        assert got.dtype == torch.int32 and got.shape == (37, min(k, world))
+        for t in range(37):
+            want = sorted({int(i) // el for i in ids[t] if 0 <= i < E})
+            assert got[t].tolist() == want + [-1] * (min(k, world) - len(want)), (world, el, k, t)
+        plan = destination_plan(ids, el, world)
+        assert plan.counts.tolist() == [int((got == d).sum()) for d in range(world)]
+        n = int(plan.counts.sum())
+        tokens = plan.row_to_pair[:n].long() // plan.top_k
+        want = [t for d in range(world) for t in range(37) if d in got[t].tolist()]
+        assert tokens.tolist() == want
+    assert destination_ranks(torch.empty(0, 2, dtype=torch.int64), 2, 2).shape == (0, 2)
 
 
 def test_needs_a_process_group():

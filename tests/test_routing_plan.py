@@ -173,8 +173,18 @@ def test_bad_input():
     with pytest.raises(ValueError, match="topk_ids"):
         make_dispatch_plan(ids.view(-1), 4)
     with pytest.raises(ValueError, match="topk_ids"):
-        make_dispatch_plan(torch.zeros(4, 5, dtype=torch.long), 4)  # top_k > experts
+        make_dispatch_plan(torch.zeros(4, 0, dtype=torch.long), 4)  # no slots
     with pytest.raises(ValueError, match="num_experts"):
         make_dispatch_plan(ids, 0)
     with pytest.raises(ValueError, match="pad_multiple"):
         make_dispatch_plan(ids, 4, pad_multiple=0)
+
+
+def test_more_slots_than_experts():
+    """k > E (the slots of other ranks' experts dropped, as on an expert-parallel rank): the plan
+    equals the reference."""
+    ids = torch.tensor([[0, -1, 5, 1], [7, 1, -1, 0], [-1, -1, -1, -1]])
+    got = make_dispatch_plan(ids, 2)
+    want = dispatch_plan_reference(ids, 2, 1)
+    assert [t.tolist() for t in (got.counts, got.offsets, got.pair_to_row, got.row_to_pair)] == \
+        [t.tolist() for t in want[:4]]

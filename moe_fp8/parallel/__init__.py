@@ -8,21 +8,21 @@ Typical use (every rank, same seed or loaded state)::
     ep = expert_parallel_from(full_moe, group, dispatch="bf16")   # or: shard a full layer
 """
 
+from .destinations import destination_plan, destination_ranks
 from .exchange import RowsAllToAll, Splits, all_to_all_rows, exchange_counts
 from .experts import DISPATCH_MODES, ExpertParallelExperts
-from .local_order import ExpertOrder, expert_major_order
 from .shard import expert_parallel_from
 from .wire import dispatch_bytes_per_row
 
 __all__ = [
     "DISPATCH_MODES",
-    "ExpertOrder",
     "ExpertParallelExperts",
     "RowsAllToAll",
     "Splits",
     "all_to_all_rows",
+    "destination_plan",
+    "destination_ranks",
     "dispatch_bytes_per_row",
     "exchange_counts",
-    "expert_major_order",
     "expert_parallel_from",
 ]

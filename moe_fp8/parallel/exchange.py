@@ -19,8 +19,8 @@ class Splits(NamedTuple):
     """Rows this rank sends to and receives from each rank, as host ints (from the one D2H copy).
 
     Attributes:
-        send: ``ep_size`` rows sent to each rank (its destination's experts, in rank order).
-        recv: ``ep_size`` rows received from each rank.
+        send: ``ep_size`` token rows sent to each rank (one per token with an expert there).
+        recv: ``ep_size`` token rows received from each rank.
     """
 
     send: list[int]
@@ -35,44 +35,47 @@ class Splits(NamedTuple):
         return sum(self.recv)
 
 
-def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, Splits]:
-    """Send each rank the counts of its experts; copy the split sizes to the host once.
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> Splits:
+    """Tell each rank how many rows it receives from this one; copy the split sizes to the host once.
 
     Args:
-        counts: ``(E,)`` int32 rows this rank routes to each global expert (the dispatch plan's
-            ``counts``); rank ``d`` owns experts ``[d * E_l, (d + 1) * E_l)``.
-        group: the expert-parallel process group (``W`` ranks, ``E = W * E_l``).
+        counts: ``(W,)`` int32 rows this rank sends to each rank (the destination plan's ``counts``).
+        group: the expert-parallel process group (``W`` ranks).
     Returns:
-        ``recv_counts`` ``(W, E_l)`` int32 on ``counts``' device (rows from source ``s`` for local
-        expert ``e``), and the :class:`Splits` read by ONE device-to-host copy: the only host sync
-        of a layer forward.
+        the :class:`Splits`, read by ONE device-to-host copy: the only host sync of a layer forward.
     """
     world = dist.get_world_size(group)
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)
-    recv_counts = recv_counts.view(world, -1)
-    sums = torch.cat([counts.view(world, -1).sum(1), recv_counts.sum(1)])
-    host = sums.cpu().tolist()  # the one host sync: the split sizes the row all-to-alls need
-    return recv_counts, Splits(host[:world], host[world:])
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    host = torch.cat([counts, recv]).cpu().tolist()  # the one host sync: the split sizes the row all-to-alls need
+    return Splits(host[:world], host[world:])
 
 
-def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """``rows (sum(send), ...)`` -> ``(sum(recv), ...)``: block ``d`` of ``rows`` goes to rank ``d``;
-    block ``s`` of the result came from rank ``s`` (not differentiable; see :class:`RowsAllToAll`)."""
-    out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup,
+                    out_rows: int = 0) -> torch.Tensor:
+    """The first ``sum(send)`` rows of ``rows`` -> ``(max(sum(recv), out_rows), ...)``: block ``d`` of the
+    sent rows goes to rank ``d``; block ``s`` of the result came from rank ``s``; result rows past
+    ``sum(recv)`` are left unwritten (not differentiable; see :class:`RowsAllToAll`)."""
+    n_recv = sum(recv)
+    out = rows.new_empty((max(n_recv, out_rows),) + tuple(rows.shape[1:]))
+    sent = rows[: sum(send)]
+    dist.all_to_all_single(out[:n_recv], sent.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                           group=group)
     return out
 
 
 class RowsAllToAll(torch.autograd.Function):
-    """``apply(rows, send, recv, group)``: :func:`all_to_all_rows` whose backward is the reverse
-    exchange (the gradient of the received rows goes back with the splits swapped)."""
+    """``apply(rows, send, recv, group, out_rows=0)``: :func:`all_to_all_rows` whose backward is the
+    reverse exchange (the gradient of the received rows goes back with the splits swapped; rows of
+    ``rows`` past ``sum(send)`` get zero gradient)."""
 
     @staticmethod
-    def forward(ctx, rows, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return all_to_all_rows(rows, send, recv, group)
+    def forward(ctx, rows, send, recv, group, out_rows=0):
+        ctx.send, ctx.recv, ctx.group, ctx.rows = send, recv, group, rows.shape[0]
+        return all_to_all_rows(rows, send, recv, group, out_rows)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all_rows(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        grad_rows = all_to_all_rows(grad, ctx.recv, ctx.send, ctx.group, ctx.rows)
+        grad_rows[sum(ctx.send):].zero_()
+        return grad_rows, None, None, None, None

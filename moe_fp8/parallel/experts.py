@@ -2,16 +2,18 @@
 
 Forward on each rank, for its own tokens ``x (T, H)`` routed to global experts ``topk_ids (T, k)``:
 
-1. the dispatch plan over all ``E`` experts and the permute (+ fused rowwise FP8 quantization),
-   exactly as in one process: rows end up sorted by expert, hence by destination rank;
-2. one ``all_to_all_single`` of the ``(E,)`` counts and ONE device-to-host copy of the per-rank
-   split sizes (the only host sync; kept on the autograd nodes for the combine and the backward);
-3. ``all_to_all_single`` of the rows: BF16, or FP8 bytes (as uint8) + fp32 row scales;
-4. on-device re-permutation from (source rank, expert) order to (expert, source rank) order
-   (the identity, skipped, with one rank or one local expert);
-5. the local experts' grouped GEMMs (``FP8GroupedExperts.grouped_mlp``);
-6. the reverse re-permutation and all-to-all, then the combine on the source rank (router weights
-   in fp32, deterministic, no atomics).
+1. the destination plan: one row per (token, rank owning one of its experts), grouped by rank
+   (``destinations.destination_plan``), and the permute of the token rows into it (fused with the
+   rowwise FP8 quantization for FP8 dispatch);
+2. one ``all_to_all_single`` of the ``(W,)`` row counts and ONE device-to-host copy of the split
+   sizes (the only host sync; kept on the autograd nodes for the return and the backward);
+3. ``all_to_all_single`` of the token rows (BF16, or FP8 bytes as uint8), of their ``k`` expert ids
+   (int32) and of their fp32 router weights / input scales / FP8 row scales;
+4. on the receiving rank, the single-process experts on the received tokens: a dispatch plan over
+   the ``E_l`` local experts (other ids dropped), the grouped GEMMs, and the combine of each token's
+   local experts (router weights in fp32): one partial output row per received token;
+5. the reverse all-to-all of the partial rows, and their sum per token on the source rank (the
+   destination plan's combine: fp32, rank order, deterministic, no atomics).
 
 The backward of each exchange is the reverse exchange with the splits swapped: no host sync.
 """
@@ -22,13 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from ..checks import check_tensor
 from ..layers.experts import FP8GroupedExperts
-from ..layers.param_checks import check_parameters
 from ..quant import formats
-from ..routing import combine, make_dispatch_plan, permute_quantize
+from ..routing import DispatchPlan, combine, make_dispatch_plan, permute, permute_quantize
+from .destinations import destination_plan
 from .exchange import RowsAllToAll, Splits, all_to_all_rows, exchange_counts
-from .local_order import ExpertOrder, ReorderRows, expert_major_order
 
 __all__ = ["DISPATCH_MODES", "ExpertParallelExperts"]
 
@@ -46,11 +46,16 @@ class ExpertParallelExperts(FP8GroupedExperts):
         hidden_size, expert_hidden_size, recipe, backend, fmt, cache_weights, device, dtype: as
             :class:`FP8GroupedExperts` (built with ``E_l`` experts).
         group: the expert-parallel ``torch.distributed`` process group (``None``: the default group).
-        dispatch: ``"bf16"`` (rows sent in the GEMM dtype and quantized after receipt) or
-            ``"fp8"``: each row quantized once on its source rank (fused with the permute), sent
-            as FP8 bytes + its fp32 scale, and fed to the grouped GEMM as received. Only for recipes
-            with row scales. While the expert weights need gradients the BF16 rows are sent too
-            (the weight gradient of the first GEMM reads them): see ``docs/expert-parallel.md``.
+        dispatch: ``"bf16"`` (token rows sent in the GEMM dtype, quantized after receipt) or
+            ``"fp8"``: each token row quantized once on its source rank (fused with the permute),
+            sent as FP8 bytes + its fp32 scale, and fed to the grouped GEMM as received. Only for
+            recipes with row scales and without input scales. While the input or the expert weights
+            need gradients the BF16 rows are sent too (the input gradient travels home through them
+            and the first GEMM's weight gradient reads them): see ``docs/expert-parallel.md``.
+        A token visits each rank owning one of its experts once (one row per token and rank), and
+        that rank returns the sum of its experts' outputs for it (rounded to the GEMM dtype): with
+        one rank, or when a token's experts share a rank, the result is the single process's bit
+        for bit; otherwise it differs by that rounding of the per-rank partial sums.
         checkpoint: recompute the local experts' grouped GEMMs and SwiGLU in backward instead of
             keeping their activations (non-reentrant ``torch.utils.checkpoint`` around
             :meth:`grouped_mlp`; the received rows are kept). The recompute runs no collective and
@@ -103,58 +108,86 @@ class ExpertParallelExperts(FP8GroupedExperts):
                 *, input_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts output of this rank's tokens; same arguments and result as
         :meth:`FP8GroupedExperts.forward`, with ``top_k_index`` GLOBAL expert ids (``[0, E)``; others
-        are dropped). Every rank of the group must call it (collectives), also with ``T = 0``."""
+        are dropped). Every rank of the group must call it (collectives), also with ``T = 0``, and
+        with the same ``top_k_weights`` / ``input_scales`` presence."""
         x, out_dtype = self.gemm_input(hidden_states, top_k_index, input_scales)
-        plan = make_dispatch_plan(top_k_index, self.global_num_experts)
         fp8 = self.dispatch == "fp8"
+        if fp8 and input_scales is not None:
+            raise ValueError("input_scales: dispatch='fp8' quantizes each token once on its source rank, but input "
+                             "scales (Llama 4) scale each routed row before its quantization; use dispatch='bf16'")
+        route = destination_plan(top_k_index, self.num_experts, self.ep_size)
+        splits = exchange_counts(route.counts, self.group)
+        ids = self._exchange_ids(top_k_index, route, splits)
         # BF16 rows travel in BF16 dispatch, and in FP8 dispatch while something needs a gradient
         # (the first GEMM's weight gradient reads them, and they carry the input gradient home)
-        send_bf16 = not fp8 or (torch.is_grad_enabled() and _needs_grad(self, x, input_scales))
-        if send_bf16 or input_scales is not None:
-            x_perm, x_fp8 = self.permuted_rows(x, plan, input_scales, quantize=fp8)
-        else:  # FP8 rows alone: the fused permute + quantize, no BF16 copy
-            fmt = formats.resolve_format(self.fmt, x.device)
-            x_perm, x_fp8 = None, permute_quantize(x, plan, fmt, pow2=self.recipe.pow2_scales)
-        recv_counts, splits = exchange_counts(plan.counts, self.group)
-        order = expert_major_order(recv_counts, splits.num_recv)
-        rows_fp8 = None if x_fp8 is None else self._dispatch_fp8(x_fp8, splits, order)
+        send_bf16 = not fp8 or (torch.is_grad_enabled() and _needs_grad(self, x))
+        rows = None
         if send_bf16:
-            rows = RowsAllToAll.apply(x_perm[: splits.num_send], splits.send, splits.recv, self.group)
-            rows = ReorderRows.apply(rows, order.to_expert, order.to_source) if self._reorder else rows
-        else:  # never read: fp8_grouped_mm reads x only for its backward when x_fp8 is given
-            rows = x.new_empty(splits.num_recv, self.hidden_size)
-        if self.checkpoint and torch.is_grad_enabled():
-            y = torch.utils.checkpoint.checkpoint(self.grouped_mlp, rows, order.offsets, rows_fp8, use_reentrant=False)
-        else:
-            y = self.grouped_mlp(rows, order.offsets, rows_fp8)
-        if self._reorder:
-            y = ReorderRows.apply(y, order.to_source, order.to_expert)
-        y = RowsAllToAll.apply(y, splits.recv, splits.send, self.group)
-        y = _pad_rows(y, plan.num_rows)
-        return combine(y, plan, top_k_weights).to(out_dtype)
+            rows = RowsAllToAll.apply(permute(x, route), splits.send, splits.recv, self.group)
+        row_scale = None
+        if fp8:
+            fmt = formats.resolve_format(self.fmt, x.device)
+            q, row_scale = permute_quantize(x, route, fmt, pow2=self.recipe.pow2_scales)
+            q = all_to_all_rows(q.view(torch.uint8), splits.send, splits.recv, self.group).view(q.dtype)
+        weights, scales, row_scale = self._exchange_floats(top_k_weights, input_scales, row_scale, route, splits)
+        partial = self._local_experts(rows, ids, weights, scales, (q, row_scale) if fp8 else None, x.dtype)
+        back = RowsAllToAll.apply(partial, splits.recv, splits.send, self.group, route.num_rows)
+        return combine(back, route, None).to(out_dtype)
 
-    def _dispatch_fp8(self, x_fp8: tuple[torch.Tensor, torch.Tensor], splits: Splits, order: ExpertOrder):
-        """The received FP8 rows ``(q (R, H) fp8, scale (R,) fp32)`` in expert-major order, from the
-        source rows ``x_fp8`` (plan order): the FP8 bytes travel as uint8, the scales as fp32."""
-        n, send, recv, group = splits.num_send, splits.send, splits.recv, self.group
-        q, scale = x_fp8
-        q_recv = all_to_all_rows(q[:n].view(torch.uint8), send, recv, group)
-        s_recv = all_to_all_rows(scale[:n], send, recv, group)
-        if self._reorder:
-            q_recv, s_recv = q_recv.index_select(0, order.to_expert), s_recv.index_select(0, order.to_expert)
-        return q_recv.view(q.dtype), s_recv
+    def _exchange_ids(self, top_k_index: torch.Tensor, route: DispatchPlan, splits: Splits) -> torch.Tensor:
+        """``(R, k)`` int32 LOCAL expert ids of the received tokens (the experts of other ranks fall
+        outside ``[0, E_l)`` and are dropped by the local plan)."""
+        token = route.row_to_pair[: splits.num_send].long() // route.top_k
+        ids = top_k_index.to(torch.int32).index_select(0, token)
+        return all_to_all_rows(ids, splits.send, splits.recv, self.group) - self.ep_rank * self.num_experts
+
+    def _exchange_floats(self, weights: torch.Tensor | None, scales: torch.Tensor | None,
+                         row_scale: torch.Tensor | None, route: DispatchPlan, splits: Splits):
+        """The received tokens' ``(weights (R, k), input scales (R, k), FP8 row scales (R,))`` (fp32;
+        ``None`` where not given), in one differentiable exchange of fp32 columns: the router
+        weights, then the input scales (token order, permuted like the rows), then the row scale."""
+        given = [t.float() for t in (weights, scales) if t is not None]
+        parts = ([permute(torch.cat(given, 1), route)] if given else []) + \
+            ([] if row_scale is None else [row_scale[:, None]])
+        if not parts:
+            return None, None, None
+        recv = RowsAllToAll.apply(torch.cat(parts, 1) if len(parts) > 1 else parts[0], splits.send, splits.recv,
+                                  self.group)
+        k = given[0].shape[1] if given else 0
+        chunks = recv[:, : k * len(given)].split(k, 1) if given else ()
+        got_w = chunks[0] if weights is not None else None
+        got_s = chunks[-1] if scales is not None else None
+        got_scale = recv[:, -1].detach().contiguous() if row_scale is not None else None
+        return got_w, got_s, got_scale
+
+    def _local_experts(self, rows: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor | None,
+                       scales: torch.Tensor | None, fp8_rows: tuple[torch.Tensor, torch.Tensor] | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """``(R, H)``: each received token's output summed over this rank's experts, as one process
+        computes it (``FP8GroupedExperts.forward`` on the received tokens), from the BF16 token rows
+        ``rows (R, H)`` (``dtype``) and / or their FP8 ``(q (R, H), scale (R,))`` as received."""
+        plan = make_dispatch_plan(ids, self.num_experts)
+        if fp8_rows is None:
+            x_perm, x_fp8 = self.permuted_rows(rows, plan, scales)
+        else:  # each expert row is its token's FP8 row: the same bytes and scale as quantizing after receipt
+            q, scale = fp8_rows
+            token = plan.row_to_pair.long().clamp(min=0) // plan.top_k
+            x_fp8 = (q.view(torch.uint8).index_select(0, token).view(q.dtype), scale.index_select(0, token))
+            # without gradients no BF16 rows travel: fp8_grouped_mm reads x only for its backward
+            x_perm = permute(rows, plan) if rows is not None else q.new_empty(plan.num_rows, self.hidden_size,
+                                                                               dtype=dtype)
+        if self.checkpoint and torch.is_grad_enabled():
+            y = torch.utils.checkpoint.checkpoint(self.grouped_mlp, x_perm, plan.offsets, x_fp8, use_reentrant=False)
+        else:
+            y = self.grouped_mlp(x_perm, plan.offsets, x_fp8)
+        return combine(y, plan, weights)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, global_experts={self.global_num_experts}, ep_rank={self.ep_rank}, "
                 f"ep_size={self.ep_size}, dispatch={self.dispatch}, checkpoint={self.checkpoint}")
 
 
-def _needs_grad(experts: ExpertParallelExperts, x: torch.Tensor, input_scales: torch.Tensor | None) -> bool:
-    return (x.requires_grad or (input_scales is not None and input_scales.requires_grad)
-            or any(p.requires_grad for p in experts.parameters()))
-
-
-def _pad_rows(y: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``y`` with zero rows appended up to ``num_rows`` (the plan's rows past the routed ones: pairs
-    with dropped ids; never read by the combine)."""
-    return y if y.shape[0] == num_rows else torch.cat([y, y.new_zeros(num_rows - y.shape[0], y.shape[1])])
+def _needs_grad(experts: ExpertParallelExperts, x: torch.Tensor) -> bool:
+    """Whether the backward reads the BF16 token rows: the input gradient travels home through them,
+    and the first GEMM's weight gradient reads them."""
+    return x.requires_grad or any(p.requires_grad for p in experts.parameters())

@@ -91,8 +91,9 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
     """Build the :class:`DispatchPlan` on the device of ``topk_ids`` (no host sync, static sizes).
 
     Args:
-        topk_ids: ``(T, k)`` int32/int64 expert ids (``T`` may be 0). Ids outside ``[0, E)`` drop
-            their pair (see the module docstring).
+        topk_ids: ``(T, k)`` int32/int64 expert ids (``T`` may be 0; ``k >= 1``, also above ``E``
+            when slots are dropped, as on a rank of an expert-parallel group). Ids outside
+            ``[0, E)`` drop their pair (see the module docstring).
         num_experts: ``E``.
         pad_multiple: ``P``: pad each group to a multiple of ``P`` rows (1: no padding).
     Returns:
@@ -105,8 +106,8 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
     if not isinstance(pad_multiple, int) or pad_multiple < 1:
         raise ValueError(f"pad_multiple: expected a positive int, got {pad_multiple!r}")
     T, k = topk_ids.shape
-    if k < 1 or k > num_experts:
-        raise ValueError(f"topk_ids: expected 1 <= k <= num_experts={num_experts} columns, got shape {(T, k)}")
+    if k < 1:
+        raise ValueError(f"topk_ids: expected at least one column, got shape {(T, k)}")
     packed = _build_plan(topk_ids.contiguous(), num_experts, pad_multiple)
     offsets, _, counts, _, pair_to_row, _, row_to_pair, _, pad_rows, _ = packed.split_with_sizes(
         packed_sizes(num_experts, T * k, pad_multiple))
