@@ -164,7 +164,7 @@ def check_fp8_rows_equal_quantize_after_receipt(group, world: int, rank: int) ->
     x = (torch.randn(sum(ts), H, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
     a, b = sum(ts[:rank]), sum(ts[: rank + 1])
     route = destination_plan(ids[a:b], el, world)
-    splits = exchange_counts(route.counts, group)
+    splits = exchange_counts(route.counts, group).wait()
     rows = all_to_all_rows(permute(x[a:b], route), splits.send, splits.recv, group)
     q, scale = permute_quantize(x[a:b], route, torch.float8_e4m3fn)
     q = all_to_all_rows(q.view(torch.uint8), splits.send, splits.recv, group)
@@ -188,7 +188,7 @@ def check_round_trip(group, world: int, rank: int) -> None:
         ids = ids[a:b]
         x = x[a:b].clone().requires_grad_()
         route = destination_plan(ids, el, world)
-        splits = exchange_counts(route.counts, group)
+        splits = exchange_counts(route.counts, group).wait()
         rows = RowsAllToAll.apply(permute(x, route), splits.send, splits.recv, group)
         back = RowsAllToAll.apply(rows, splits.recv, splits.send, group, route.num_rows)
         out = combine(back, route, None)

@@ -56,9 +56,13 @@ def _forward(layer, x):
 
 
 def _syncs_per_forward(layer, x) -> int | None:
+    """Host waits in one forward: synchronizing calls (``set_sync_debug_mode``) and event waits."""
     if not x.is_cuda:
         return None
     torch.cuda.synchronize()
+    waits = []
+    event_wait = torch.cuda.Event.synchronize
+    torch.cuda.Event.synchronize = lambda ev: (waits.append(ev), event_wait(ev))[1]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -66,7 +70,8 @@ def _syncs_per_forward(layer, x) -> int | None:
             layer(x)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("called a synchronizing" in str(w.message) for w in caught)  # not the mode's own notice
+            torch.cuda.Event.synchronize = event_wait
+    return len(waits) + sum("called a synchronizing" in str(w.message) for w in caught)
 
 
 def _peak_gib(run, device: str) -> float | None:

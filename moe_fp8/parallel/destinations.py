@@ -19,7 +19,8 @@ __all__ = ["destination_plan", "destination_ranks"]
 
 
 def destination_ranks(topk_ids: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:
-    """``(T, min(k, W))`` int32: the distinct ranks owning each token's experts, increasing, then -1.
+    """``(T, min(k, W))`` int32: the distinct ranks owning each token's experts, in increasing order
+    along the row, -1 in the columns left over (with ``W <= k`` column ``d`` holds rank ``d`` or -1).
 
     Args:
         topk_ids: ``(T, k)`` int32/int64 global expert ids; ids outside ``[0, W * experts_per_rank)``
@@ -30,12 +31,15 @@ def destination_ranks(topk_ids: torch.Tensor, experts_per_rank: int, world: int)
     T, k = topk_ids.shape
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < world * experts_per_rank)
+    if world <= k:  # a (T, W) mask: column d holds d where some expert of the token is on rank d
+        ranks = torch.arange(world, device=ids.device)
+        there = ((ids.div(experts_per_rank, rounding_mode="floor")[:, :, None] == ranks) & valid[:, :, None]).any(1)
+        return torch.where(there, ranks.to(torch.int32), -1).to(torch.int32)
     rank = torch.where(valid, ids.div(experts_per_rank, rounding_mode="floor"), world)  # W: nowhere
-    if k > 1:
+    if k > 1:  # distinct ranks first: sort, mark repeats as nowhere, sort again
         rank = rank.sort(dim=1).values
         repeated = torch.cat([rank.new_zeros(T, 1, dtype=torch.bool), rank[:, 1:] == rank[:, :-1]], 1)
         rank = torch.where(repeated, world, rank).sort(dim=1).values
-    rank = rank[:, : min(k, world)]
     return torch.where(rank < world, rank, -1).to(torch.int32)
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Splits", "RowsAllToAll", "all_to_all_rows", "exchange_counts"]
+__all__ = ["PendingSplits", "Splits", "RowsAllToAll", "all_to_all_rows", "exchange_counts"]
 
 
 class Splits(NamedTuple):
@@ -35,20 +35,42 @@ class Splits(NamedTuple):
         return sum(self.recv)
 
 
-def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> Splits:
-    """Tell each rank how many rows it receives from this one; copy the split sizes to the host once.
+class PendingSplits:
+    """The split sizes on their way to the host: :meth:`wait` blocks until they are there.
+
+    Between the count exchange and :meth:`wait` the caller queues the device work that needs no
+    split sizes (the permutes into the send buffers), so the device has work while the host waits
+    and then catches up."""
+
+    def __init__(self, sizes: torch.Tensor, world: int) -> None:
+        self.world = world
+        if sizes.is_cuda:
+            self._host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
+            self._host.copy_(sizes, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = sizes, None
+
+    def wait(self) -> Splits:
+        """The :class:`Splits`; on a GPU the one host wait of a layer forward (an event of the copy)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        host = self._host.tolist()
+        return Splits(host[: self.world], host[self.world :])
+
+
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> PendingSplits:
+    """Tell each rank how many rows it receives from this one, and start the copy of the split
+    sizes to the host (the only host sync of a layer forward, at :meth:`PendingSplits.wait`).
 
     Args:
         counts: ``(W,)`` int32 rows this rank sends to each rank (the destination plan's ``counts``).
         group: the expert-parallel process group (``W`` ranks).
-    Returns:
-        the :class:`Splits`, read by ONE device-to-host copy: the only host sync of a layer forward.
     """
-    world = dist.get_world_size(group)
     recv = torch.empty_like(counts)
     dist.all_to_all_single(recv, counts, group=group)
-    host = torch.cat([counts, recv]).cpu().tolist()  # the one host sync: the split sizes the row all-to-alls need
-    return Splits(host[:world], host[world:])
+    return PendingSplits(torch.cat([counts, recv]), dist.get_world_size(group))
 
 
 def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup,

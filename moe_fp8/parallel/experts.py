@@ -6,7 +6,8 @@ Forward on each rank, for its own tokens ``x (T, H)`` routed to global experts `
    (``destinations.destination_plan``), and the permute of the token rows into it (fused with the
    rowwise FP8 quantization for FP8 dispatch);
 2. one ``all_to_all_single`` of the ``(W,)`` row counts and ONE device-to-host copy of the split
-   sizes (the only host sync; kept on the autograd nodes for the return and the backward);
+   sizes (the only host sync; kept on the autograd nodes for the return and the backward), waited
+   for only once the send buffers are queued, so the device is busy while the host waits;
 3. ``all_to_all_single`` of the token rows (BF16, or FP8 bytes as uint8), of their ``k`` expert ids
    (int32) and of their fp32 router weights / input scales / FP8 row scales;
 4. on the receiving rank, the single-process experts on the received tokens: a dispatch plan over
@@ -26,9 +27,9 @@ import torch.utils.checkpoint
 
 from ..layers.experts import FP8GroupedExperts
 from ..quant import formats
-from ..routing import DispatchPlan, combine, make_dispatch_plan, permute, permute_quantize
+from ..routing import combine, make_dispatch_plan, permute, permute_quantize
 from .destinations import destination_plan
-from .exchange import RowsAllToAll, Splits, all_to_all_rows, exchange_counts
+from .exchange import RowsAllToAll, all_to_all_rows, exchange_counts
 
 __all__ = ["DISPATCH_MODES", "ExpertParallelExperts"]
 
@@ -116,49 +117,39 @@ class ExpertParallelExperts(FP8GroupedExperts):
             raise ValueError("input_scales: dispatch='fp8' quantizes each token once on its source rank, but input "
                              "scales (Llama 4) scale each routed row before its quantization; use dispatch='bf16'")
         route = destination_plan(top_k_index, self.num_experts, self.ep_size)
-        splits = exchange_counts(route.counts, self.group)
-        ids = self._exchange_ids(top_k_index, route, splits)
+        pending = exchange_counts(route.counts, self.group)
+        # the send buffers need no split sizes: queued before the host waits for them
+        ids = top_k_index.to(torch.int32).index_select(0, route.row_to_pair.long().clamp(min=0) // route.top_k)
         # BF16 rows travel in BF16 dispatch, and in FP8 dispatch while something needs a gradient
-        # (the first GEMM's weight gradient reads them, and they carry the input gradient home)
+        # (the input gradient travels home through them, and the first GEMM's weight gradient reads them)
         send_bf16 = not fp8 or (torch.is_grad_enabled() and _needs_grad(self, x))
-        rows = None
-        if send_bf16:
-            rows = RowsAllToAll.apply(permute(x, route), splits.send, splits.recv, self.group)
-        row_scale = None
+        rows = permute(x, route) if send_bf16 else None
+        q = row_scale = None
         if fp8:
-            fmt = formats.resolve_format(self.fmt, x.device)
-            q, row_scale = permute_quantize(x, route, fmt, pow2=self.recipe.pow2_scales)
-            q = all_to_all_rows(q.view(torch.uint8), splits.send, splits.recv, self.group).view(q.dtype)
-        weights, scales, row_scale = self._exchange_floats(top_k_weights, input_scales, row_scale, route, splits)
-        partial = self._local_experts(rows, ids, weights, scales, (q, row_scale) if fp8 else None, x.dtype)
-        back = RowsAllToAll.apply(partial, splits.recv, splits.send, self.group, route.num_rows)
+            q, row_scale = permute_quantize(x, route, formats.resolve_format(self.fmt, x.device),
+                                            pow2=self.recipe.pow2_scales)
+        cols = [t.float() for t in (top_k_weights, input_scales) if t is not None]
+        floats = permute(torch.cat(cols, 1), route) if cols else None  # differentiable: their gradients go home
+        if row_scale is not None:
+            floats = row_scale[:, None] if floats is None else torch.cat([floats, row_scale[:, None]], 1)
+        splits = pending.wait()
+
+        send, recv, group = splits.send, splits.recv, self.group
+        ids = all_to_all_rows(ids, send, recv, group) - self.ep_rank * self.num_experts
+        if rows is not None:
+            rows = RowsAllToAll.apply(rows, send, recv, group)
+        if q is not None:
+            q = all_to_all_rows(q.view(torch.uint8), send, recv, group).view(q.dtype)
+        weights = scales = None
+        if floats is not None:  # router weights, input scales (each k columns), FP8 row scale
+            floats = RowsAllToAll.apply(floats, send, recv, group)
+            k = top_k_index.shape[1]
+            weights = floats[:, :k] if top_k_weights is not None else None
+            scales = floats[:, -k:] if input_scales is not None else None
+            row_scale = floats[:, -1].detach().contiguous() if q is not None else None
+        partial = self._local_experts(rows, ids, weights, scales, (q, row_scale) if q is not None else None, x.dtype)
+        back = RowsAllToAll.apply(partial, recv, send, group, route.num_rows)
         return combine(back, route, None).to(out_dtype)
-
-    def _exchange_ids(self, top_k_index: torch.Tensor, route: DispatchPlan, splits: Splits) -> torch.Tensor:
-        """``(R, k)`` int32 LOCAL expert ids of the received tokens (the experts of other ranks fall
-        outside ``[0, E_l)`` and are dropped by the local plan)."""
-        token = route.row_to_pair[: splits.num_send].long() // route.top_k
-        ids = top_k_index.to(torch.int32).index_select(0, token)
-        return all_to_all_rows(ids, splits.send, splits.recv, self.group) - self.ep_rank * self.num_experts
-
-    def _exchange_floats(self, weights: torch.Tensor | None, scales: torch.Tensor | None,
-                         row_scale: torch.Tensor | None, route: DispatchPlan, splits: Splits):
-        """The received tokens' ``(weights (R, k), input scales (R, k), FP8 row scales (R,))`` (fp32;
-        ``None`` where not given), in one differentiable exchange of fp32 columns: the router
-        weights, then the input scales (token order, permuted like the rows), then the row scale."""
-        given = [t.float() for t in (weights, scales) if t is not None]
-        parts = ([permute(torch.cat(given, 1), route)] if given else []) + \
-            ([] if row_scale is None else [row_scale[:, None]])
-        if not parts:
-            return None, None, None
-        recv = RowsAllToAll.apply(torch.cat(parts, 1) if len(parts) > 1 else parts[0], splits.send, splits.recv,
-                                  self.group)
-        k = given[0].shape[1] if given else 0
-        chunks = recv[:, : k * len(given)].split(k, 1) if given else ()
-        got_w = chunks[0] if weights is not None else None
-        got_s = chunks[-1] if scales is not None else None
-        got_scale = recv[:, -1].detach().contiguous() if row_scale is not None else None
-        return got_w, got_s, got_scale
 
     def _local_experts(self, rows: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor | None,
                        scales: torch.Tensor | None, fp8_rows: tuple[torch.Tensor, torch.Tensor] | None,
