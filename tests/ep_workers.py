@@ -60,6 +60,10 @@ def scenarios(world: int, E: int):
     out["uniform"] = (ts, ids)
     ts = [4] * world
     out["all_to_one_rank"] = (ts, _ids(gen, sum(ts), (world - 1) * el, world * el))
+    ts = [6] * world
+    ids = _ids(gen, sum(ts), 0, E)
+    ids[2, 0] = E  # a dropped pair
+    out["equal_tokens"] = (ts, ids)
     ts = [0] + [3] * (world - 1)
     out["rank_with_no_tokens"] = (ts, _ids(gen, sum(ts), 0, E))
     ts = [0] * (world - 1) + [7]
@@ -107,15 +111,19 @@ def _reference(full, x, ids, w, dy, world: int, on_input: bool = False):
 
 
 def check_experts(group, world: int, rank: int, recipe: str) -> None:
-    """EP experts (both dispatch modes) == the one-process reference, bitwise, in every scenario;
+    """EP experts (both dispatch modes; sync-free too where every rank has the same T) == the
+    one-process reference, bitwise, in every scenario;
     experts without tokens get exact zero gradients; two runs bitwise equal (uniform routing)."""
     E = 2 * world
     torch.manual_seed(0)
     full = FP8GroupedExperts(E, H, I, recipe=recipe, backend=BACKEND).to(torch.bfloat16)
-    shards = {d: ExpertParallelExperts.from_full(full, group, d) for d in ("bf16", "fp8")
-              if d == "bf16" or recipe != "bf16"}
+    dispatches = ("bf16", "fp8") if recipe != "bf16" else ("bf16",)
+    shards = {d: ExpertParallelExperts.from_full(full, group, d) for d in dispatches}
+    static = {f"{d} sync-free": ExpertParallelExperts.from_full(full, group, d, sync_free=True) for d in dispatches}
     lo, hi = rank * E // world, (rank + 1) * E // world
     for name, (ts, ids) in scenarios(world, E).items():
+        # the sync-free dispatch takes the same T on every rank
+        layers = {**shards, **static} if len(set(ts)) == 1 else shards
         gen = torch.Generator().manual_seed(1)
         n = sum(ts)
         x = torch.randn(n, H, generator=gen).to(torch.bfloat16)
@@ -123,7 +131,7 @@ def check_experts(group, world: int, rank: int, recipe: str) -> None:
         dy = torch.randn(n, H, generator=gen).to(torch.bfloat16)
         ref = _reference(full, x, ids, w, dy, world)
         a, b = sum(ts[:rank]), sum(ts[: rank + 1])
-        for dispatch, shard in shards.items():
+        for dispatch, shard in layers.items():
             _dirty_allocator()
             got = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
             tag = f"world={world} rank={rank} {recipe} {dispatch} {name}"
@@ -136,7 +144,7 @@ def check_experts(group, world: int, rank: int, recipe: str) -> None:
             for e in range(hi - lo):
                 if not routed[lo + e]:
                     assert not got[3][e].any() and not got[4][e].any(), f"{tag}: expert {lo + e} has no tokens"
-            if name == "uniform" and dispatch == "fp8":
+            if name in ("uniform", "equal_tokens") and dispatch.startswith("fp8"):
                 with torch.no_grad():  # the FP8 rows alone travel
                     _check_equal(f"{tag}: out without grad", shard(x[a:b], ids[a:b], w[a:b]), ref[0][a:b])
                 again = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
@@ -148,7 +156,7 @@ def check_experts(group, world: int, rank: int, recipe: str) -> None:
                     assert "input_scales" in str(e), str(e)
                 else:
                     raise AssertionError(f"{tag}: no ValueError for FP8 dispatch with input scales")
-            if name == "uniform" and dispatch == "bf16":
+            if name in ("uniform", "equal_tokens") and dispatch.startswith("bf16"):
                 on_input = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b], on_input=True)
                 for what, g, r in zip(_WHAT, on_input, _reference(full, x, ids, w, dy, world, on_input=True)):
                     _check_equal(f"{tag} input scales: {what}", g, r[lo:hi] if what.startswith("grad W") else r[a:b])

@@ -88,6 +88,7 @@ def test_benchmark_quick_on_cpu(tmp_path):
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "expert_parallel.json").read_text())["rows"]
-    assert [r["layer"] for r in rows] == ["FP8MoE", "EP, bf16 dispatch", "EP, fp8 dispatch"]
+    assert [r["layer"] for r in rows] == ["FP8MoE", "EP, bf16 dispatch", "EP, fp8 dispatch",
+                                          "EP, bf16 dispatch, sync-free", "EP, fp8 dispatch, sync-free"]
     assert all(r["equal_to_plain"] for r in rows)
     assert (tmp_path / "expert_parallel.md").stat().st_size > 0

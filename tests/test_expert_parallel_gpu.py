@@ -68,3 +68,43 @@ def test_one_host_wait_in_forward_none_in_backward(group, dispatch, checkpoint, 
     torch.cuda.synchronize()
     assert len(waits) == 1
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
+def test_sync_free_equals_the_layer_waits_never_and_captures(group, dispatch, monkeypatch):
+    """The sync-free dispatch equals the layer without a group (bitwise), never waits on the host,
+    and its forward replays from a CUDA graph with the same bits as eager on new inputs."""
+    torch.manual_seed(0)
+    full = FP8MoE(H, I, E, K, device="cuda", dtype=torch.bfloat16)
+    ep = expert_parallel_from(full, group, dispatch, sync_free=True)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    want, got = layer_grads(full, x, dy), layer_grads(ep, x, dy)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for n, g in got[2].items():
+        assert g is not None and torch.equal(g, want[2][n]), n
+    waits = []
+    event_wait = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda ev: (waits.append(ev), event_wait(ev))[1])
+    xg = x.clone().requires_grad_()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ep(xg).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not waits
+    monkeypatch.undo()
+    static_x = x.clone()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ep(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = ep(static_x)
+        static_x.copy_(torch.randn_like(static_x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, full(static_x))

@@ -121,6 +121,8 @@ def _bench(device: str, H: int, I: int, E: int, K: int, T: int, rounds: int, qui
     layers = {"FP8MoE": plain}
     for d in ("bf16", "fp8"):
         layers[f"EP, {d} dispatch"] = expert_parallel_from(plain, dist.group.WORLD, d)
+    for d in ("bf16", "fp8"):
+        layers[f"EP, {d} dispatch, sync-free"] = expert_parallel_from(plain, dist.group.WORLD, d, sync_free=True)
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     outs = {name: layer(x).detach() for name, layer in layers.items()}

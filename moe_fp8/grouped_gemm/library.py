@@ -136,7 +136,8 @@ class _Op:
         return fake
 
     def __call__(self, *args):
-        return self.calls[self.is_opaque(args)](*args)
+        traced, opaque = self.calls
+        return opaque(*args) if self.is_opaque(args) else traced(*args)  # Dynamo cannot index by a bool
 
 
 def _emulated(args) -> bool:

@@ -119,11 +119,8 @@ class FP8MoE(nn.Module):
         check_parameters(self, x)
         tokens = x.reshape(-1, self.hidden_size)
         r = self.router(tokens)
-        # the shared experts first: with expert parallelism they are queued before the routed
-        # experts' one host wait (the split sizes), so the device works while the host waits
-        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
         out = self.experts(tokens, r.topk_ids, r.topk_weights, input_scales=r.input_scales)
-        if shared is not None:
-            out = out + shared
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
         out = out.reshape(shape[:-1] + (out.shape[-1],))
         return (out, r) if self.return_router_output else out

@@ -15,7 +15,7 @@ import torch
 
 from ..routing import DispatchPlan, make_dispatch_plan
 
-__all__ = ["destination_plan", "destination_ranks"]
+__all__ = ["destination_plan", "destination_ranks", "every_rank_plan"]
 
 
 def destination_ranks(topk_ids: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:
@@ -48,3 +48,10 @@ def destination_plan(topk_ids: torch.Tensor, experts_per_rank: int, world: int) 
     ``counts (W,)`` are the rows sent to each rank, its first ``counts.sum()`` rows the send
     buffer's (grouped by rank, tokens in order); ``top_k`` is ``min(k, W)``."""
     return make_dispatch_plan(destination_ranks(topk_ids, experts_per_rank, world), world)
+
+
+def every_rank_plan(num_tokens: int, world: int, device: torch.device) -> DispatchPlan:
+    """The static destination plan of the sync-free dispatch: every token to every rank (row
+    ``d * T + t`` holds token ``t`` for rank ``d``; ``counts`` are ``T`` each, known on the host)."""
+    ranks = torch.arange(world, dtype=torch.int32, device=device).expand(num_tokens, world)
+    return make_dispatch_plan(ranks, world)

@@ -28,8 +28,8 @@ import torch.utils.checkpoint
 from ..layers.experts import FP8GroupedExperts
 from ..quant import formats
 from ..routing import combine, make_dispatch_plan, permute, permute_quantize
-from .destinations import destination_plan
-from .exchange import RowsAllToAll, all_to_all_rows, exchange_counts
+from .destinations import destination_plan, every_rank_plan
+from .exchange import RowsAllToAll, Splits, all_to_all_rows, exchange_counts
 
 __all__ = ["DISPATCH_MODES", "ExpertParallelExperts"]
 
@@ -62,10 +62,16 @@ class ExpertParallelExperts(FP8GroupedExperts):
             :meth:`grouped_mlp`; the received rows are kept). The recompute runs no collective and
             no host sync, and routes nothing again; checkpointing the whole layer instead repeats
             the routing, the exchanges and the host copy in backward. A plain attribute, settable.
+        sync_free: static shapes, no host sync: every token is sent to every rank (``T`` rows to
+            each, whether or not it has an expert there; those rows come back as zeros), so no
+            count exchange or split sizes are needed and the forward can be captured in a CUDA
+            graph. Every rank must then pass the same ``T``. Same results, bit for bit, as the
+            default; costs ``W * T`` received rows per rank on the wire and in memory, and local
+            experts' activations sized for ``W * T * k`` rows. A plain attribute, settable.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, expert_hidden_size: int, *, group=None,
-                 dispatch: str = "bf16", checkpoint: bool = False, **kw) -> None:
+                 dispatch: str = "bf16", checkpoint: bool = False, sync_free: bool = False, **kw) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: expert parallelism needs an initialised torch.distributed process group")
         world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -80,7 +86,7 @@ class ExpertParallelExperts(FP8GroupedExperts):
         if dispatch == "fp8" and self.recipe.scaling != "rowwise":
             raise ValueError(f"dispatch: 'fp8' needs a recipe with row scales (rowwise, rowwise_gw_hp), "
                              f"got recipe {self.recipe.name!r}")
-        self.group, self.dispatch, self.checkpoint = group, dispatch, checkpoint
+        self.group, self.dispatch, self.checkpoint, self.sync_free = group, dispatch, checkpoint, sync_free
         self.ep_size, self.ep_rank = world, rank
         self.global_num_experts = num_experts
         # one source rank or one local expert: the rows arrive expert-major already
@@ -88,15 +94,15 @@ class ExpertParallelExperts(FP8GroupedExperts):
 
     @classmethod
     def from_full(cls, experts: FP8GroupedExperts, group=None, dispatch: str = "bf16",
-                  checkpoint: bool = False) -> ExpertParallelExperts:
+                  checkpoint: bool = False, sync_free: bool = False) -> ExpertParallelExperts:
         """The shard of this rank of the single-process ``experts`` (its parameters sliced and
         copied; same recipe, backend, format, layout and caching)."""
         if not isinstance(experts, FP8GroupedExperts) or isinstance(experts, ExpertParallelExperts):
             raise TypeError(f"experts: expected an FP8GroupedExperts, got {type(experts).__name__}")
         w1 = experts.gate_up_proj
         shard = cls(experts.num_experts, experts.hidden_size, experts.expert_hidden_size, group=group,
-                    dispatch=dispatch, checkpoint=checkpoint, recipe=experts.recipe, backend=experts.backend,
-                    fmt=experts.fmt, in_out_layout=experts.in_out_layout, cache_weights=experts._caches is not None,
+                    dispatch=dispatch, checkpoint=checkpoint, sync_free=sync_free, recipe=experts.recipe,
+                    backend=experts.backend, fmt=experts.fmt, in_out_layout=experts.in_out_layout, cache_weights=experts._caches is not None,
                     device="meta", dtype=w1.dtype)
         shard.to_empty(device=w1.device)
         lo, hi = shard.ep_rank * shard.num_experts, (shard.ep_rank + 1) * shard.num_experts
@@ -116,8 +122,12 @@ class ExpertParallelExperts(FP8GroupedExperts):
         if fp8 and input_scales is not None:
             raise ValueError("input_scales: dispatch='fp8' quantizes each token once on its source rank, but input "
                              "scales (Llama 4) scale each routed row before its quantization; use dispatch='bf16'")
-        route = destination_plan(top_k_index, self.num_experts, self.ep_size)
-        pending = exchange_counts(route.counts, self.group)
+        T = top_k_index.shape[0]
+        if self.sync_free:  # static sizes: every token to every rank, T rows each way per pair of ranks
+            route, pending = every_rank_plan(T, self.ep_size, x.device), None
+        else:
+            route = destination_plan(top_k_index, self.num_experts, self.ep_size)
+            pending = exchange_counts(route.counts, self.group)
         # the send buffers need no split sizes: queued before the host waits for them
         ids = top_k_index.to(torch.int32).index_select(0, route.row_to_pair.long().clamp(min=0) // route.top_k)
         # BF16 rows travel in BF16 dispatch, and in FP8 dispatch while something needs a gradient
@@ -132,7 +142,7 @@ class ExpertParallelExperts(FP8GroupedExperts):
         floats = permute(torch.cat(cols, 1), route) if cols else None  # differentiable: their gradients go home
         if row_scale is not None:
             floats = row_scale[:, None] if floats is None else torch.cat([floats, row_scale[:, None]], 1)
-        splits = pending.wait()
+        splits = Splits([T] * self.ep_size, [T] * self.ep_size) if pending is None else pending.wait()
 
         send, recv, group = splits.send, splits.recv, self.group
         ids = all_to_all_rows(ids, send, recv, group) - self.ep_rank * self.num_experts
@@ -175,7 +185,8 @@ class ExpertParallelExperts(FP8GroupedExperts):
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, global_experts={self.global_num_experts}, ep_rank={self.ep_rank}, "
-                f"ep_size={self.ep_size}, dispatch={self.dispatch}, checkpoint={self.checkpoint}")
+                f"ep_size={self.ep_size}, dispatch={self.dispatch}, checkpoint={self.checkpoint}, "
+                f"sync_free={self.sync_free}")
 
 
 def _needs_grad(experts: ExpertParallelExperts, x: torch.Tensor) -> bool:
