@@ -10,6 +10,7 @@ every token and sums those partial results in rank order in fp32, as the EP comb
 
 from __future__ import annotations
 
+import copy
 import datetime
 import traceback
 
@@ -117,6 +118,9 @@ def check_experts(group, world: int, rank: int, recipe: str) -> None:
     E = 2 * world
     torch.manual_seed(0)
     full = FP8GroupedExperts(E, H, I, recipe=recipe, backend=BACKEND).to(torch.bfloat16)
+    # FP8 dispatch sends FP8 rows only: its first GEMM saves them, as fp8_saved_input does in one process
+    full_fp8_in = copy.deepcopy(full)
+    full_fp8_in.fp8_saved_input = recipe != "bf16"
     dispatches = ("bf16", "fp8") if recipe != "bf16" else ("bf16",)
     shards = {d: ExpertParallelExperts.from_full(full, group, d) for d in dispatches}
     static = {f"{d} sync-free": ExpertParallelExperts.from_full(full, group, d, sync_free=True) for d in dispatches}
@@ -129,12 +133,13 @@ def check_experts(group, world: int, rank: int, recipe: str) -> None:
         x = torch.randn(n, H, generator=gen).to(torch.bfloat16)
         w = torch.rand(n, K, generator=gen)
         dy = torch.randn(n, H, generator=gen).to(torch.bfloat16)
-        ref = _reference(full, x, ids, w, dy, world)
+        refs = {"bf16": _reference(full, x, ids, w, dy, world), "fp8": _reference(full_fp8_in, x, ids, w, dy, world)}
         a, b = sum(ts[:rank]), sum(ts[: rank + 1])
         for dispatch, shard in layers.items():
             _dirty_allocator()
             got = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
             tag = f"world={world} rank={rank} {recipe} {dispatch} {name}"
+            ref = refs[dispatch[:4].strip()]
             for what, g, r in zip(("out", "grad x", "grad weights"), got[:3], ref[:3]):
                 _check_equal(f"{tag}: {what}", g, r[a:b])
             _check_equal(f"{tag}: grad gate_up_proj", got[3], ref[3][lo:hi])
@@ -232,6 +237,7 @@ def check_layer(group, world: int, rank: int, dispatch: str, E: int) -> None:
     torch.manual_seed(4)
     full = FP8MoE(H, I, E, K, shared_expert_hidden_size=16, backend=BACKEND).to(torch.bfloat16)
     ep = expert_parallel_from(full, group, dispatch)
+    full.experts.fp8_saved_input = dispatch == "fp8"  # what FP8 dispatch implies
     full.experts = _RankOrderExperts(full.experts, world)
     ts = [3 + 2 * r for r in range(world)]
     gen = torch.Generator().manual_seed(5)
@@ -284,10 +290,10 @@ def check_checkpoint(group, world: int, rank: int, dispatch: str) -> None:
             out.backward(torch.ones_like(out))
             results[ckpt] = (out.detach(), xs.grad, ws.grad, shard.gate_up_proj.grad, shard.down_proj.grad,
                              len(calls) - n_forward)
-            # counts, ids, rows, fp32 columns, return; FP8 sends its bytes too (scales in the fp32 columns)
-            assert n_forward == (6 if dispatch == "fp8" else 5), (dispatch, n_forward)
+            # counts, ids, rows (BF16, or FP8 bytes with their scales in the fp32 columns), fp32 columns, return
+            assert n_forward == 5, (dispatch, n_forward)
             calls.clear()
-        with torch.no_grad():  # FP8 dispatch without gradients: no BF16 rows
+        with torch.no_grad():
             shard(x[a:b], ids[a:b], w[a:b])
         assert len(calls) == 5, (dispatch, len(calls))
     finally:

@@ -40,9 +40,20 @@ from . import library as lib
 from .backends import get_backend
 from .padding import padded_offsets, padded_rows
 
-__all__ = ["FP8GroupedMM"]
+__all__ = ["FP8GroupedMM", "dequantize_rows"]
 
-_NONES = (None,) * 10  # gradients of the non-tensor arguments of ``apply``
+_NONES = (None,) * 11  # gradients of the non-tensor arguments of ``apply``
+_DEQUANTIZE_ELEMENTS = 1 << 26  # elements per chunk of dequantize_rows (its fp32 temporary: 256 MB)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(q.float() * scale[:, None]).to(dtype)``: rowwise FP8 ``q (M, K)`` with fp32 ``scale (M,)``
+    back to ``(M, K)`` in ``dtype`` (one rounding), in row chunks that bound the fp32 temporary."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    step = max(1, _DEQUANTIZE_ELEMENTS // max(q.shape[1], 1))
+    for i in range(0, q.shape[0], step):
+        out[i : i + step] = q[i : i + step].float() * scale[i : i + step, None]
+    return out
 
 
 def _routed_rows(offs: torch.Tensor, scaling: str | None) -> torch.Tensor | None:
@@ -80,13 +91,16 @@ class FP8GroupedMM(torch.autograd.Function):
 
     ``scaling`` is ``None`` for the BF16 recipe; ``w_quant`` is the 4-tuple of
     ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here; ``x_quant`` is
-    ``x``'s rowwise ``(q, scale)`` made upstream, or ``None`` to quantize here. ``save_w`` (only
+    ``x``'s rowwise ``(q, scale)`` made upstream, or ``None`` to quantize here. ``save_x_fp8``
+    (with ``x_quant``): save ``x_quant``, not ``x``, and give the wgrad ``x_quant`` dequantized
+    (:func:`dequantize_rows`); ``x`` is then never read. ``save_w`` (only
     with ``scaling="rowwise"`` and ``w_quant=None``): save ``w`` (and its amax over N) and quantize
     its dgrad layout in backward instead of saving that layout from forward.
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w):
+    def forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
+                save_x_fp8=False):
         ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
         ctx.w_dtype = w.dtype
         ctx.empty = x.shape[0] == 0
@@ -108,8 +122,10 @@ class FP8GroupedMM(torch.autograd.Function):
         # x's per-group column amax, so that the wgrad writes x, and grad_out (whose amax the dgrad's
         # row quantization takes alike), without a reduction of its own
         x_amax = None
+        # x_quant alone is saved (save_x_fp8): x is never read, and the wgrad reduces its own amaxes
+        ctx.x_deq = save_x_fp8
         want_amax = (scaling == "rowwise" and fp8_wgrad and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
-                     and _rows_give_group_amax(fused, x.shape[1], w.shape[1]))
+                     and not save_x_fp8 and _rows_give_group_amax(fused, x.shape[1], w.shape[1]))
         if x_quant is not None:
             xq, xs = x_quant
             if want_amax and _upstream_amax_pays(x.shape[0], offs.shape[0]):  # one more read of x
@@ -123,7 +139,8 @@ class FP8GroupedMM(torch.autograd.Function):
         # tensorwise FP8 wgrad takes x's FP8 bytes as they are (one scale for the tensor): x is saved
         # in FP8, with its scale in the amax's place
         ctx.x_fp8 = scaling == "tensorwise" and fp8_wgrad
-        ctx.save_for_backward(xq if ctx.x_fp8 else x, offs, q_bwd, s_bwd, xs if ctx.x_fp8 else x_amax)
+        keep_fp8 = ctx.x_fp8 or ctx.x_deq
+        ctx.save_for_backward(xq if keep_fp8 else x, offs, q_bwd, s_bwd, xs if keep_fp8 else x_amax)
         return out
 
     @staticmethod
@@ -146,6 +163,8 @@ class FP8GroupedMM(torch.autograd.Function):
             dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, False) if need_dx else (None, None)
             dw = _wgrad_tensorwise(ctx, grad_out, g_fp8, (x, x_extra), offs) if need_dw else None
             return dx, dw, *_NONES
+        if ctx.x_deq:  # the saved FP8 rows of x stand in for x: dequantized, in x's dtype
+            x, x_extra = dequantize_rows(x, x_extra, ctx.x_dtype) if need_dw else x, None
         # with x's amax from the forward, the dgrad's row quantization of grad_out reduces grad_out's
         # per-group column amax too (only both together pay: BENCHMARKS.md)
         group_amax = x_extra is not None and need_dx and need_dw

@@ -31,6 +31,7 @@ def fp8_grouped_mm(
     out_dtype: torch.dtype = torch.bfloat16,
     weight_cache: Fp8WeightCache | None = None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    save_x_fp8: bool = False,
 ) -> torch.Tensor:
     """Grouped ``x @ w[g].T`` over the token groups of ``offs``, with FP8 GEMMs.
 
@@ -62,6 +63,11 @@ def fp8_grouped_mm(
             fused permute + quantize, the fused SwiGLU + quantize): the forward GEMM uses it
             instead of quantizing ``x`` again. Only with row scales (``rowwise``,
             ``rowwise_gw_hp``). It must equal ``quantize_rowwise(x)``; that is not checked.
+        save_x_fp8: with ``x_fp8``, keep ``x_fp8`` for the backward instead of ``x`` (half the
+            bytes): the weight gradient reads ``x`` dequantized from it (``q * scale`` rounded to
+            ``x``'s dtype), so it sees ``x`` quantized twice (rows here, then columns for an FP8
+            wgrad). ``x`` itself is never read then: any tensor of its shape and dtype will do
+            (e.g. a zero-stride stand-in that carries the gradient path).
     Returns:
         ``(M, N)`` in ``out_dtype``; rows at or past ``offs[-1]`` are zero.
 
@@ -115,10 +121,13 @@ def fp8_grouped_mm(
         )
     if x_fp8 is not None:
         _check_x_fp8(x_fp8, rec, fmt, x)
-    x, w_mat = x.contiguous(), _matrix_layout(w)
+    elif save_x_fp8:
+        raise ValueError("save_x_fp8: needs x_fp8 (the FP8 rows to keep for the backward)")
+    x, w_mat = (x if save_x_fp8 else x.contiguous()), _matrix_layout(w)
     save_w = w_quant is None and rec.scaling == "rowwise" and w_mat is w and _kept_alive(w)
     return FP8GroupedMM.apply(
-        x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w
+        x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
+        bool(save_x_fp8),
     )
 
 

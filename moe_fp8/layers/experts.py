@@ -25,7 +25,7 @@ from ..grouped_gemm import Fp8WeightCache, fp8_grouped_mm, select_backend
 from ..quant import formats, quantize_rowwise
 from ..quant.recipes import get_recipe
 from ..quant.swiglu import SwiGLUQuantize
-from ..routing import combine, make_dispatch_plan, permute, permute_quantize
+from ..routing import combine, make_dispatch_plan, permute, permute_quantize, permute_stand_in
 from .param_checks import check_parameters
 
 __all__ = ["FP8GroupedExperts"]
@@ -49,6 +49,11 @@ class FP8GroupedExperts(nn.Module):
             too: the cast happens with the quantization, on a miss only. Costs one BF16-sized
             copy of the weights; off under ``torch.compile`` and while a CUDA graph is captured
             (a captured step quantizes the weights on every replay, so it sees weight updates).
+        fp8_saved_input: the first GEMM keeps its input's rowwise FP8 rows for the backward, not
+            the BF16 rows (recipes with row scales): the BF16 permuted rows are then never written
+            (without input scales), and the saved activation is half the bytes. The gate/up weight
+            gradient reads those rows dequantized, so it sees the input quantized twice (as
+            DeepSeek-V3's FP8 training does); outputs and the other gradients are unchanged.
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class FP8GroupedExperts(nn.Module):
         fmt=None,
         in_out_layout: bool = False,
         cache_weights: bool = True,
+        fp8_saved_input: bool = False,
         device=None,
         dtype=None,
     ) -> None:
@@ -73,6 +79,10 @@ class FP8GroupedExperts(nn.Module):
         E, H, I = num_experts, hidden_size, expert_hidden_size
         self.num_experts, self.hidden_size, self.expert_hidden_size = E, H, I
         self.recipe = get_recipe(recipe)
+        if fp8_saved_input and self.recipe.scaling != "rowwise":
+            raise ValueError(f"fp8_saved_input: needs a recipe with row scales (rowwise, rowwise_gw_hp), "
+                             f"got recipe {self.recipe.name!r}")
+        self.fp8_saved_input = fp8_saved_input
         self.backend = backend
         self.fmt = None if fmt is None else formats.resolve_format(fmt)
         self.in_out_layout = in_out_layout
@@ -122,8 +132,8 @@ class FP8GroupedExperts(nn.Module):
         """
         x, out_dtype = self.gemm_input(hidden_states, top_k_index, input_scales)
         plan = make_dispatch_plan(top_k_index, self.num_experts)
-        x_perm, x_fp8 = self.permuted_rows(x, plan, input_scales)
-        y = self.grouped_mlp(x_perm, plan.offsets, x_fp8)
+        x_perm, x_fp8 = self.permuted_rows(x, plan, input_scales, stand_in=self.fp8_saved_input)
+        y = self.grouped_mlp(x_perm, plan.offsets, x_fp8, save_x_fp8=self.fp8_saved_input)
         return combine(y, plan, top_k_weights).to(out_dtype)
 
     def gemm_input(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -145,13 +155,18 @@ class FP8GroupedExperts(nn.Module):
         return x, out_dtype
 
     def permuted_rows(self, x: torch.Tensor, plan, input_scales: torch.Tensor | None = None,
-                      quantize: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+                      quantize: bool = True, stand_in: bool = False
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """``(x_perm (M, H), x_fp8)``: the expert-sorted rows of ``x (T, H)`` (scaled by ``input_scales``
         when given) and, when ``quantize`` and the recipe has row scales, their rowwise FP8
-        ``(q (M, H), scale (M,))`` (fused with the permute without input scales), else ``None``."""
+        ``(q (M, H), scale (M,))`` (fused with the permute without input scales), else ``None``.
+        ``stand_in`` (with FP8 rows, without input scales): ``x_perm`` is a zero-stride stand-in
+        (``permute_stand_in``) for a first GEMM that saves the FP8 rows."""
         fp8_rows = quantize and self.recipe.scaling == "rowwise"
         fmt = formats.resolve_format(self.fmt, x.device)
         pow2 = self.recipe.pow2_scales
+        if stand_in and fp8_rows and input_scales is None:
+            return permute_stand_in(x, plan), permute_quantize(x, plan, fmt, pow2=pow2)
         x_perm = permute(x, plan)
         if input_scales is not None:
             row_scale = _row_scales(input_scales, plan).to(x_perm.dtype)
@@ -160,10 +175,11 @@ class FP8GroupedExperts(nn.Module):
         return x_perm, permute_quantize(x, plan, fmt, pow2=pow2) if fp8_rows else None
 
     def grouped_mlp(self, x_perm: torch.Tensor, offsets: torch.Tensor,
-                    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, save_x_fp8: bool = False) -> torch.Tensor:
         """``down(silu(gate) * up)`` of each expert on its rows: ``x_perm (M, H)`` grouped by the int32
         END ``offsets (E,)``, with ``x_fp8`` its rowwise FP8 ``(q, scale)`` or ``None`` (quantized in
-        the GEMM). Returns ``(M, H)`` bf16 (the GEMMs' dtype); rows past ``offsets[-1]`` are 0."""
+        the GEMM); ``save_x_fp8``: the first GEMM saves ``x_fp8``, not ``x_perm`` (which it then
+        never reads). Returns ``(M, H)`` bf16 (the GEMMs' dtype); rows past ``offsets[-1]`` are 0."""
         recipe, fp8_rows = self.recipe, self.recipe.scaling == "rowwise"
         fmt = formats.resolve_format(self.fmt, x_perm.device)
         pow2 = recipe.pow2_scales
@@ -175,7 +191,8 @@ class FP8GroupedExperts(nn.Module):
         cache = self._caches if cached else (None, None)
         w1, w2 = self._weights()
         w1 = _cast(w1, x_perm.dtype, cache[0])
-        h = fp8_grouped_mm(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8, **gemm)
+        h = fp8_grouped_mm(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8,
+                           save_x_fp8=save_x_fp8 and x_fp8 is not None, **gemm)
         if fp8_rows:
             a, a_q, a_scale = SwiGLUQuantize.apply(h, fmt, pow2)
             a_fp8 = (a_q, a_scale)
@@ -188,7 +205,8 @@ class FP8GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "
-                f"recipe={self.recipe.name}, in_out_layout={self.in_out_layout}")
+                f"recipe={self.recipe.name}, in_out_layout={self.in_out_layout}, "
+                f"fp8_saved_input={self.fp8_saved_input}")
 
 
 def _cast(w: torch.Tensor, dtype: torch.dtype, cache: Fp8WeightCache | None) -> torch.Tensor:

@@ -27,9 +27,10 @@ import torch.utils.checkpoint
 
 from ..layers.experts import FP8GroupedExperts
 from ..quant import formats
-from ..routing import combine, make_dispatch_plan, permute, permute_quantize
+from ..routing import combine, make_dispatch_plan, permute, permute_quantize, permute_stand_in
 from .destinations import destination_plan, every_rank_plan
 from .exchange import RowsAllToAll, Splits, all_to_all_rows, exchange_counts
+from .fp8_rows import FP8RowsAllToAll
 
 __all__ = ["DISPATCH_MODES", "ExpertParallelExperts"]
 
@@ -49,10 +50,10 @@ class ExpertParallelExperts(FP8GroupedExperts):
         group: the expert-parallel ``torch.distributed`` process group (``None``: the default group).
         dispatch: ``"bf16"`` (token rows sent in the GEMM dtype, quantized after receipt) or
             ``"fp8"``: each token row quantized once on its source rank (fused with the permute),
-            sent as FP8 bytes + its fp32 scale, and fed to the grouped GEMM as received. Only for
-            recipes with row scales and without input scales. While the input or the expert weights
-            need gradients the BF16 rows are sent too (the input gradient travels home through them
-            and the first GEMM's weight gradient reads them): see ``docs/expert-parallel.md``.
+            sent as FP8 bytes + its fp32 scale, and fed to the grouped GEMM as received; no BF16
+            row travels, in training either: the first GEMM saves the FP8 rows and its weight
+            gradient reads them dequantized (``fp8_saved_input``, set by this mode). Only for
+            recipes with row scales and without input scales.
         A token visits each rank owning one of its experts once (one row per token and rank), and
         that rank returns the sum of its experts' outputs for it (rounded to the GEMM dtype): with
         one rank, or when a token's experts share a rank, the result is the single process's bit
@@ -86,6 +87,8 @@ class ExpertParallelExperts(FP8GroupedExperts):
         if dispatch == "fp8" and self.recipe.scaling != "rowwise":
             raise ValueError(f"dispatch: 'fp8' needs a recipe with row scales (rowwise, rowwise_gw_hp), "
                              f"got recipe {self.recipe.name!r}")
+        if dispatch == "fp8":  # the FP8 rows are all that arrives: the first GEMM saves them
+            self.fp8_saved_input = True
         self.group, self.dispatch, self.checkpoint, self.sync_free = group, dispatch, checkpoint, sync_free
         self.ep_size, self.ep_rank = world, rank
         self.global_num_experts = num_experts
@@ -102,7 +105,8 @@ class ExpertParallelExperts(FP8GroupedExperts):
         w1 = experts.gate_up_proj
         shard = cls(experts.num_experts, experts.hidden_size, experts.expert_hidden_size, group=group,
                     dispatch=dispatch, checkpoint=checkpoint, sync_free=sync_free, recipe=experts.recipe,
-                    backend=experts.backend, fmt=experts.fmt, in_out_layout=experts.in_out_layout, cache_weights=experts._caches is not None,
+                    backend=experts.backend, fmt=experts.fmt, in_out_layout=experts.in_out_layout,
+                    cache_weights=experts._caches is not None, fp8_saved_input=experts.fp8_saved_input,
                     device="meta", dtype=w1.dtype)
         shard.to_empty(device=w1.device)
         lo, hi = shard.ep_rank * shard.num_experts, (shard.ep_rank + 1) * shard.num_experts
@@ -130,14 +134,12 @@ class ExpertParallelExperts(FP8GroupedExperts):
             pending = exchange_counts(route.counts, self.group)
         # the send buffers need no split sizes: queued before the host waits for them
         ids = top_k_index.to(torch.int32).index_select(0, route.row_to_pair.long().clamp(min=0) // route.top_k)
-        # BF16 rows travel in BF16 dispatch, and in FP8 dispatch while something needs a gradient
-        # (the input gradient travels home through them, and the first GEMM's weight gradient reads them)
-        send_bf16 = not fp8 or (torch.is_grad_enabled() and _needs_grad(self, x))
-        rows = permute(x, route) if send_bf16 else None
-        q = row_scale = None
+        rows = q = row_scale = None
         if fp8:
             q, row_scale = permute_quantize(x, route, formats.resolve_format(self.fmt, x.device),
                                             pow2=self.recipe.pow2_scales)
+        else:
+            rows = permute(x, route)
         cols = [t.float() for t in (top_k_weights, input_scales) if t is not None]
         floats = permute(torch.cat(cols, 1), route) if cols else None  # differentiable: their gradients go home
         if row_scale is not None:
@@ -148,8 +150,8 @@ class ExpertParallelExperts(FP8GroupedExperts):
         ids = all_to_all_rows(ids, send, recv, group) - self.ep_rank * self.num_experts
         if rows is not None:
             rows = RowsAllToAll.apply(rows, send, recv, group)
-        if q is not None:
-            q = all_to_all_rows(q.view(torch.uint8), send, recv, group).view(q.dtype)
+        if q is not None:  # rows: a stand-in for the received FP8 rows, the input gradient's way home
+            rows, q = FP8RowsAllToAll.apply(x, q, route, send, recv, group)
         weights = scales = None
         if floats is not None:  # router weights, input scales (each k columns), FP8 row scale
             floats = RowsAllToAll.apply(floats, send, recv, group)
@@ -157,39 +159,32 @@ class ExpertParallelExperts(FP8GroupedExperts):
             weights = floats[:, :k] if top_k_weights is not None else None
             scales = floats[:, -k:] if input_scales is not None else None
             row_scale = floats[:, -1].detach().contiguous() if q is not None else None
-        partial = self._local_experts(rows, ids, weights, scales, (q, row_scale) if q is not None else None, x.dtype)
+        partial = self._local_experts(rows, ids, weights, scales, (q, row_scale) if q is not None else None)
         back = RowsAllToAll.apply(partial, recv, send, group, route.num_rows)
         return combine(back, route, None).to(out_dtype)
 
-    def _local_experts(self, rows: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor | None,
-                       scales: torch.Tensor | None, fp8_rows: tuple[torch.Tensor, torch.Tensor] | None,
-                       dtype: torch.dtype) -> torch.Tensor:
+    def _local_experts(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None,
+                       scales: torch.Tensor | None, fp8_rows: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """``(R, H)``: each received token's output summed over this rank's experts, as one process
         computes it (``FP8GroupedExperts.forward`` on the received tokens), from the BF16 token rows
-        ``rows (R, H)`` (``dtype``) and / or their FP8 ``(q (R, H), scale (R,))`` as received."""
+        ``rows (R, H)`` as received, or their FP8 ``(q (R, H), scale (R,))`` as received with ``rows``
+        a stand-in that carries the gradient (:class:`FP8RowsAllToAll`)."""
         plan = make_dispatch_plan(ids, self.num_experts)
         if fp8_rows is None:
-            x_perm, x_fp8 = self.permuted_rows(rows, plan, scales)
+            x_perm, x_fp8 = self.permuted_rows(rows, plan, scales, stand_in=self.fp8_saved_input)
         else:  # each expert row is its token's FP8 row: the same bytes and scale as quantizing after receipt
             q, scale = fp8_rows
             token = plan.row_to_pair.long().clamp(min=0) // plan.top_k
             x_fp8 = (q.view(torch.uint8).index_select(0, token).view(q.dtype), scale.index_select(0, token))
-            # without gradients no BF16 rows travel: fp8_grouped_mm reads x only for its backward
-            x_perm = permute(rows, plan) if rows is not None else q.new_empty(plan.num_rows, self.hidden_size,
-                                                                               dtype=dtype)
+            x_perm = permute_stand_in(rows, plan)
         if self.checkpoint and torch.is_grad_enabled():
-            y = torch.utils.checkpoint.checkpoint(self.grouped_mlp, x_perm, plan.offsets, x_fp8, use_reentrant=False)
+            y = torch.utils.checkpoint.checkpoint(self.grouped_mlp, x_perm, plan.offsets, x_fp8, self.fp8_saved_input,
+                                                  use_reentrant=False)
         else:
-            y = self.grouped_mlp(x_perm, plan.offsets, x_fp8)
+            y = self.grouped_mlp(x_perm, plan.offsets, x_fp8, self.fp8_saved_input)
         return combine(y, plan, weights)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, global_experts={self.global_num_experts}, ep_rank={self.ep_rank}, "
                 f"ep_size={self.ep_size}, dispatch={self.dispatch}, checkpoint={self.checkpoint}, "
                 f"sync_free={self.sync_free}")
-
-
-def _needs_grad(experts: ExpertParallelExperts, x: torch.Tensor) -> bool:
-    """Whether the backward reads the BF16 token rows: the input gradient travels home through them,
-    and the first GEMM's weight gradient reads them."""
-    return x.requires_grad or any(p.requires_grad for p in experts.parameters())

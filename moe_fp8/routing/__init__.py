@@ -17,6 +17,7 @@ from .plan import DispatchPlan, make_dispatch_plan, padded_num_rows
 from .reference import padding_scale
 from .router import Router
 from .scoring import group_limited_mask, route
+from .stand_in import permute_stand_in
 
 __all__ = [
     "DispatchPlan",
@@ -32,6 +33,7 @@ __all__ = [
     "padding_scale",
     "permute",
     "permute_quantize",
+    "permute_stand_in",
     "route",
     "router_z_loss",
     "update_correction_bias_",
