@@ -38,6 +38,7 @@ def test_nccl_world_of_one_equals_the_layer(group, dispatch, tokens):
     shared = 128 if tokens else 0
     full = FP8MoE(H, I, E, K, shared_expert_hidden_size=shared, device="cuda", dtype=torch.bfloat16)
     ep = expert_parallel_from(full, group, dispatch)
+    full.experts.fp8_saved_input = dispatch == "fp8"  # what FP8 dispatch implies (its first GEMM saves FP8 rows)
     x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     want, got = layer_grads(full, x, dy), layer_grads(ep, x, dy)
@@ -77,6 +78,7 @@ def test_sync_free_equals_the_layer_waits_never_and_captures(group, dispatch, mo
     torch.manual_seed(0)
     full = FP8MoE(H, I, E, K, device="cuda", dtype=torch.bfloat16)
     ep = expert_parallel_from(full, group, dispatch, sync_free=True)
+    full.experts.fp8_saved_input = dispatch == "fp8"
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     want, got = layer_grads(full, x, dy), layer_grads(ep, x, dy)

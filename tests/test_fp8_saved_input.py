@@ -17,32 +17,34 @@ def _offsets(counts):
     return torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
 
 
-def _grads(x, w, offs, dy, **kw):
+def _grads(x, w, offs, dy, backend=BACKEND, **kw):
     x = x.detach().clone().requires_grad_(x.stride(0) != 0)
     w = w.detach().clone().requires_grad_()
-    out = fp8_grouped_mm(x, w, offs, backend=BACKEND, **kw)
+    out = fp8_grouped_mm(x, w, offs, backend=backend, **kw)
     out.backward(dy)
     return out.detach(), x.grad, w.grad
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
-def test_wgrad_reads_the_dequantized_rows(recipe):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_wgrad_reads_the_dequantized_rows(recipe, device):
     gen = torch.Generator().manual_seed(0)
     counts = [5, 0, 17, 3]  # an empty expert, odd sizes
     M, K, N = sum(counts) + 2, 48, 32  # two rows past the groups
-    x = (torch.randn(M, K, generator=gen) * 3).to(torch.bfloat16)
-    w = torch.randn(len(counts), N, K, generator=gen).to(torch.bfloat16)
-    dy = torch.randn(M, N, generator=gen).to(torch.bfloat16)
-    offs = _offsets(counts)
+    x = (torch.randn(M, K, generator=gen) * 3).to(device, torch.bfloat16)
+    w = torch.randn(len(counts), N, K, generator=gen).to(device, torch.bfloat16)
+    dy = torch.randn(M, N, generator=gen).to(device, torch.bfloat16)
+    offs = _offsets(counts).to(device)
+    backend = BACKEND if device == "cpu" else None
     q, s = quantize_rowwise(x, torch.float8_e4m3fn)
-    out, dx, dw = _grads(x, w, offs, dy, recipe=recipe, x_fp8=(q, s), save_x_fp8=True)
-    want_out, want_dx, _ = _grads(x, w, offs, dy, recipe=recipe, x_fp8=(q, s))
-    _, _, want_dw = _grads(dequantize_rows(q, s, x.dtype), w, offs, dy, recipe=recipe)
+    out, dx, dw = _grads(x, w, offs, dy, backend, recipe=recipe, x_fp8=(q, s), save_x_fp8=True)
+    want_out, want_dx, _ = _grads(x, w, offs, dy, backend, recipe=recipe, x_fp8=(q, s))
+    _, _, want_dw = _grads(dequantize_rows(q, s, x.dtype), w, offs, dy, backend, recipe=recipe)
     assert torch.equal(out, want_out) and torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
     assert not dw[1].any()  # the empty expert
     # x is never read: a NaN zero-stride stand-in gives the same output and weight gradient
-    stand_in = torch.full((), float("nan"), dtype=torch.bfloat16).expand(M, K)
-    got = _grads(stand_in, w, offs, dy, recipe=recipe, x_fp8=(q, s), save_x_fp8=True)
+    stand_in = torch.full((), float("nan"), dtype=torch.bfloat16, device=device).expand(M, K)
+    got = _grads(stand_in, w, offs, dy, backend, recipe=recipe, x_fp8=(q, s), save_x_fp8=True)
     assert torch.equal(got[0], out) and torch.equal(got[2], dw)
 
 

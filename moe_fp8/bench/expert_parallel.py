@@ -3,11 +3,12 @@ one rank: the same code path as W ranks, every exchange a self-copy), and the by
 
 Shapes: DeepSeek-V3 routed experts (H=7168, I=2048), 16 experts, top-8, T=8192 tokens, rowwise
 recipe, weight cache on. Rows timed (``triton.testing.do_bench`` medians, alternated rounds, median
-of the rounds): forward+backward of the plain layer, of the EP layer with BF16 dispatch and with
-FP8 dispatch (which also sends the BF16 rows while the weights need gradients), and the forward
-alone without grad (where FP8 dispatch sends only FP8 bytes + row scales). Overhead = EP / plain - 1.
-Also: host syncs per forward (``torch.cuda.set_sync_debug_mode("warn")``), peak memory of a step,
-and the bytes per routed row each dispatch puts on the wire (``dispatch_bytes_per_row``).
+of the rounds): forward+backward, and the forward alone without grad, of the plain layer (also
+with ``fp8_saved_input``, the baseline of FP8 dispatch) and of the EP layer with BF16 and FP8
+dispatch, with and without the sync-free dispatch. Overhead = EP / its plain baseline - 1. Also:
+host waits per forward (synchronizing calls under ``torch.cuda.set_sync_debug_mode("warn")`` and
+event waits), peak memory of a step, and the bytes per token row each dispatch puts on the wire
+(``dispatch_bytes_per_row``).
 
 Usage: ``python -m moe_fp8.bench.expert_parallel [--out DIR] [--tokens 8192] [--rounds 5] [--quick]``
 (writes ``expert_parallel.json`` / ``.md``). ``--quick`` (alias ``--smoke``): tiny shapes and few
@@ -17,6 +18,7 @@ repetitions, runs on the CPU too (gloo, wall clock), to check the script itself.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import tempfile
@@ -118,11 +120,16 @@ def _bench(device: str, H: int, I: int, E: int, K: int, T: int, rounds: int, qui
     torch.manual_seed(0)
     backend = None if device == "cuda" else "emulated"
     plain = FP8MoE(H, I, E, K, backend=backend, device=device, dtype=torch.bfloat16)
-    layers = {"FP8MoE": plain}
-    for d in ("bf16", "fp8"):
-        layers[f"EP, {d} dispatch"] = expert_parallel_from(plain, dist.group.WORLD, d)
-    for d in ("bf16", "fp8"):
-        layers[f"EP, {d} dispatch, sync-free"] = expert_parallel_from(plain, dist.group.WORLD, d, sync_free=True)
+    # FP8 dispatch saves the FP8 rows for the weight gradient: its baseline is the plain layer doing the same
+    plain_fp8_in = copy.deepcopy(plain)
+    plain_fp8_in.experts.fp8_saved_input = True
+    layers = {"FP8MoE": plain, "FP8MoE, fp8_saved_input": plain_fp8_in}
+    baseline = {"FP8MoE": "FP8MoE", "FP8MoE, fp8_saved_input": "FP8MoE, fp8_saved_input"}
+    for sync_free in (False, True):
+        for d in ("bf16", "fp8"):
+            name = f"EP, {d} dispatch" + (", sync-free" if sync_free else "")
+            layers[name] = expert_parallel_from(plain, dist.group.WORLD, d, sync_free=sync_free)
+            baseline[name] = "FP8MoE" if d == "bf16" else "FP8MoE, fp8_saved_input"
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     outs = {name: layer(x).detach() for name, layer in layers.items()}
@@ -136,33 +143,33 @@ def _bench(device: str, H: int, I: int, E: int, K: int, T: int, rounds: int, qui
     rows = []
     for name, layer in layers.items():
         dispatch = getattr(layer.experts, "dispatch", None)
+        base = baseline[name]
         rows.append(dict(
-            layer=name, step_ms=step[name], step_overhead=step[name] / step["FP8MoE"] - 1,
-            forward_ms=fwd[name], forward_overhead=fwd[name] / fwd["FP8MoE"] - 1,
+            layer=name, baseline=base, step_ms=step[name], step_overhead=step[name] / step[base] - 1,
+            forward_ms=fwd[name], forward_overhead=fwd[name] / fwd[base] - 1,
             step_rounds_ms=step_ms[name], forward_rounds_ms=fwd_ms[name], equal_to_plain=equal[name],
             syncs_per_forward=_syncs_per_forward(layer, x.detach()),
             peak_gib=_peak_gib(_step(layer, x, dy), device),
-            wire_bytes_per_row_train=dispatch_bytes_per_row(H, dispatch, training=True) if dispatch else None,
-            wire_bytes_per_row_forward=dispatch_bytes_per_row(H, dispatch) if dispatch else None,
+            wire_bytes_per_row=dispatch_bytes_per_row(H, dispatch, top_k=K) if dispatch else None,
         ))
     bf16, fp8 = dispatch_bytes_per_row(H, "bf16"), dispatch_bytes_per_row(H, "fp8")
-    fp8_train = dispatch_bytes_per_row(H, "fp8", training=True)
+    bf16_k, fp8_k = dispatch_bytes_per_row(H, "bf16", top_k=K), dispatch_bytes_per_row(H, "fp8", top_k=K)
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    body = ["| layer | fwd+bwd ms | overhead | forward (no grad) ms | overhead | output == FP8MoE | host syncs / fwd "
-            "| peak GiB | dispatch bytes / row (train, no grad) |", "|---|---|---|---|---|---|---|---|---|"]
+    body = ["| layer | fwd+bwd ms | overhead | forward (no grad) ms | overhead | output == FP8MoE | host waits / fwd "
+            "| peak GiB | dispatch bytes / row |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        wire = ("-" if r["wire_bytes_per_row_train"] is None
-                else f"{r['wire_bytes_per_row_train']}, {r['wire_bytes_per_row_forward']}")
         body.append(f"| {r['layer']} | {r['step_ms']:.3f} | {r['step_overhead']:+.1%} | {r['forward_ms']:.3f} | "
                     f"{r['forward_overhead']:+.1%} | {r['equal_to_plain']} | {fmt(r['syncs_per_forward'], 'd')} | "
-                    f"{fmt(r['peak_gib'], '.2f')} | {wire} |")
-    body += ["", f"Dispatch bytes per routed row, FP8 rows over BF16: (H + 4) / 2H = {fp8}/{bf16} = {fp8 / bf16:.4f}; "
-             f"in training FP8 dispatch also sends the BF16 row for the weight gradient: {fp8_train}/{bf16} = "
-             f"{fp8_train / bf16:.4f}. The combine returns 2H = {bf16} bytes per row in both modes; the backward "
-             f"sends 2H each way."]
+                    f"{fmt(r['peak_gib'], '.2f')} | {fmt(r['wire_bytes_per_row'], 'd')} |")
+    body += ["", "Overhead: against FP8MoE for BF16 dispatch, against FP8MoE with fp8_saved_input for FP8 dispatch "
+             "(whose first GEMM saves the FP8 rows the same way). With one rank every token is one row on the wire "
+             "(it has experts on one rank only); every exchange is a self-copy through NCCL.",
+             f"Dispatch bytes per token row, FP8 over BF16: the rows (H + 4) / 2H = {fp8}/{bf16} = {fp8 / bf16:.4f}; "
+             f"with the routing (k int32 ids + k fp32 weights) {fp8_k}/{bf16_k} = {fp8_k / bf16_k:.4f}, in training "
+             f"as in inference. Each row returns as 2H = {bf16} bytes; the backward sends 2H per row each way."]
     return rows, body
 
 

@@ -1,19 +1,23 @@
-"""Bytes a routed row puts on the wire in each dispatch mode (what the docs and the benchmark report)."""
+"""Bytes a token row puts on the wire in each dispatch mode (what the docs and the benchmark report)."""
 
 from __future__ import annotations
 
 __all__ = ["dispatch_bytes_per_row"]
 
 
-def dispatch_bytes_per_row(hidden_size: int, dispatch: str, *, training: bool = False) -> int:
-    """Bytes one routed row sends to its expert's rank in the forward dispatch.
+def dispatch_bytes_per_row(hidden_size: int, dispatch: str, *, top_k: int = 0) -> int:
+    """Bytes one token row sends to a rank in the forward dispatch (a token sends one row to each
+    rank that owns one of its experts), in training as in inference.
 
-    ``"bf16"``: ``2H``. ``"fp8"``: ``H + 4`` (FP8 bytes + an fp32 row scale); with ``training`` (the
-    expert weights need gradients) ``3H + 4``, as the BF16 row travels too for the weight gradient.
-    The combine returns ``2H`` bytes per row in both modes; the backward sends ``2H`` each way.
+    The row: ``"bf16"`` ``2H``; ``"fp8"`` ``H + 4`` (FP8 bytes + its fp32 scale). With ``top_k``, plus
+    the token's routing: ``k`` int32 expert ids and ``k`` fp32 router weights (``8k`` bytes). Each
+    row comes back as one BF16 row (``2H``), and the backward sends ``2H`` per row each way (plus
+    ``4k`` for the router weights' gradients).
     """
     if dispatch == "bf16":
-        return 2 * hidden_size
-    if dispatch == "fp8":
-        return 3 * hidden_size + 4 if training else hidden_size + 4
-    raise ValueError(f"dispatch: expected 'bf16' or 'fp8', got {dispatch!r}")
+        row = 2 * hidden_size
+    elif dispatch == "fp8":
+        row = hidden_size + 4
+    else:
+        raise ValueError(f"dispatch: expected 'bf16' or 'fp8', got {dispatch!r}")
+    return row + 8 * top_k
