@@ -30,6 +30,21 @@ def group():
         dist.destroy_process_group()
 
 
+def _count_event_waits(monkeypatch) -> list:
+    """The events waited on from now on (``torch.cuda.Event.synchronize`` calls), in a list."""
+    waits = []
+    event_wait = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda ev: (waits.append(ev), event_wait(ev))[1])
+    return waits
+
+
+def _assert_equal(got, want) -> None:
+    """``layer_grads`` results equal bit for bit: output, input gradient, every parameter's gradient."""
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for n, g in got[2].items():
+        assert g is not None and torch.equal(g, want[2][n]), n
+
+
 @pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
 @pytest.mark.parametrize("tokens", [T, 0])
 def test_nccl_world_of_one_equals_the_layer(group, dispatch, tokens):
@@ -42,9 +57,7 @@ def test_nccl_world_of_one_equals_the_layer(group, dispatch, tokens):
     x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     want, got = layer_grads(full, x, dy), layer_grads(ep, x, dy)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    for n, g in got[2].items():
-        assert g is not None and torch.equal(g, want[2][n]), n
+    _assert_equal(got, want)
 
 
 @pytest.mark.parametrize("dispatch, checkpoint", [("bf16", False), ("fp8", False), ("fp8", True)])
@@ -56,9 +69,7 @@ def test_one_host_wait_in_forward_none_in_backward(group, dispatch, checkpoint, 
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ep(x).sum().backward()  # warm-up: compiles the kernels, fills the weight cache
     torch.cuda.synchronize()
-    waits = []
-    event_wait = torch.cuda.Event.synchronize
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda ev: (waits.append(ev), event_wait(ev))[1])
+    waits = _count_event_waits(monkeypatch)
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = ep(x)
@@ -82,12 +93,8 @@ def test_sync_free_equals_the_layer_waits_never_and_captures(group, dispatch, mo
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     want, got = layer_grads(full, x, dy), layer_grads(ep, x, dy)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    for n, g in got[2].items():
-        assert g is not None and torch.equal(g, want[2][n]), n
-    waits = []
-    event_wait = torch.cuda.Event.synchronize
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda ev: (waits.append(ev), event_wait(ev))[1])
+    _assert_equal(got, want)
+    waits = _count_event_waits(monkeypatch)
     xg = x.clone().requires_grad_()
     torch.cuda.set_sync_debug_mode("error")
     try:
