@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moe_fp8 import FP8GroupedExperts, FP8MoE
 from moe_fp8.parallel import ExpertParallelExperts, RowsAllToAll, all_to_all_rows, destination_plan, exchange_counts
-from moe_fp8.parallel import expert_parallel_from
+from moe_fp8.parallel import expert_parallel_from, shard_experts
 from moe_fp8.quant import quantize_rowwise
 from moe_fp8.routing import combine, permute, permute_quantize
 
@@ -262,6 +262,50 @@ def check_layer(group, world: int, rank: int, dispatch: str, E: int) -> None:
     torch.testing.assert_close(router, g_all["router.weight"].float(), rtol=2e-2, atol=2e-3, msg=tag)
 
 
+def check_hf_model(group, world: int, rank: int, dispatch: str) -> None:
+    """A converted Hugging Face Qwen3-MoE model sharded by ``shard_experts`` == the converted model on
+    every rank's tokens (logits and expert gradients, up to the per-rank rounding of the partial
+    sums); bad arguments raise ``ValueError``."""
+    import transformers  # noqa: PLC0415  (an optional dependency, installed for the tests)
+
+    from moe_fp8 import hf  # noqa: PLC0415
+
+    torch.manual_seed(7)
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                                      num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
+    full = hf.convert(transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16), backend=BACKEND)
+    ep = shard_experts(copy.deepcopy(full), group, dispatch)
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 96, (2 * world, 8), generator=gen)
+    dy = torch.randn(2 * world, 8, 96, generator=gen)
+    a, b = 2 * rank, 2 * rank + 2
+    tag = f"world={world} rank={rank} hf {dispatch}"
+    if dispatch == "fp8":  # what FP8 dispatch implies for the reference
+        for m in full.modules():
+            if isinstance(m, FP8GroupedExperts):
+                m.fp8_saved_input = True
+    logits_all = full(ids).logits
+    (logits_all.float() * dy).sum().backward()
+    logits = ep(ids[a:b]).logits
+    (logits.float() * dy[a:b]).sum().backward()
+    torch.testing.assert_close(logits.float(), logits_all[a:b].float(), rtol=2e-2, atol=2e-2,
+                               msg=lambda m: f"{tag}: logits: {m}")
+    grads = dict(full.named_parameters())
+    for n, p in ep.named_parameters():
+        if ".experts." in n:
+            lo, hi = rank * p.shape[0], (rank + 1) * p.shape[0]
+            torch.testing.assert_close(p.grad.float(), grads[n].grad[lo:hi].float(), rtol=5e-2, atol=5e-2,
+                                       msg=lambda m: f"{tag}: {n}: {m}")
+    for bad in (ep, torch.nn.Linear(4, 4)):
+        try:
+            shard_experts(bad, group)
+        except ValueError as e:
+            assert "experts" in str(e) or "FP8GroupedExperts" in str(e), str(e)
+        else:
+            raise AssertionError(f"{tag}: no ValueError")
+
+
 def check_checkpoint(group, world: int, rank: int, dispatch: str) -> None:
     """``checkpoint=True`` gives the same bits, and its backward runs the same three all-to-alls as
     without it (no count exchange, no routing, no host copy again); the forward's all-to-alls."""
@@ -344,6 +388,8 @@ def worker(rank: int, world: int, init_file: str, errors) -> None:
                     raise AssertionError("no ValueError outside the group")
             if rank < w == 3:
                 check_checkpoint(group, w, rank, "fp8")
+            if rank < w and w in (2, 4):  # Qwen3-MoE's 8 experts over 2 and 4 ranks
+                check_hf_model(group, w, rank, "bf16" if w == 2 else "fp8")
             if rank < w == 2:
                 check_checkpoint(group, w, rank, "bf16")
                 check_experts(group, w, rank, "bf16")

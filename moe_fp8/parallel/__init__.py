@@ -6,12 +6,13 @@ Typical use (every rank, same seed or loaded state)::
 
     moe = FP8MoE(H, I, E, k, ep_group=group, dispatch="fp8")      # local experts only
     ep = expert_parallel_from(full_moe, group, dispatch="bf16")   # or: shard a full layer
+    shard_experts(hf.convert(model), group, dispatch="fp8")       # or: a converted model, in place
 """
 
 from .destinations import destination_plan, destination_ranks
 from .exchange import RowsAllToAll, Splits, all_to_all_rows, exchange_counts
 from .experts import DISPATCH_MODES, ExpertParallelExperts
-from .shard import expert_parallel_from
+from .shard import expert_parallel_from, shard_experts
 from .wire import dispatch_bytes_per_row
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "dispatch_bytes_per_row",
     "exchange_counts",
     "expert_parallel_from",
+    "shard_experts",
 ]

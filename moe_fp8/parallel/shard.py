@@ -1,13 +1,17 @@
-"""Build an expert-parallel ``FP8MoE`` from a full single-process one (the experts sliced per rank)."""
+"""Expert-parallel layers and models from full single-process ones (the experts sliced per rank):
+``expert_parallel_from`` copies an ``FP8MoE``; ``shard_experts`` shards a whole model in place."""
 
 from __future__ import annotations
 
 import copy
 
+from torch import nn
+
+from ..layers.experts import FP8GroupedExperts
 from ..layers.moe import FP8MoE
 from .experts import ExpertParallelExperts
 
-__all__ = ["expert_parallel_from"]
+__all__ = ["expert_parallel_from", "shard_experts"]
 
 
 def expert_parallel_from(moe: FP8MoE, group=None, dispatch: str = "bf16", checkpoint: bool = False,
@@ -32,3 +36,31 @@ def expert_parallel_from(moe: FP8MoE, group=None, dispatch: str = "bf16", checkp
         moe._modules["experts"] = experts
     ep.experts = ExpertParallelExperts.from_full(experts, group, dispatch, checkpoint, sync_free)
     return ep
+
+
+def shard_experts(model: nn.Module, group=None, dispatch: str = "bf16", checkpoint: bool = False,
+                  sync_free: bool = False) -> nn.Module:
+    """Shard every ``FP8GroupedExperts`` of ``model`` over ``group``, in place; return ``model``.
+
+    Each becomes this rank's :class:`ExpertParallelExperts` (experts ``[r * E / W, (r + 1) * E / W)``,
+    parameters copied; the full experts are dropped). Everything else (routers, shared experts,
+    attention, embeddings) stays as it is: replicated, each rank running it on its own tokens. For a
+    Hugging Face model converted by ``moe_fp8.hf.convert`` (every supported family and layout: the
+    converted blocks call their experts with global expert ids) and for models built from
+    ``FP8MoE`` / ``FP8GroupedExperts``. Call it on every rank with the same model state, before
+    building the optimizer (the expert parameters are new tensors); every rank must then run every
+    forward. ``dispatch``, ``checkpoint``, ``sync_free``: see :class:`ExpertParallelExperts`.
+    Raises ``ValueError`` when ``model`` holds no ``FP8GroupedExperts``, or expert-parallel ones.
+    """
+    if isinstance(model, FP8GroupedExperts):
+        raise ValueError("model: an FP8GroupedExperts itself; use ExpertParallelExperts.from_full")
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, FP8GroupedExperts)]
+    if any(isinstance(child, ExpertParallelExperts) for _, _, child in found):
+        raise ValueError("model: its experts are already expert-parallel")
+    if not found:
+        raise ValueError("model: no FP8GroupedExperts found (convert a Hugging Face model with moe_fp8.hf.convert "
+                         "first)")
+    for parent, name, child in found:
+        setattr(parent, name, ExpertParallelExperts.from_full(child, group, dispatch, checkpoint, sync_free))
+    return model
