@@ -24,6 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU tensors, tiny shapes")
     ap.add_argument("--dispatch", choices=("bf16", "fp8"), default="fp8")
+    ap.add_argument("--sync-free", action="store_true", help="static sizes: no host wait, every token to every rank")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo" if args.cpu else "nccl")
@@ -35,7 +36,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(0)  # the same full layer on every rank
     full = FP8MoE(H, I, E, K, shared_expert_hidden_size=I, device=device, dtype=torch.bfloat16)
-    moe = expert_parallel_from(full, dist.group.WORLD, dispatch=args.dispatch)
+    moe = expert_parallel_from(full, dist.group.WORLD, dispatch=args.dispatch, sync_free=args.sync_free)
     del full
     opt = torch.optim.AdamW(moe.parameters(), lr=1e-4)
     replicated = [p for n, p in moe.named_parameters() if not n.startswith("experts.")]

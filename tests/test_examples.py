@@ -88,3 +88,13 @@ def test_demo_gpu_small(tmp_path):
     table = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d", line)]
     assert [int(r[0]) for r in table] == [10, 20] and float(table[1][4]) < float(table[0][4])
     assert "FP8 dense: shared" in out
+
+
+@pytest.mark.parametrize("flags", [["--dispatch", "fp8"], ["--dispatch", "bf16", "--sync-free"]])
+def test_example_expert_parallel_two_processes(flags):
+    """``torchrun --nproc-per-node 2 examples/expert_parallel.py --cpu``: gloo, two ranks, training steps."""
+    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/expert_parallel.py",
+                "--cpu", "--steps", "3", *flags])
+    losses = [float(v) for v in re.findall(r"step \d: loss ([\d.]+)", out)]
+    assert len(losses) == 3 and all(0 < v < 100 for v in losses), out
+    assert "2 experts per rank" in out
