@@ -94,16 +94,15 @@ def adamw_quantize(
     E, N, K = p.shape
     out = None
     if quantize:
+        # the amax as int32 bits, viewed as fp32 only after the launch (the kernel mutates what it is given)
         out = (torch.empty((E, N, K), dtype=f.torch_dtype, device=p.device),
                torch.empty((E, N), dtype=torch.float32, device=p.device),
-               torch.zeros((E, K), dtype=torch.float32, device=p.device))
-    launch_adamw_quantize(p, grad, exp_avg, exp_avg_sq, hyper, None if out is None else
-                          (out[0], out[1], out[2].view(torch.int32)), f, pow2, quant_dtype,
-                          hw_cast, config)
+               torch.zeros((E, K), dtype=torch.int32, device=p.device))
+    launch_adamw_quantize(p, grad, exp_avg, exp_avg_sq, hyper, out, f, pow2, quant_dtype, hw_cast, config)
     if not quantize:
         return None
     w = p if quant_dtype == p.dtype else p.to(quant_dtype)
-    return out[0], out[1], *ops.triton_quantize_expert_colwise_from_amax(w, out[2], f, pow2)
+    return out[0], out[1], *ops.triton_quantize_expert_colwise_from_amax(w, out[2].view(torch.float32), f, pow2)
 
 
 @torch.no_grad()

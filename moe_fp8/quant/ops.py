@@ -50,6 +50,13 @@ def _format(fmt, device: torch.device) -> Float8Format:
     return f
 
 
+def _amax_bits(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Zeroed int32 buffer for a kernel's atomic max of fp32 amax bits, viewed as fp32 only AFTER the
+    launch: a kernel under torch.compile mutates the buffer it is given, and a dtype view handed to
+    it would have to carry the mutation back to its base."""
+    return torch.zeros(shape, dtype=torch.int32, device=device)
+
+
 def _hp(name: str, t, ndim) -> None:
     check_tensor(name, t, dtypes=HIGH_PRECISION_DTYPES, ndim=ndim)
 
@@ -106,9 +113,9 @@ def _rowwise_group_amax_op(
     M, K = x.shape
     q = torch.empty((M, K), dtype=f.torch_dtype, device=x.device)
     scale = torch.empty((M,), dtype=_F32, device=x.device)
-    amax = torch.zeros((offs.numel(), K), dtype=_F32, device=x.device)
-    launch_group_rowwise_amax(x, q, scale, amax.view(torch.int32), offs, f, pow2)
-    return q, scale, amax
+    amax_bits = _amax_bits((offs.numel(), K), x.device)
+    launch_group_rowwise_amax(x, q, scale, amax_bits, offs, f, pow2)
+    return q, scale, amax_bits.view(_F32)
 
 
 @_rowwise_group_amax_op.register_fake
@@ -133,9 +140,9 @@ def triton_quantize_rowwise_with_group_amax(
 @eager_triton_op("moe_fp8::group_amax")
 def _group_amax_op(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     f = _check_group_amax(x, offs, None)  # the platform's format: the launch needs one, writes none
-    amax = torch.zeros((offs.numel(), x.shape[1]), dtype=_F32, device=x.device)
-    launch_group_rowwise_amax(x, None, None, amax.view(torch.int32), offs, f, False)
-    return amax
+    amax_bits = _amax_bits((offs.numel(), x.shape[1]), x.device)
+    launch_group_rowwise_amax(x, None, None, amax_bits, offs, f, False)
+    return amax_bits.view(_F32)
 
 
 @_group_amax_op.register_fake
@@ -212,9 +219,9 @@ def _forward_layout_with_amax(w: torch.Tensor, f: Float8Format, pow2: bool):
     """The forward layout ``(q (E, N, K), scale (E, N))`` and the amax over N ``(E, K)`` fp32 from one
     read of ``w`` (``K`` must pass ``col_amax_fits``)."""
     q, scale = _layout_buffers(w, f, False)
-    col_amax = torch.zeros((w.shape[0], w.shape[2]), dtype=_F32, device=w.device)
-    launch_expert_rowwise_col_amax(w, q, scale, col_amax.view(torch.int32), f, pow2)
-    return q, scale, col_amax
+    col_amax_bits = _amax_bits((w.shape[0], w.shape[2]), w.device)
+    launch_expert_rowwise_col_amax(w, q, scale, col_amax_bits, f, pow2)
+    return q, scale, col_amax_bits.view(_F32)
 
 
 def _dgrad_layout_from_amax(w: torch.Tensor, col_amax: torch.Tensor, f: Float8Format, pow2: bool):
