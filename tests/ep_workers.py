@@ -65,6 +65,7 @@ def scenarios(world: int, E: int):
     ids = _ids(gen, sum(ts), 0, E)
     ids[2, 0] = E  # a dropped pair
     out["equal_tokens"] = (ts, ids)
+    out["no_tokens_anywhere"] = ([0] * world, _ids(gen, 0, 0, E))
     ts = [0] + [3] * (world - 1)
     out["rank_with_no_tokens"] = (ts, _ids(gen, sum(ts), 0, E))
     ts = [0] * (world - 1) + [7]

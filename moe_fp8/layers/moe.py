@@ -40,7 +40,8 @@ class FP8MoE(nn.Module):
             (:class:`moe_fp8.parallel.ExpertParallelExperts`; ``E`` must be a multiple of ``W``),
             routes its own tokens and exchanges their rows by all-to-all; every rank must call
             ``forward``. ``moe_fp8.parallel.expert_parallel_from`` shards a full layer instead.
-        dispatch: with ``ep_group``, ``"bf16"`` or ``"fp8"`` rows on the wire (see ``docs/expert-parallel.md``).
+        dispatch: with ``ep_group``, ``"bf16"`` or ``"fp8"`` rows on the wire (see ``docs/expert-parallel.md``);
+            ``moe.experts.sync_free = True`` switches to the sync-free dispatch.
 
     ``forward(x (..., H)) -> (..., H)`` in ``x``'s dtype (or the autocast dtype). Parameters still
     on the meta device (build there, then ``to_empty`` and load or ``reset_parameters``), or on
