@@ -26,14 +26,6 @@ class Splits(NamedTuple):
     send: list[int]
     recv: list[int]
 
-    @property
-    def num_send(self) -> int:
-        return sum(self.send)
-
-    @property
-    def num_recv(self) -> int:
-        return sum(self.recv)
-
 
 class PendingSplits:
     """The split sizes on their way to the host: :meth:`wait` blocks until they are there.
