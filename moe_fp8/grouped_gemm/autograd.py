@@ -36,6 +36,7 @@ import torch
 
 from ..autograd_outputs import same_or_cast
 from ..quant.kernels.rowwise import col_amax_fits
+from ..quant.reference import dequantize
 from . import library as lib
 from .backends import get_backend
 from .padding import padded_offsets, padded_rows
@@ -52,7 +53,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     step = max(1, _DEQUANTIZE_ELEMENTS // max(q.shape[1], 1))
     for i in range(0, q.shape[0], step):
-        out[i : i + step] = q[i : i + step].float() * scale[i : i + step, None]
+        out[i : i + step] = dequantize(q[i : i + step], scale[i : i + step])
     return out
 
 
