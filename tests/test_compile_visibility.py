@@ -82,6 +82,38 @@ def test_fp8_moe_graph_holds_the_triton_kernels(recipe):
     assert not any(cap.library_ops(g) for g in cap.graphs)  # nothing opaque left
 
 
+_VIEW_OPS = ("aten.slice.Tensor", "aten.as_strided.default", "aten.view.default", "aten.view.dtype",
+             "aten.select.int", "aten.alias.default", "aten.t.default", "aten.transpose.int")
+_FILLS = ("aten.zeros.default", "aten.full.default", "aten.ones.default", "aten.new_zeros.default",
+          "aten.new_full.default")
+
+
+def _part_of_a_filled_buffer(node) -> bool:
+    """Is ``node`` a view of part of a buffer the graph fills (zeros, ones, full)?"""
+    val = node.meta["val"]
+    while str(node.target) in _VIEW_OPS:
+        node = node.args[0]
+    base = node.meta.get("val") if str(node.target) in _FILLS else None
+    return base is not None and (val.storage_offset() != 0 or val.numel() < base.numel())
+
+
+@pytest.mark.interpreter
+def test_traced_kernels_take_whole_filled_buffers():
+    """No traced launch takes part of a zeroed buffer (the colwise kernel's amaxes and counters):
+    a traced launch clones what a kernel writes through that tensor's base, and Inductor may lay the
+    slice out on its own, so the clone would read past it (counters of garbage, wrong gradients)."""
+    torch.manual_seed(5)
+    moe = FP8MoE(H, I, E, K, recipe="rowwise", backend="triton").to(torch.bfloat16)
+    x, dy = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
+    _, _, cap = _compiled_vs_eager(moe, x, dy)
+    launches = [n for g in cap.graphs for n in g.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+    assert "_colwise_kernel" in {kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in launches}
+    for n in launches:
+        parts = [name for name, arg in n.kwargs["kwargs"].items()
+                 if isinstance(arg, torch.fx.Node) and _part_of_a_filled_buffer(arg)]
+        assert not parts, (kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, parts)
+
+
 @pytest.mark.interpreter
 def test_emulated_backend_keeps_only_its_gemms_opaque():
     """The CPU reference GEMMs and quantizers (what ``emulated`` runs) read the offsets on the host:

@@ -537,17 +537,25 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
     n_chunks = max(cdiv(G * n_uni if uniform else rows_in, cfg["CHUNK"]), 1)
     dev = a.device
     g1 = max(G, 1)
+    eager = type(qa) is torch.Tensor and not torch.compiler.is_compiling()
+    n_amax, n_cnt = g1 * (c_a + c_b), g1 * (nb_a + nb_b) + 1
     if amax_bits is not None:  # workers that wait for nothing read no counter: any int32 pointer
         amax, cnt = amax_bits, amax_bits
+    elif eager:  # one zero fill for both
+        work = torch.zeros(n_amax + n_cnt, dtype=torch.int32, device=dev)
+        amax, cnt = work[:n_amax], work[n_amax:]
     else:
-        work = torch.zeros(g1 * (c_a + c_b + nb_a + nb_b) + 1, dtype=torch.int32, device=dev)
-        amax, cnt = work[: g1 * (c_a + c_b)], work[g1 * (c_a + c_b):]
+        # While traced, two buffers: a traced launch clones each argument it writes through that
+        # argument's base, and Inductor may have materialised a slice of a zeroed buffer on its own,
+        # so the clone of the slice would read past it.
+        amax = torch.zeros(n_amax, dtype=torch.int32, device=dev)
+        cnt = torch.zeros(n_cnt, dtype=torch.int32, device=dev)
     # Without b: b's branch is compiled but never runs. Eagerly its outputs point at qa / sa (no
     # allocation); while traced they get one-element stand-ins of their dtypes (a traced launch clones
     # each argument the kernel may write apart, so an alias of qa would lose qa's writes).
     if b is not None:
         b_args = (b, qb, sb, c_b, b.stride(0), b.stride(1), qb.stride(0), qb.stride(1))
-    elif type(qa) is torch.Tensor and not torch.compiler.is_compiling():
+    elif eager:
         b_args = (a, qa, sa, 0, 0, 0, 0, 0)
     else:
         b_args = (a, qa.new_empty(1), sa.new_empty(1), 0, 0, 0, 0, 0)
