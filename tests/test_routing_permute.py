@@ -8,7 +8,8 @@ import triton
 
 import moe_fp8.routing.permute_ops as permute_mod
 from moe_fp8.quant.formats import E4M3FN, E4M3FNUZ, E5M2
-from moe_fp8.quant.reference import quantize_rowwise
+from moe_fp8.quant.formats import FORMATS as ALL_FORMATS
+from moe_fp8.quant.reference import amax_to_scales, quantize_rowwise
 from moe_fp8.routing import make_dispatch_plan, padding_scale, permute, permute_quantize
 from moe_fp8.kernel_backend import use_triton
 from moe_fp8.routing.permute_kernels import permute_rows_kernel
@@ -60,6 +61,21 @@ def test_permute_quantize_bit_exact(fmt, pow2, P):
     pad = plan.pad_rows.long()
     # through float: torch 2.9 has no FP8 indexing on CPU
     assert (q.float()[pad] == 0).all() and (s[pad] == padding_scale(fmt, pow2)).all()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("name", sorted(ALL_FORMATS))
+def test_padding_scale_is_the_scale_of_a_zero_amax_without_tensor_ops(name, pow2):
+    """Bitwise the reference's scale of a zero amax, and computed on the host alone: under a fake
+    tensor mode (what torch.compile traces in) a tensor op would make it data-dependent."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fmt = ALL_FORMATS[name]
+    want = amax_to_scales(torch.zeros(()), fmt, pow2)[1]
+    padding_scale.cache_clear()
+    with FakeTensorMode():
+        got = padding_scale(fmt, pow2)
+    assert torch.equal(torch.tensor(got, dtype=torch.float32), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -8,11 +8,13 @@ what runs on a CPU without the Triton interpreter.
 from __future__ import annotations
 
 import functools
+import math
+import struct
 
 import torch
 
 from ..quant.formats import Float8Format
-from ..quant.reference import amax_to_scales, quantize_rowwise
+from ..quant.reference import EPS, quantize_rowwise
 
 __all__ = [
     "dispatch_plan_reference",
@@ -74,10 +76,19 @@ def permute_quantize_reference(
     return quantize_rowwise(permute_reference(x, row_to_pair, top_k), fmt, pow2=pow2)
 
 
+def _f32(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
 @functools.lru_cache(maxsize=None)
 def padding_scale(fmt: Float8Format, pow2: bool = False) -> float:
-    """The dequantization scale of an all-zero row (``EPS / max``, or its pow2 form)."""
-    return float(amax_to_scales(torch.zeros(()), fmt, pow2)[1])
+    """The dequantization scale of an all-zero row (``EPS / max``, or its pow2 form), as
+    ``quant.reference.amax_to_scales`` gives it for a zero amax. Host arithmetic (fp32 rounding of
+    each step), no tensor op: it is called while torch.compile traces."""
+    inv_scale = _f32(_f32(fmt.max) / _f32(EPS))  # a double quotient rounded to fp32 is fp32's quotient
+    if pow2:
+        inv_scale = math.ldexp(1.0, math.frexp(inv_scale)[1] - 1)  # keep the exponent bits
+    return _f32(1.0 / inv_scale)
 
 
 def _gather_slots(y: torch.Tensor, pair_to_row: torch.Tensor, top_k: int) -> torch.Tensor:
