@@ -152,8 +152,10 @@ def plan_kernel(
     offsets_ptr = out_ptr
     counts_ptr = out_ptr + e4
     pair_to_row_ptr = out_ptr + 2 * e4
-    row_to_pair_ptr = pair_to_row_ptr + tl.multiple_of((num_pairs + 3) // 4 * 4, 4)
-    pad_rows_ptr = row_to_pair_ptr + tl.multiple_of((num_rows + 3) // 4 * 4, 4)
+    # 16-byte aligned pieces; the hint is on the pointer, which is a tensor even where torch's
+    # analysis of the traced kernel passes the sizes as constexprs
+    row_to_pair_ptr = tl.multiple_of(pair_to_row_ptr + (num_pairs + 3) // 4 * 4, 16)
+    pad_rows_ptr = tl.multiple_of(row_to_pair_ptr + (num_rows + 3) // 4 * 4, 16)
 
     c = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     while c < num_chunks:
