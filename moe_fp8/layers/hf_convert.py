@@ -53,9 +53,9 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       ``FP8Linear`` with ``dense_recipe`` (default: ``recipe``; required for ``"blockwise"``),
       sharing the parameters. Routers, embeddings and ``lm_head`` stay as they are; so do layers
       ``filter_fn(module, fqn)`` rejects, dims not multiple of 16, and layers with
-      ``min(in_features, out_features) < min_dense_size`` (default ``MIN_DENSE_SIZE`` = 512, a
-      conservative guess: quantization costs ~3 memory passes per operand, the GEMM saving grows
-      with K*N; 0 converts every size). See ``moe_fp8/layers/convert.py`` and docs/conversion.md.
+      ``min(in_features, out_features) < min_dense_size`` (default ``MIN_DENSE_SIZE`` = 1536, where
+      ``FP8Linear`` starts to pay on one H200: ``benchmarks/results/dense_sweep.md``; 0 converts
+      every size). See ``moe_fp8/layers/convert.py`` and docs/conversion.md.
 
     ``model`` may also be a single block: the result is then the converted block (the same object
     for transformers 5.x Mixtral / Qwen3-MoE / DeepSeek-V3 blocks, a new one otherwise). Raises
