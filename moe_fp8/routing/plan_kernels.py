@@ -34,12 +34,14 @@ SYNC_SLOTS = tl.constexpr(8)
 
 
 @triton.jit
-def _load_ids(ids_ptr, pairs, num_pairs, E: tl.constexpr):
-    """Expert ids of ``pairs`` as int32, -1 for pairs out of range or with an invalid id."""
-    in_range = pairs < num_pairs
-    ids = tl.load(ids_ptr + pairs, mask=in_range, other=-1)
+def _valid_ids(ids, in_range, E: tl.constexpr):
+    """``ids`` (loaded, -1 out of range) as int32, -1 for an invalid id; and which are valid.
+
+    The callers load the ids themselves: torch's analysis of which arguments a traced kernel
+    writes follows a stored pointer's offsets back through calls, not through loads, so ids
+    loaded inside a helper would count ``ids_ptr`` as written."""
     valid = in_range & (ids >= 0) & (ids < E)
-    return tl.where(valid, ids, -1).to(tl.int32), valid, in_range
+    return tl.where(valid, ids, -1).to(tl.int32), valid
 
 
 @triton.jit
@@ -57,7 +59,9 @@ def _count_chunk(ids_ptr, part_counts_ptr, row_to_pair_ptr, c, num_chunks, chunk
     hist = tl.zeros([E_POW2], dtype=tl.int32)
     start = c * chunk
     for p in range(start, start + chunk, BLOCK):
-        ids, valid, in_range = _load_ids(ids_ptr, p + lanes, num_pairs, E)
+        pairs = p + lanes
+        in_range = pairs < num_pairs
+        ids, valid = _valid_ids(tl.load(ids_ptr + pairs, mask=in_range, other=-1), in_range, E)
         hist += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tl.store(part_counts_ptr + experts * num_chunks + c, hist, mask=experts < E)
 
@@ -104,7 +108,8 @@ def _place_chunk(ids_ptr, part_counts_ptr, totals_ptr, counts_ptr, offsets_ptr, 
     start = c * chunk
     for p in range(start, start + chunk, BLOCK):
         pairs = p + lanes
-        ids, valid, in_range = _load_ids(ids_ptr, pairs, num_pairs, E)
+        in_range = pairs < num_pairs
+        ids, valid = _valid_ids(tl.load(ids_ptr + pairs, mask=in_range, other=-1), in_range, E)
         hot = ids[:, None] == experts[None, :]
         base = tl.sum(tl.where(hot, next_row[None, :], 0), axis=1)
         rank = tl.sum(((ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
