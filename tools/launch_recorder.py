@@ -4,7 +4,9 @@
 configured for that GPU (``kernel_backend.configure_launches_for``: its tile sizes, casts, launch
 options and multiprocessor count) and returns one :class:`Launch` per distinct kernel
 specialization: the kernel's module and name, each argument described by type (pointer dtype,
-int, float) or constexpr value, and the launch options. ``offline_compile.py`` compiles them.
+int, float) or constexpr value, and the launch options; with each, the tensor arguments any of its
+launches changed (``written``) and the groups of arguments that shared a storage (``aliases``).
+``offline_compile.py`` compiles them; ``traced_writes.py`` checks torch's analysis against them.
 
 Run as ``TRITON_INTERPRET=1 python tools/launch_recorder.py TARGET OUT.json`` (the compile step
 runs it so, in a process of its own, since the interpreter replaces every ``triton.jit``).
@@ -68,6 +70,8 @@ def _describe(value):
 class _Recorder:
     def __init__(self) -> None:
         self.launches: dict[Launch, None] = {}
+        self.written: dict[Launch, set[str]] = {}
+        self.aliases: dict[Launch, set[tuple[str, ...]]] = {}
 
     def __enter__(self):
         self._run = InterpretedFunction.run
@@ -78,15 +82,28 @@ class _Recorder:
             params = dict(zip(fn.arg_names, args))
             params.update(kwargs)
             described = tuple((name, _describe(params[name])) for name in fn.arg_names if name in params)
-            recorder.launches[Launch(fn.fn.__module__, fn.fn.__name__, described,
-                                     tuple(sorted(options.items())))] = None
-            return recorder._run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            launch = Launch(fn.fn.__module__, fn.fn.__name__, described, tuple(sorted(options.items())))
+            recorder.launches[launch] = None
+            tensors = {n: v for n, v in params.items() if isinstance(v, torch.Tensor)}
+            before = {n: _bytes(t).clone() for n, t in tensors.items()}
+            result = recorder._run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            changed = {n for n, t in tensors.items() if not torch.equal(_bytes(t), before[n])}
+            recorder.written.setdefault(launch, set()).update(changed)
+            storages: dict[int, list[str]] = {}
+            for n, t in tensors.items():
+                storages.setdefault(t.untyped_storage().data_ptr(), []).append(n)
+            recorder.aliases.setdefault(launch, set()).update(tuple(g) for g in storages.values() if len(g) > 1)
+            return result
 
         InterpretedFunction.run = run
         return self
 
     def __exit__(self, *exc) -> None:
         InterpretedFunction.run = self._run
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def workload(fmt) -> None:
@@ -117,15 +134,18 @@ def workload(fmt) -> None:
     adamw_quantize(w, torch.randn_like(w), torch.zeros(w.shape), torch.zeros(w.shape), hyper, fmt=fmt)
 
 
-def record(target_name: str) -> list[Launch]:
+def record(target_name: str) -> list[dict]:
+    """The launches of :func:`workload` for ``target_name``: each :class:`Launch` as a dict, with its
+    ``written`` argument names and ``aliases`` (lists of argument names that shared a storage)."""
     target, fmt = TARGETS[target_name]
     os.environ[FORMAT_ENV_VAR] = fmt.name  # the format the library detects on that GPU
     with _Recorder() as rec, configure_launches_for(target):
         workload(fmt)
-    return list(rec.launches)
+    return [dict(asdict(launch), written=sorted(rec.written[launch]), aliases=sorted(rec.aliases[launch]))
+            for launch in rec.launches]
 
 
 if __name__ == "__main__":
     name, out = sys.argv[1], sys.argv[2]
     with open(out, "w") as f:
-        json.dump([asdict(launch) for launch in record(name)], f)
+        json.dump(record(name), f)

@@ -9,8 +9,9 @@ VGPR / SGPR spill counts come from the kernel's metadata in the AMDGCN assembly.
     python tools/offline_compile.py [--targets sm_90a gfx942 gfx950] [--out DIR] [--update-baseline]
 
 Fails (exit 1) when a specialization does not compile for a target, when a kernel of the library
-(a ``triton.jit`` function named ``*_kernel``) was never launched by the workload, or when a kernel
-spills more on sm_90a than ``compile_baseline.json`` allows. Writes ``offline_compile.json`` / ``.md``.
+(a ``triton.jit`` function named ``*_kernel``) was never launched by the workload, when a kernel
+spills more on sm_90a than ``compile_baseline.json`` allows, or when torch's analysis of a traced
+launch fails or misses a write (``traced_writes.py``). Writes ``offline_compile.json`` / ``.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+import traced_writes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = Path(__file__).resolve().parent / "compile_baseline.json"
@@ -187,10 +190,13 @@ def main() -> int:
     parser.add_argument("--update-baseline", action="store_true", help="write the sm_90a spills seen as the baseline")
     args = parser.parse_args()
 
-    rows, launched = [], set()
+    rows, launched, traced = [], set(), []
     for target in args.targets:
         launches = record(target)
         launched |= {(lc["module"], lc["kernel"]) for lc in launches}
+        if target == "sm_90a":
+            traced = traced_writes.check(launches, _source, GPU_TARGETS[target])
+            print(f"sm_90a: torch's analysis of traced kernels, {len(traced)} problems", flush=True)
         with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
             rows += list(pool.map(compile_one, [target] * len(launches), launches))
         failed = sum(not r["ok"] for r in rows if r["target"] == target)
@@ -203,7 +209,7 @@ def main() -> int:
                 spills[r["kernel"]] = max(spills.get(r["kernel"], 0), r["spills"])
         baseline = {"sm_90a_spill_bytes": spills}
         BASELINE.write_text(json.dumps(baseline, indent=1, sort_keys=True) + "\n")
-    problems = check(rows, library_kernels() - launched, baseline)
+    problems = check(rows, library_kernels() - launched, baseline) + traced
     header = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, triton {triton.__version__}, "
               f"no GPU: Triton's compiler to each target's binary.")
     report = markdown(rows, problems, header)
