@@ -26,19 +26,12 @@ from triton.backends.compiler import GPUTarget
 
 __all__ = ["check"]
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16,
-    torch.bool, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)}
-
 
 class _Sm90Driver:
     """What torch's analysis asks of Triton's active driver: the target to build TTIR for."""
 
     def get_current_target(self) -> GPUTarget:
         return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self) -> int:
-        return 0
 
 
 class _Warnings(logging.Handler):
@@ -72,7 +65,7 @@ def _kwargs(launch: dict) -> dict:
     kwargs = {}
     for name, (kind, value) in launch["args"]:
         if kind == "ptr":
-            kwargs[name] = torch.empty(64, dtype=_DTYPES[value])
+            kwargs[name] = torch.empty(64, dtype=getattr(torch, value))  # the recorder's dtype name
         elif kind == "tl_dtype":
             kwargs[name] = tl.dtype(value)
         else:
