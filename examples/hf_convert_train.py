@@ -5,7 +5,8 @@ computes the same function, and train it for a few steps.
     python examples/hf_convert_train.py        # needs transformers: pip install -e '.[hf]'
 
 For a real model, load it with ``from_pretrained`` instead of building it from a config; the
-conversion is the same call (keep the default ``min_dense_size``: a real model's linears are large).
+conversion is the same call (keep the default size rules: ``hf.convert`` then converts only the
+experts and linears large enough for FP8 to pay).
 ``python -m moe_fp8.demo`` is the full version of this script.
 """
 
@@ -31,8 +32,8 @@ def main() -> None:
     model = DeepseekV3ForCausalLM(cfg).to(device, torch.bfloat16)
     original = copy.deepcopy(model)
 
-    # experts: FP8 grouped GEMMs; attention, shared experts: FP8Linear (min_dense_size=0: this model is tiny)
-    hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False, min_dense_size=0)
+    # experts: FP8 grouped GEMMs; attention, shared experts: FP8Linear (size rules off: this model is tiny)
+    hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False, min_dense_size=0, min_expert_size=0)
     print(model.model.layers[0])
     print(model.fp8_conversion_report)
 

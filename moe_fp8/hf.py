@@ -3,6 +3,6 @@ and dense linears) in place and attaches a ``ConversionReport`` (see ``layers/hf
 
 from .layers.conversion_report import ConversionReport
 from .layers.convert import MIN_DENSE_SIZE
-from .layers.hf_convert import SUPPORTED_BLOCKS, convert
+from .layers.hf_convert import MIN_EXPERT_SIZE, SUPPORTED_BLOCKS, convert
 
-__all__ = ["ConversionReport", "MIN_DENSE_SIZE", "SUPPORTED_BLOCKS", "convert"]
+__all__ = ["ConversionReport", "MIN_DENSE_SIZE", "MIN_EXPERT_SIZE", "SUPPORTED_BLOCKS", "convert"]

@@ -168,7 +168,7 @@ def _converted_layer(name: str, recipe: str, backend: str, device="cpu"):
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(_config(name)).to(device, torch.bfloat16)
     model.config._attn_implementation = "sdpa"
-    hf.convert(model, recipe=recipe, backend=backend)
+    hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0)
     return _Layer(model)
 
 
@@ -217,7 +217,7 @@ def test_gpu_reduce_overhead_whole_model_sees_optimizer_updates(recipe):
     torch.manual_seed(4)
     cfg = _config("qwen3_moe")
     model = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
-    hf.convert(model, recipe=recipe)
+    hf.convert(model, recipe=recipe, min_expert_size=0)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), device="cuda")
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     torch._dynamo.reset()

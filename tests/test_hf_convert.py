@@ -187,7 +187,7 @@ def _check(block: nn.Module, recipe: str):
     x = torch.randn(4, 16, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     ref = block(x)
     model = nn.Sequential(copy.deepcopy(block))
-    hf.convert(model, recipe=recipe)
+    hf.convert(model, recipe=recipe, min_expert_size=0)
     out = model[0](x)
     assert type(out) is type(ref) and _first(out).shape == _first(ref).shape
     assert _first(out).dtype == _first(ref).dtype
@@ -218,13 +218,13 @@ def test_transformers_v5_blocks(family, recipe):
 def test_v5_conversion_shares_parameters():
     block = _random(V5_BLOCKS["qwen3_moe"]())
     w = block.experts.gate_up_proj
-    hf.convert(nn.Sequential(block))
+    hf.convert(nn.Sequential(block), min_expert_size=0)
     assert block.experts.gate_up_proj is w  # no copy: optimizer state and checkpoints carry over
     assert set(block.state_dict()) >= {"experts.gate_up_proj", "experts.down_proj", "gate.weight"}
     llama = _random(V5_BLOCKS["llama4"]())
     w1, w2 = llama.experts.gate_up_proj, llama.experts.down_proj
     holder = nn.Sequential(llama)
-    hf.convert(holder)
+    hf.convert(holder, min_expert_size=0)
     assert holder[0].experts.gate_up_proj is w1 and holder[0].experts.down_proj is w2
     assert holder[0].experts.in_out_layout
 
@@ -235,7 +235,7 @@ def test_llama4_layout_weight_cache_hits():
     must still hit while the weights are unchanged, and miss after an update."""
     llama = _random(V5_BLOCKS["llama4"]()).to(torch.bfloat16)
     holder = nn.Sequential(llama)
-    hf.convert(holder)
+    hf.convert(holder, min_expert_size=0)
     experts = holder[0].experts
     x = torch.randn(2, 5, H, dtype=torch.bfloat16)
     for _ in range(3):
@@ -270,7 +270,7 @@ def test_whole_model_and_backward():
     model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16)
     ids = torch.randint(0, 96, (2, 12))
     ref = model(ids).logits
-    converted = hf.convert(copy.deepcopy(model))
+    converted = hf.convert(copy.deepcopy(model), min_expert_size=0)
     out = converted(ids).logits
     assert sqnr(ref.float(), out.float()) >= FP8_FLOOR
     out.float().pow(2).mean().backward()
@@ -281,9 +281,9 @@ def test_whole_model_and_backward():
 @pytest.mark.interpreter
 def test_bare_block():
     block = _random(V5_BLOCKS["mixtral"]())
-    assert hf.convert(block) is block and isinstance(block.experts, FP8GroupedExperts)
-    assert isinstance(hf.convert(_random(V5_BLOCKS["llama4"]())), FP8Llama4TextMoe)
-    assert isinstance(hf.convert(_random(V4_BLOCKS["mixtral"]())), FP8HFMoEBlock)
+    assert hf.convert(block, min_expert_size=0) is block and isinstance(block.experts, FP8GroupedExperts)
+    assert isinstance(hf.convert(_random(V5_BLOCKS["llama4"]()), min_expert_size=0), FP8Llama4TextMoe)
+    assert isinstance(hf.convert(_random(V4_BLOCKS["mixtral"]()), min_expert_size=0), FP8HFMoEBlock)
 
 
 def test_unsupported_blocks_are_named():

@@ -83,7 +83,7 @@ def test_families_whole_model(family, layout, monkeypatch):
     model = _model(family, layout)
     ids = _ids()
     ref = model(ids).logits
-    converted = hf.convert(copy.deepcopy(model), min_dense_size=0, backend="emulated")
+    converted = hf.convert(copy.deepcopy(model), min_dense_size=0, min_expert_size=0, backend="emulated")
     report = converted.fp8_conversion_report
     n_moe = sum(type(m).__name__ in hf.SUPPORTED_BLOCKS for m in model.modules())
     by = {b: [e for e in report.entries if e.became == b] for b in cr.BECAME}
@@ -121,20 +121,61 @@ def test_families_whole_model(family, layout, monkeypatch):
             assert p.grad.abs().sum() > 0, f"{name}.{pname}"
 
 
-def test_default_size_rule_keeps_small_linears():
-    model = hf.convert(_model("deepseek_v3", "v5"))
+def test_default_size_rules_keep_small_layers():
+    """With the default rules a tiny model is left exactly as it was (same modules, same logits),
+    and the report says why for every expert block and linear."""
+    original = _model("deepseek_v3", "v5")
+    ids = _ids()
+    model = hf.convert(copy.deepcopy(original))
     report = model.fp8_conversion_report
-    assert report.min_dense_size == MIN_DENSE_SIZE == 1536
-    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+    assert report.min_dense_size == MIN_DENSE_SIZE == 1536 and report.min_expert_size == hf.MIN_EXPERT_SIZE == 1024
+    assert "min_dense_size 1536, min_expert_size 1024" in str(report)
+    assert not any(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in model.modules())
+    assert [type(m) for m in model.modules()] == [type(m) for m in original.modules()]
+    assert torch.equal(model(ids).logits, original(ids).logits)
     dense = [e for e in report.entries if e.cls == "Linear" and e.reason != cr.LM_HEAD]
     assert len(dense) == 16 and all(e.reason == cr.BELOW_MIN_SIZE for e in dense)
     assert "min(in, out) < 1536" in dense[0].detail
-    assert report.counts()[cr.FP8_EXPERTS] == 1
+    (experts,) = [e for e in report.entries if e.reason == cr.BELOW_MIN_EXPERT_SIZE]
+    assert experts.fqn == "model.layers.1.mlp.experts" and experts.became == cr.KEPT and not experts.fp8
+    assert experts.detail == f"E=8 H={H} I={I}: min(H, I) < 1024"
+    assert report.fp8_params == 0 and report.matmul_params > experts.numel > 0
     # the rule's boundary, on a plain module: min(in, out) >= min_dense_size converts
     plain = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 496), nn.Linear(496, 512))
     convert_to_fp8(plain, min_dense_size=512)
     assert isinstance(plain[0], FP8Linear) and type(plain[1]) is nn.Linear and type(plain[2]) is nn.Linear
     assert [e.reason for e in plain.fp8_conversion_report.entries] == [None, cr.BELOW_MIN_SIZE, cr.BELOW_MIN_SIZE]
+
+
+@pytest.mark.parametrize("layout", ["v5", "v4"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_expert_size_rule_boundary(family, layout):
+    """``min(H, I) >= min_expert_size`` converts a block's experts; one more keeps the block as it
+    was (4.x ModuleList experts included: their linears are not handed to the dense rules)."""
+    small = min(H, I)
+    converted = hf.convert(_model(family, layout), dense=False, min_expert_size=small)
+    assert converted.fp8_conversion_report.counts()[cr.FP8_EXPERTS] >= 1
+    model = _model(family, layout)
+    blocks = [(n, m, m.experts) for n, m in model.named_modules() if type(m).__name__ in hf.SUPPORTED_BLOCKS]
+    hf.convert(model, min_dense_size=0, min_expert_size=small + 1)
+    report = model.fp8_conversion_report
+    assert not any(isinstance(m, FP8GroupedExperts) for m in model.modules())
+    kept = [e for e in report.entries if e.reason == cr.BELOW_MIN_EXPERT_SIZE]
+    assert [e.fqn for e in kept] == [f"{n}.experts" for n, _, _ in blocks]
+    assert all(f"H={H} I={I}: min(H, I) < {small + 1}" in e.detail for e in kept)
+    for name, block, experts in blocks:
+        assert model.get_submodule(name) is block and block.experts is experts
+        assert not any(isinstance(m, FP8Linear) for m in experts.modules())
+    assert any(isinstance(m, FP8Linear) for m in model.modules())  # the dense rules still apply
+    bf16 = hf.convert(_model(family, layout), recipe="bf16", min_expert_size=small + 1)  # the rule is FP8's
+    assert bf16.fp8_conversion_report.counts()[cr.BF16_EXPERTS] == len(blocks)
+
+
+def test_expert_size_rule_on_a_bare_block():
+    block = _random(V4_BLOCKS["qwen3_moe"]())
+    assert hf.convert(block) is block and isinstance(block.experts, nn.ModuleList)
+    assert block.fp8_conversion_report.counts() == {cr.KEPT: 2, f"kept: {cr.BELOW_MIN_EXPERT_SIZE}": 1,
+                                                    f"kept: {cr.ROUTER}": 1}
 
 
 class _Plain(nn.Module):
@@ -195,7 +236,7 @@ def test_filter_fn_honoured():
         seen.append((type(module), fqn))
         return ".self_attn." in fqn
 
-    model = hf.convert(_model("llama4", "v5"), filter_fn=only_attention, min_dense_size=0)
+    model = hf.convert(_model("llama4", "v5"), filter_fn=only_attention, min_dense_size=0, min_expert_size=0)
     report = model.fp8_conversion_report
     assert all(t is nn.Linear for t, _ in seen) and "lm_head" not in {f for _, f in seen}  # lm_head never asked
     for e in report.entries:
@@ -207,15 +248,15 @@ def test_filter_fn_honoured():
 
 
 def test_bf16_recipe_and_dense_off():
-    model = hf.convert(_model("qwen3_moe", "v5"), recipe="bf16", min_dense_size=0)
+    model = hf.convert(_model("qwen3_moe", "v5"), recipe="bf16", min_dense_size=0, min_expert_size=0)
     report = model.fp8_conversion_report
     assert report.counts()[cr.BF16_EXPERTS] == 1 and cr.FP8_LINEAR not in report.counts()
     assert report.counts()[f"kept: {cr.BF16_RECIPE}"] == 4 and report.fp8_fraction == 0.0
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
-    model = hf.convert(_model("qwen3_moe", "v4"), dense=False, min_dense_size=0)
+    model = hf.convert(_model("qwen3_moe", "v4"), dense=False, min_dense_size=0, min_expert_size=0)
     assert model.fp8_conversion_report.counts()[f"kept: {cr.DENSE_OFF}"] == 4
     assert model.fp8_conversion_report.counts()[cr.FP8_EXPERTS] == 1
-    model = hf.convert(_model("qwen3_moe", "v5"), recipe="blockwise", dense_recipe="tensorwise", min_dense_size=0)
+    model = hf.convert(_model("qwen3_moe", "v5"), recipe="blockwise", dense_recipe="tensorwise", min_dense_size=0, min_expert_size=0)
     linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert len(linears) == 4 and all(m.recipe.name == "tensorwise" for m in linears)
 
@@ -229,7 +270,7 @@ def test_skewed_routing_empty_experts():
         model.model.layers[1].mlp.gate.e_score_correction_bias[2:] = -100.0
     ids = _ids()
     ref = model(ids).logits
-    converted = hf.convert(copy.deepcopy(model), min_dense_size=0)
+    converted = hf.convert(copy.deepcopy(model), min_dense_size=0, min_expert_size=0)
     dirty_allocator()
     out = converted(ids).logits
     assert torch.isfinite(out).all() and sqnr(ref.float(), out.float()) >= FLOOR
@@ -247,6 +288,10 @@ def test_bad_arguments():
         hf.convert(model, min_dense_size=-1)
     with pytest.raises(TypeError, match="min_dense_size: expected an int, got str"):
         convert_to_fp8(model, min_dense_size="512")
+    with pytest.raises(ValueError, match="min_expert_size: expected >= 0, got -2"):
+        hf.convert(model, min_expert_size=-2)
+    with pytest.raises(TypeError, match="min_expert_size: expected an int, got float"):
+        hf.convert(model, min_expert_size=1024.0)
     with pytest.raises(TypeError, match="dense: expected a bool"):
         hf.convert(model, dense="yes")
     with pytest.raises(TypeError, match="model: expected an nn.Module, got dict"):
@@ -263,7 +308,7 @@ def test_bad_arguments():
 def test_converting_twice():
     """hf.convert refuses a model it converted (a second recipe would silently not apply);
     convert_to_fp8 is idempotent (FP8Linear layers are reported as they are)."""
-    model = hf.convert(_model("mixtral", "v4"), min_dense_size=0)
+    model = hf.convert(_model("mixtral", "v4"), min_dense_size=0, min_expert_size=0)
     with pytest.raises(ValueError, match="model: already converted by moe_fp8 .*convert a fresh copy"):
         hf.convert(model, recipe="bf16")
     plain = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 20))
@@ -283,7 +328,7 @@ def test_families_whole_model_gpu(family, layout):
     model = _model(family, layout).cuda()
     ids = _ids().cuda()
     ref = model(ids).logits
-    converted = hf.convert(copy.deepcopy(model), min_dense_size=0)
+    converted = hf.convert(copy.deepcopy(model), min_dense_size=0, min_expert_size=0)
     counts = converted.fp8_conversion_report.counts()
     assert counts[cr.FP8_EXPERTS] >= 1 and counts[cr.FP8_LINEAR] >= 4
     out = converted(ids).logits

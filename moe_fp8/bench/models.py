@@ -9,8 +9,9 @@ Models (real layer sizes, few layers, byte-level vocabulary, 8 x 1024 tokens per
   expert), one dense layer (I = 18432) and one MoE layer.
 
 Variants: ``hf_bf16`` (unconverted), ``ours_bf16`` (experts on the library's BF16 grouped path),
-``ours_fp8_experts`` (FP8 experts only) and ``ours_fp8`` (``moe_fp8.hf.convert``: FP8 experts and
-FP8 dense linears, ``rowwise``). Modes:
+``ours_fp8_experts`` (FP8 experts in every MoE block whatever their size, dense linears as built)
+and ``ours_fp8`` (``moe_fp8.hf.convert`` with its defaults, ``rowwise``: FP8 experts and dense
+linears where the size rules say FP8 pays, the rest as built). Modes:
 ``eager``, ``compiled`` (``torch.compile(model)``) and ``reduce-overhead`` (CUDA graphs).
 
 A step is forward, backward, gradient clipping and fused AdamW. Step time is the median over the
@@ -34,13 +35,14 @@ from torch import nn
 
 from ..demo.corpus import VOCAB, batches, load_split
 from ..layers.convert import MIN_DENSE_SIZE
+from ..layers.hf_convert import MIN_EXPERT_SIZE
 
 MODES = ("eager", "compiled", "reduce-overhead")
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8")
 #: the variants each mode runs (the others in eager only), and those trained for ``loss_steps``
 MODE_VARIANTS = {"eager": VARIANTS, "compiled": ("hf_bf16", "ours_fp8"),
                  "reduce-overhead": ("hf_bf16", "ours_fp8")}
-LOSS_VARIANTS = ("hf_bf16", "ours_fp8")
+LOSS_VARIANTS = ("hf_bf16", "ours_fp8_experts", "ours_fp8")
 
 
 @dataclass(frozen=True)
@@ -107,18 +109,20 @@ def build(spec: ModelSpec, seq: int, device: str, seed: int = 0) -> nn.Module:
         return AutoModelForCausalLM.from_config(hf_config(spec, seq)).to(torch.bfloat16)
 
 
-def convert(base: nn.Module, variant: str, backend: str | None, min_dense_size: int | None = None) -> nn.Module:
-    """A converted copy of ``base`` (``hf_bf16``: an unconverted copy); ``min_dense_size`` (default
-    ``MIN_DENSE_SIZE``) is the size rule for dense linears."""
+def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: bool = True) -> nn.Module:
+    """A converted copy of ``base`` (``hf_bf16``: an unconverted copy). ``size_rules=False`` converts
+    every expert and dense linear whatever its size (the CPU stand-ins are tiny)."""
     from .. import hf
 
     model = copy.deepcopy(base)
-    min_dense_size = MIN_DENSE_SIZE if min_dense_size is None else min_dense_size
+    min_dense_size, min_expert_size = (MIN_DENSE_SIZE, MIN_EXPERT_SIZE) if size_rules else (0, 0)
     if variant == "ours_bf16":
         hf.convert(model, recipe="bf16", backend=backend, cache_weights=False)
-    elif variant in ("ours_fp8_experts", "ours_fp8"):
-        hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False, dense=variant == "ours_fp8",
-                   min_dense_size=min_dense_size)
+    elif variant == "ours_fp8_experts":
+        hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False, dense=False, min_expert_size=0)
+    elif variant == "ours_fp8":
+        hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False, min_dense_size=min_dense_size,
+                   min_expert_size=min_expert_size)
     elif variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
     return model.train()
@@ -144,9 +148,9 @@ def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, mode: str):
 
 
 def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, timed: int, lr: float,
-                device: str, backend: str | None, min_dense_size: int | None = None) -> dict:
+                device: str, backend: str | None, size_rules: bool = True) -> dict:
     """Train a fresh copy of ``base`` for ``steps`` steps; step times, peak memory and losses."""
-    model = convert(base, variant, backend, min_dense_size)
+    model = convert(base, variant, backend, size_rules=size_rules)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device == "cuda")
     step = _step_fn(model, opt, mode)
@@ -198,7 +202,7 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
                 try:
                     r = run_variant(base, variant, mode, data, steps=steps, timed=min(20, steps - steps // 3),
                                     lr=lr, device=device, backend=backend,
-                                    min_dense_size=None if gpu else 0)  # the CPU models' linears are tiny
+                                    size_rules=gpu)  # the CPU stand-ins are below every size rule
                 except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
                     rows.append(dict(model=name, mode=mode, variant=variant, error=f"{type(e).__name__}: {e}"))
                     continue

@@ -22,8 +22,9 @@ BECAME = (FP8_EXPERTS, BF16_EXPERTS, FP8_LINEAR, KEPT)
 ROUTER, EMBEDDING, LM_HEAD = "router", "embedding", "lm_head"
 NOT_MULTIPLE_OF_16, BELOW_MIN_SIZE, FILTER_FN = "not a multiple of 16", "below min_dense_size", "filter_fn"
 NOT_PLAIN_LINEAR, DENSE_OFF, BF16_RECIPE = "not a plain nn.Linear", "dense=False", "recipe bf16"
+BELOW_MIN_EXPERT_SIZE = "below min_expert_size"
 REASONS = (ROUTER, EMBEDDING, LM_HEAD, NOT_MULTIPLE_OF_16, BELOW_MIN_SIZE, FILTER_FN, NOT_PLAIN_LINEAR, DENSE_OFF,
-           BF16_RECIPE)
+           BF16_RECIPE, BELOW_MIN_EXPERT_SIZE)
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,12 @@ class ModuleConversion:
 
 @dataclass
 class ConversionReport:
-    """The entries of one conversion (model order), with the settings that decided them."""
+    """The entries of one conversion (model order), with the settings that decided them
+    (``min_expert_size`` is ``None`` for ``convert_to_fp8``, which leaves MoE blocks alone)."""
 
     recipe: str
     min_dense_size: int
+    min_expert_size: int | None = None
     entries: list[ModuleConversion] = field(default_factory=list)
 
     def add(self, fqn: str, module: nn.Module, became: str, reason: str | None = None, detail: str = "",
@@ -109,8 +112,11 @@ class ConversionReport:
         why = ", ".join(f"{k[len('kept: '):]} {v}" for k, v in counts.items() if k.startswith("kept: "))
         counts = ", ".join(f"{k} {v}" + (f" ({why})" if k == KEPT else "") for k, v in counts.items()
                            if not k.startswith("kept: "))
+        sizes = f"min_dense_size {self.min_dense_size}"
+        if self.min_expert_size is not None:
+            sizes += f", min_expert_size {self.min_expert_size}"
         return "\n".join([
-            f"moe_fp8 conversion (recipe {self.recipe}, min_dense_size {self.min_dense_size}): {counts}",
+            f"moe_fp8 conversion (recipe {self.recipe}, {sizes}): {counts}",
             f"FP8 parameters: {self.fp8_params:,} of {self.matmul_params:,} matmul parameters "
             f"({100 * self.fp8_fraction:.1f}%)",
             line.format(*head).rstrip(),

@@ -27,13 +27,13 @@ from collections.abc import Callable
 from torch import nn
 
 from .conversion_report import (
-    BELOW_MIN_SIZE, BF16_EXPERTS, EMBEDDING, FILTER_FN, FP8_EXPERTS, FP8_LINEAR, KEPT, LM_HEAD, NOT_MULTIPLE_OF_16,
+    BELOW_MIN_EXPERT_SIZE, BELOW_MIN_SIZE, BF16_EXPERTS, EMBEDDING, FILTER_FN, FP8_EXPERTS, FP8_LINEAR, KEPT, LM_HEAD, NOT_MULTIPLE_OF_16,
     NOT_PLAIN_LINEAR, ROUTER, ConversionReport,
 )
 from .experts import FP8GroupedExperts
 from .fp8_linear import FP8Linear, _check_dense_recipe
 
-__all__ = ["MIN_DENSE_SIZE", "check_conversion_args", "convert_linears", "convert_to_fp8"]
+__all__ = ["MIN_DENSE_SIZE", "check_conversion_args", "check_size", "convert_linears", "convert_to_fp8"]
 
 log = logging.getLogger("moe_fp8")
 
@@ -74,19 +74,27 @@ def check_conversion_args(model, filter_fn, min_dense_size) -> None:
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn: expected a callable (module, fqn) -> bool or None, got {type(filter_fn).__name__}")
-    if isinstance(min_dense_size, bool) or not isinstance(min_dense_size, int):
-        raise TypeError(f"min_dense_size: expected an int, got {type(min_dense_size).__name__}")
-    if min_dense_size < 0:
-        raise ValueError(f"min_dense_size: expected >= 0, got {min_dense_size}")
+    check_size("min_dense_size", min_dense_size)
+
+
+def check_size(name: str, value) -> None:
+    """``TypeError`` / ``ValueError`` naming ``name`` unless ``value`` is an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name}: expected >= 0, got {value}")
 
 
 def convert_linears(model: nn.Module, report: ConversionReport, *, recipe, filter_fn: FilterFn | None,
-                    min_dense_size: int, fmt=None, keep_reason: str | None = None) -> nn.Module:
+                    min_dense_size: int, fmt=None, keep_reason: str | None = None,
+                    kept_experts: dict[int, str] | None = None) -> nn.Module:
     """Walk ``model``: record experts, routers, embeddings and linears in ``report``, swap the linears
-    that pass every rule (none when ``keep_reason`` is given: all are kept for that reason). Returns
-    ``model``, or its replacement when ``model`` itself is a converted ``nn.Linear``."""
+    that pass every rule (none when ``keep_reason`` is given: all are kept for that reason). Modules
+    whose ``id`` is in ``kept_experts`` (MoE experts left as they were, mapped to a detail) are
+    recorded as kept ``below min_expert_size`` and not entered. Returns ``model``, or its
+    replacement when ``model`` itself is a converted ``nn.Linear``."""
     ctx = dict(report=report, recipe=recipe, filter_fn=filter_fn, min_size=min_dense_size, fmt=fmt,
-               keep_reason=keep_reason, seen=set(),
+               keep_reason=keep_reason, seen=set(), kept_experts=kept_experts or {},
                tied={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)})
     new = _visit(None, "", model, "", ctx)
     return model if new is None else new
@@ -102,6 +110,9 @@ def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Modu
         became = FP8_EXPERTS if module.recipe.is_fp8 else BF16_EXPERTS
         detail = f"E={module.num_experts} H={module.hidden_size} I={module.expert_hidden_size}, {module.recipe.name}"
         report.add(fqn, module, became, detail=detail)
+    elif id(module) in ctx["kept_experts"]:
+        report.add(fqn, module, KEPT, BELOW_MIN_EXPERT_SIZE, ctx["kept_experts"][id(module)])
+        log.info("%s stays as it was (%s): %s", fqn or "<model>", BELOW_MIN_EXPERT_SIZE, ctx["kept_experts"][id(module)])
     elif isinstance(module, nn.Embedding):
         report.add(fqn, module, KEPT, EMBEDDING, f"{module.num_embeddings}x{module.embedding_dim}")
     elif _is_router(parent, name, module):

@@ -28,27 +28,31 @@ from torch import nn
 from ..quant.recipes import get_recipe
 from ..routing import RouterConfig
 from .conversion_report import BF16_RECIPE, DENSE_OFF, ConversionReport
-from .convert import MIN_DENSE_SIZE, check_conversion_args, convert_linears
+from .convert import MIN_DENSE_SIZE, check_conversion_args, check_size, convert_linears
 from .experts import FP8GroupedExperts
 from .fp8_linear import DENSE_RECIPES, FP8Linear, _check_dense_recipe
 from .hf_blocks import FP8HFMoEBlock, FP8Llama4TextMoe
 
-__all__ = ["SUPPORTED_BLOCKS", "convert"]
+__all__ = ["MIN_EXPERT_SIZE", "SUPPORTED_BLOCKS", "convert"]
 
+MIN_EXPERT_SIZE = 1024
 SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE", "Llama4TextMoe")
 _CONVERTED = (FP8GroupedExperts, FP8Linear, FP8HFMoEBlock, FP8Llama4TextMoe)
 
 
 def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_recipe=None,
             filter_fn: Callable[[nn.Module, str], bool] | None = None, min_dense_size: int = MIN_DENSE_SIZE,
-            backend: str | None = None, fmt=None, cache_weights: bool = True) -> nn.Module:
+            min_expert_size: int = MIN_EXPERT_SIZE, backend: str | None = None, fmt=None,
+            cache_weights: bool = True) -> nn.Module:
     """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
     return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it
     became and why anything was kept; ``print`` it for a table).
 
     * Experts: FP8 grouped GEMMs with ``recipe`` (``"bf16"``: the library's BF16 grouped path, for
       A/B runs, and the dense linears are left untouched), ``backend`` / ``fmt`` / ``cache_weights``
-      as ``FP8GroupedExperts`` takes them.
+      as ``FP8GroupedExperts`` takes them. With an FP8 recipe, a block whose experts have
+      ``min(hidden, expert hidden) < min_expert_size`` (default ``MIN_EXPERT_SIZE`` = 1024, from the
+      whole-model step on one H200; 0 converts every size) is left exactly as it was, and reported.
     * Dense linears (attention and MLA projections, dense MLPs, shared experts), when ``dense``:
       ``FP8Linear`` with ``dense_recipe`` (default: ``recipe``; required for ``"blockwise"``),
       sharing the parameters. Routers, embeddings and ``lm_head`` stay as they are; so do layers
@@ -64,21 +68,24 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     already (a model is converted once: convert a fresh copy to change recipe).
     """
     check_conversion_args(model, filter_fn, min_dense_size)
+    check_size("min_expert_size", min_expert_size)
     if not isinstance(dense, bool):
         raise TypeError(f"dense: expected a bool, got {type(dense).__name__}")
     expert_recipe = get_recipe(recipe)
     linear_recipe = _dense_recipe(expert_recipe, dense_recipe, dense)
     _refuse_converted(model)
     opts = dict(recipe=expert_recipe, backend=backend, fmt=fmt, cache_weights=cache_weights)
-    root = _convert_block(model, opts)
-    if root is not None:  # a bare block: converted in place, or its replacement returned
+    min_size = min_expert_size if expert_recipe.is_fp8 else 0
+    kept: dict[int, str] = {}
+    root = _convert_block(model, opts, min_size, kept)
+    if root is not None:  # a bare block: converted in place, its replacement, or itself when kept
         model = root
     else:
-        _convert_blocks(model, opts)
-    report = ConversionReport(expert_recipe.name, min_dense_size)
+        _convert_blocks(model, opts, min_size, kept)
+    report = ConversionReport(expert_recipe.name, min_dense_size, min_expert_size)
     keep = DENSE_OFF if not dense else BF16_RECIPE if not expert_recipe.is_fp8 else None
     model = convert_linears(model, report, recipe=linear_recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
-                            fmt=fmt, keep_reason=keep)
+                            fmt=fmt, keep_reason=keep, kept_experts=kept)
     model.fp8_conversion_report = report
     return model
 
@@ -101,31 +108,47 @@ def _refuse_converted(model: nn.Module) -> None:
                              "a model is converted once: convert a fresh copy")
 
 
-def _convert_blocks(model: nn.Module, opts: dict) -> None:
-    replaced = 0
+def _convert_blocks(model: nn.Module, opts: dict, min_size: int, kept: dict[int, str]) -> None:
+    found = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            new = _convert_block(child, opts)
+            new = _convert_block(child, opts, min_size, kept)
             if new is not None:
                 setattr(parent, name, new)
-                replaced += 1
-    if replaced == 0:
+                found += 1
+    if found == 0:
         found = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "experts")})
         if found:
             raise ValueError(f"model: unsupported MoE block class(es) {found}; supported: {SUPPORTED_BLOCKS}")
         raise ValueError(f"model: no MoE block found; supported: {SUPPORTED_BLOCKS}")
 
 
-def _convert_block(block: nn.Module, opts: dict) -> nn.Module | None:
+def _convert_block(block: nn.Module, opts: dict, min_size: int, kept: dict[int, str]) -> nn.Module | None:
+    """The converted block (``block`` itself when converted in place or kept by the size rule, its
+    experts then recorded in ``kept``), or ``None`` when ``block`` is not a supported MoE block."""
     kind = type(block).__name__
     if kind not in SUPPORTED_BLOCKS:
         return None
+    E, H, I = _expert_dims(block.experts, kind)
+    if min(H, I) < min_size:
+        kept[id(block.experts)] = f"E={E} H={H} I={I}: min(H, I) < {min_size}"
+        return block
     if kind == "Llama4TextMoe":
         return _llama4(block, opts)
     if isinstance(block.experts, nn.ModuleList):
         return _v4_block(block, kind, opts)
     block.experts = _share_3d_experts(block.experts, opts)
     return block
+
+
+def _expert_dims(experts: nn.Module, kind: str) -> tuple[int, int, int]:
+    """``(num_experts, hidden, expert hidden)`` of a supported block's experts, read off the weights."""
+    if isinstance(experts, nn.ModuleList):
+        first = experts[0]
+        gate = first.w1 if kind == "MixtralSparseMoeBlock" else first.gate_proj
+        return len(experts), gate.weight.shape[1], gate.weight.shape[0]
+    E, a, b = experts.down_proj.shape  # (E, H, I); Llama 4's in/out layout: (E, I, H)
+    return (E, b, a) if kind == "Llama4TextMoe" else (E, a, b)
 
 
 def _check_act(module: nn.Module, where: str) -> None:
