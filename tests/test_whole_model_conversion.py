@@ -256,7 +256,8 @@ def test_bf16_recipe_and_dense_off():
     model = hf.convert(_model("qwen3_moe", "v4"), dense=False, min_dense_size=0, min_expert_size=0)
     assert model.fp8_conversion_report.counts()[f"kept: {cr.DENSE_OFF}"] == 4
     assert model.fp8_conversion_report.counts()[cr.FP8_EXPERTS] == 1
-    model = hf.convert(_model("qwen3_moe", "v5"), recipe="blockwise", dense_recipe="tensorwise", min_dense_size=0, min_expert_size=0)
+    model = hf.convert(_model("qwen3_moe", "v5"), recipe="blockwise", dense_recipe="tensorwise", min_dense_size=0,
+                       min_expert_size=0)
     linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert len(linears) == 4 and all(m.recipe.name == "tensorwise" for m in linears)
 

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from torch import nn
 
 from .conversion_report import (
-    BELOW_MIN_EXPERT_SIZE, BELOW_MIN_SIZE, BF16_EXPERTS, EMBEDDING, FILTER_FN, FP8_EXPERTS, FP8_LINEAR, KEPT, LM_HEAD, NOT_MULTIPLE_OF_16,
-    NOT_PLAIN_LINEAR, ROUTER, ConversionReport,
+    BELOW_MIN_EXPERT_SIZE, BELOW_MIN_SIZE, BF16_EXPERTS, EMBEDDING, FILTER_FN, FP8_EXPERTS, FP8_LINEAR, KEPT, LM_HEAD,
+    NOT_MULTIPLE_OF_16, NOT_PLAIN_LINEAR, ROUTER, ConversionReport,
 )
 from .experts import FP8GroupedExperts
 from .fp8_linear import FP8Linear, _check_dense_recipe
@@ -111,8 +111,9 @@ def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Modu
         detail = f"E={module.num_experts} H={module.hidden_size} I={module.expert_hidden_size}, {module.recipe.name}"
         report.add(fqn, module, became, detail=detail)
     elif id(module) in ctx["kept_experts"]:
-        report.add(fqn, module, KEPT, BELOW_MIN_EXPERT_SIZE, ctx["kept_experts"][id(module)])
-        log.info("%s stays as it was (%s): %s", fqn or "<model>", BELOW_MIN_EXPERT_SIZE, ctx["kept_experts"][id(module)])
+        detail = ctx["kept_experts"][id(module)]
+        report.add(fqn, module, KEPT, BELOW_MIN_EXPERT_SIZE, detail)
+        log.info("%s stays as it was (%s): %s", fqn or "<model>", BELOW_MIN_EXPERT_SIZE, detail)
     elif isinstance(module, nn.Embedding):
         report.add(fqn, module, KEPT, EMBEDDING, f"{module.num_embeddings}x{module.embedding_dim}")
     elif _is_router(parent, name, module):

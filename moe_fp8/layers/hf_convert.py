@@ -109,14 +109,14 @@ def _refuse_converted(model: nn.Module) -> None:
 
 
 def _convert_blocks(model: nn.Module, opts: dict, min_size: int, kept: dict[int, str]) -> None:
-    found = 0
+    blocks = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             new = _convert_block(child, opts, min_size, kept)
             if new is not None:
                 setattr(parent, name, new)
-                found += 1
-    if found == 0:
+                blocks += 1
+    if blocks == 0:
         found = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "experts")})
         if found:
             raise ValueError(f"model: unsupported MoE block class(es) {found}; supported: {SUPPORTED_BLOCKS}")
