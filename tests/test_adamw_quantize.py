@@ -47,7 +47,7 @@ def _state(shape, dtype, seed):
 def test_kernel_matches_the_reference_byte_for_byte(dtype, quant_dtype, state_dtype, shape, fmt, pow2):
     p, grad, m, v = _state(shape, dtype, seed=0)
     m, v = m.to(state_dtype), v.to(state_dtype)
-    p_ref, m_ref, v_ref = p.clone(), m.clone(), v.clone()
+    p_ref, m_ref, v_ref, p_old = p.clone(), m.clone(), v.clone(), p.float()
     hyper = adamw_hyper(step=3, **HYPER)
     dirty_allocator()
     got = adamw_quantize(p, grad, m, v, hyper, fmt=fmt, pow2=pow2, quant_dtype=quant_dtype)
@@ -57,7 +57,11 @@ def test_kernel_matches_the_reference_byte_for_byte(dtype, quant_dtype, state_dt
     state_rtol = 2e-7 if state_dtype == torch.float32 else 2**-7
     torch.testing.assert_close(m.float(), m_ref.float(), rtol=state_rtol, atol=0)
     torch.testing.assert_close(v.float(), v_ref.float(), rtol=state_rtol, atol=0)
-    torch.testing.assert_close(p.float(), p_ref.float(), rtol=2e-7 if dtype == torch.float32 else 2**-7, atol=0)
+    if dtype == torch.float32:  # a few fp32 roundings of the terms p = p_old + step sums (it may cancel)
+        bound = 4 * torch.finfo(torch.float32).eps * (p_old.abs() + (p_ref - p_old).abs())
+        assert ((p - p_ref).abs() <= bound).all(), ((p - p_ref).abs() - bound).max()
+    else:
+        torch.testing.assert_close(p.float(), p_ref.float(), rtol=2**-7, atol=0)
     if torch.equal(p, p_ref):  # the same weight: the same copies as the reference's
         _assert_quantized_equal(got, want)
     # the copies are the reference quantizers of the updated weight itself (the cache's contract)
