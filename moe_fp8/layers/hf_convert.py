@@ -129,7 +129,7 @@ def _convert_block(block: nn.Module, opts: dict, min_size: int, kept: dict[int, 
     kind = type(block).__name__
     if kind not in SUPPORTED_BLOCKS:
         return None
-    E, H, I = _expert_dims(block.experts, kind)
+    E, H, I = _expert_dims(block.experts, in_out=kind == "Llama4TextMoe")
     if min(H, I) < min_size:
         kept[id(block.experts)] = f"E={E} H={H} I={I}: min(H, I) < {min_size}"
         return block
@@ -141,14 +141,16 @@ def _convert_block(block: nn.Module, opts: dict, min_size: int, kept: dict[int, 
     return block
 
 
-def _expert_dims(experts: nn.Module, kind: str) -> tuple[int, int, int]:
-    """``(num_experts, hidden, expert hidden)`` of a supported block's experts, read off the weights."""
+def _expert_dims(experts: nn.Module, *, in_out: bool) -> tuple[int, int, int]:
+    """``(num_experts, hidden, expert hidden)`` of a supported block's experts, read off the weights:
+    a 4.x ``ModuleList`` of MLPs (Mixtral's ``w1`` or ``gate_proj``: ``(I, H)``), or 5.x 3D weights
+    (``down_proj`` ``(E, H, I)``; ``(E, I, H)`` in Llama 4's ``in_out`` layout)."""
     if isinstance(experts, nn.ModuleList):
         first = experts[0]
-        gate = first.w1 if kind == "MixtralSparseMoeBlock" else first.gate_proj
+        gate = first.w1 if hasattr(first, "w1") else first.gate_proj
         return len(experts), gate.weight.shape[1], gate.weight.shape[0]
-    E, a, b = experts.down_proj.shape  # (E, H, I); Llama 4's in/out layout: (E, I, H)
-    return (E, b, a) if kind == "Llama4TextMoe" else (E, a, b)
+    E, a, b = experts.down_proj.shape
+    return (E, b, a) if in_out else (E, a, b)
 
 
 def _check_act(module: nn.Module, where: str) -> None:
@@ -160,11 +162,9 @@ def _check_act(module: nn.Module, where: str) -> None:
 def _share_3d_experts(experts: nn.Module, opts: dict, *, in_out: bool = False) -> FP8GroupedExperts:
     """An ``FP8GroupedExperts`` that holds the SAME parameters as a transformers 5.x experts module."""
     _check_act(experts, type(experts).__name__)
-    w1, w2 = experts.gate_up_proj, experts.down_proj
-    E = w1.shape[0]
-    H, I = (w1.shape[1], w2.shape[1]) if in_out else (w1.shape[2], w2.shape[2])
+    E, H, I = _expert_dims(experts, in_out=in_out)
     new = FP8GroupedExperts(E, H, I, in_out_layout=in_out, device="meta", **opts)
-    new.gate_up_proj, new.down_proj = w1, w2
+    new.gate_up_proj, new.down_proj = experts.gate_up_proj, experts.down_proj
     return new
 
 
