@@ -6,10 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-gpu compile-check venv clean
 
+# torchtitan goes in without its requirements (its trainer's ~146 MiB: datasets, tensorboard, wandb):
+# tests/test_torchtitan_integration.py needs only its model code and the four packages after it.
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q -c constraints/cpu.txt torch
 	$(VPY) -m pip install -q -c constraints/cpu.txt -e '.[test,hf,demo]'
+	$(VPY) -m pip install -q --no-deps -c constraints/cpu.txt torchtitan
+	$(VPY) -m pip install -q -c constraints/cpu.txt spmd_types tyro docstring-parser typeguard
 	touch $(STAMP)
 
 venv: $(STAMP)
