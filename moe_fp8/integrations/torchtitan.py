@@ -40,12 +40,12 @@ from ..layers.fp8_linear import DENSE_RECIPES, FP8Linear
 from ..quant.recipes import RECIPES
 
 try:
+    from torch.distributed.tensor import DTensor
     from torchtitan.components.quantization import QuantizationConverter
     from torchtitan.config.override import derive, override
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.protocols.module import Module
-    from torch.distributed.tensor import DTensor
 except ImportError as exc:  # torchtitan absent, or a torch it does not support (it needs >= 2.13)
     _IMPORT_ERROR: ImportError | None = exc
 else:
@@ -116,8 +116,8 @@ def _fp8_experts_class(base: type) -> type:
         def extra_repr(self) -> str:
             return f"recipe={self.fp8_recipe}, backend={self.fp8_backend}"
 
-    FP8Experts.__name__ = FP8Experts.__qualname__ = f"FP8{base.__name__}"
-    FP8Experts.Config.__qualname__ = f"FP8{base.__name__}.Config"
+    FP8Experts.__name__ = FP8Experts.__qualname__ = f"MoEFP8{base.__name__}"
+    FP8Experts.Config.__qualname__ = f"MoEFP8{base.__name__}.Config"
     return FP8Experts
 
 
