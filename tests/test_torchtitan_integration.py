@@ -229,9 +229,9 @@ def test_dense_linear_against_torchtitan_linear(recipe):
 
 def _dsv3_config(converters=None):
     """torchtitan's DeepSeek-V3 debug model (dim 256, 8 experts of 256, top-3, 2 shared experts),
-    cut to its dense first layer and one MoE layer. torchtitan's language-model attention backends
-    need per-document masks (flex, varlen) and FlexAttention's backward does not run on CPU, so
-    torchtitan's own ScaledDotProductAttention (causal) replaces them, in both models alike."""
+    cut to its dense first layer and one MoE layer. Its attention backend, FlexAttention, needs a
+    BlockMask and has no backward on CPU (NotImplementedError), so torchtitan's own
+    ScaledDotProductAttention (causal, no mask) replaces it, in both models alike."""
     cfg = model_registry("debugmodel", converters=converters).model
     del cfg.layers[2:]
     _replace(cfg, FlexAttention.Config, lambda _: ScaledDotProductAttention.Config())
