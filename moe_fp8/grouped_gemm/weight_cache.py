@@ -21,6 +21,16 @@ see every in-place weight update; ``fp8_grouped_mm`` then takes its uncached pat
 a parameter kept from forward to backward). Under ``torch.compile`` the FP8 modules do not use the
 cache.
 
+Parameters sharded by FSDP2 (``fully_shard``): the module sees the unsharded parameter, one
+tensor object whose storage FSDP frees after use and fills again by each all-gather with its
+version counter left unchanged, so neither its version nor its address tells an optimizer step of
+the sharded parameter apart. The owner then sets :attr:`Fp8WeightCache.source_stamp` to a value
+that changes whenever the tensors the weights are gathered from change (the sharded parameters'
+identities and version counters; ``moe_fp8.parallel.parallelize`` does it in a forward pre-hook):
+while it is set an entry is served only under the stamp it was made with, whatever the address
+(the same values gathered again hit), and :meth:`refresh` leaves such entries alone (the unsharded
+storage is gone after the step; the next forward quantizes).
+
 Limitations: writes through ``p.data`` (a separate version counter, by PyTorch's design) are
 invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`.
 
@@ -54,6 +64,7 @@ class _Entry:
     ref: weakref.ref
     data_ptr: int
     version: int
+    stamp: Hashable
     value: Quantized
     quantize: Callable[[torch.Tensor], Quantized] | None
 
@@ -94,6 +105,8 @@ class Fp8WeightCache:
         self._entries: dict[tuple, _Entry] = {}
         self.hits = 0
         self.misses = 0
+        #: ``None``, or the state of the tensors the cached weights are gathered from (see the module docstring)
+        self.source_stamp: Hashable = None
 
     def stand_in(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``w`` in ``dtype`` for ``fp8_grouped_mm(..., weight_cache=self)`` with an FP8 recipe,
@@ -172,7 +185,7 @@ class Fp8WeightCache:
         done = 0
         for slot, entry in list(self._entries.items()):
             anchor = entry.ref()
-            if anchor is None or entry.quantize is None or self.bypassed(anchor):
+            if anchor is None or entry.quantize is None or entry.stamp is not None or self.bypassed(anchor):
                 continue
             with torch.no_grad():
                 w = anchor.detach().as_strided(slot[2], slot[3], slot[4])
@@ -189,13 +202,14 @@ class Fp8WeightCache:
         anchor = w if w._base is None else w._base
         return anchor, (id(anchor), dtype, tuple(w.shape), w.stride(), w.storage_offset(), key)
 
-    @staticmethod
-    def _valid(entry: _Entry, anchor: torch.Tensor, w: torch.Tensor) -> bool:
-        return entry.ref() is anchor and entry.data_ptr == w.data_ptr() and entry.version == w._version
+    def _valid(self, entry: _Entry, anchor: torch.Tensor, w: torch.Tensor) -> bool:
+        if entry.ref() is not anchor or entry.version != w._version or entry.stamp != self.source_stamp:
+            return False
+        return entry.stamp is not None or entry.data_ptr == w.data_ptr()
 
     def _store(self, anchor: torch.Tensor, w: torch.Tensor, slot: tuple, value: Quantized, quantize) -> None:
         ref = weakref.ref(anchor, _dropper(weakref.ref(self), slot))
-        self._entries[slot] = _Entry(ref, w.data_ptr(), w._version, value, quantize)
+        self._entries[slot] = _Entry(ref, w.data_ptr(), w._version, self.source_stamp, value, quantize)
 
     def invalidate(self) -> None:
         """Drop every entry (after writing weights through ``.data``)."""

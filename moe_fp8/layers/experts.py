@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..checks import check_multiple_of, check_tensor
 from ..grouped_gemm import Fp8WeightCache, fp8_grouped_mm, select_backend
@@ -104,9 +105,20 @@ class FP8GroupedExperts(nn.Module):
         parameters, about one BF16-sized copy of the weights once filled."""
         return sum(c.nbytes for c in self._caches) if self._caches is not None else 0
 
+    @property
+    def cache_weights(self) -> bool:
+        """Whether the FP8 copies of the weights are cached (settable; turning it off drops them)."""
+        return self._caches is not None
+
+    @cache_weights.setter
+    def cache_weights(self, enabled: bool) -> None:
+        if enabled != self.cache_weights:
+            self._caches = (Fp8WeightCache(), Fp8WeightCache()) if enabled else None
+
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(E, 2I, H)`` and ``(E, H, I)`` views in ``nn.Linear`` layout."""
-        w1, w2 = self.gate_up_proj, self.down_proj
+        """``(E, 2I, H)`` and ``(E, H, I)`` views in ``nn.Linear`` layout; a ``DTensor`` parameter (the
+        experts sharded over an expert-parallel mesh dim) gives its local experts."""
+        w1, w2 = (_local(p) for p in (self.gate_up_proj, self.down_proj))
         return (w1.transpose(1, 2), w2.transpose(1, 2)) if self.in_out_layout else (w1, w2)
 
     def forward(
@@ -207,6 +219,11 @@ class FP8GroupedExperts(nn.Module):
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "
                 f"recipe={self.recipe.name}, in_out_layout={self.in_out_layout}, "
                 f"fp8_saved_input={self.fp8_saved_input}")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """``p``, or for a ``DTensor`` its local shard (differentiable)."""
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _cast(w: torch.Tensor, dtype: torch.dtype, cache: Fp8WeightCache | None) -> torch.Tensor:

@@ -69,6 +69,11 @@ class ExpertParallelExperts(FP8GroupedExperts):
             graph. Every rank must then pass the same ``T``. Same results, bit for bit, as the
             default; costs ``W * T`` received rows per rank on the wire and in memory, and local
             experts' activations sized for ``W * T * k`` rows. A plain attribute, settable.
+
+    ``weight_grad_scale`` (a plain attribute, default 1) multiplies the gradients of the expert
+    weights. With 1 an expert's gradient is the SUM over the group's ranks of their losses'
+    contributions (every token routed to it lands here); data-parallel training that averages the
+    other parameters' gradients over the ranks sets ``1 / W`` (``moe_fp8.parallel.parallelize`` does).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, expert_hidden_size: int, *, group=None,
@@ -90,6 +95,7 @@ class ExpertParallelExperts(FP8GroupedExperts):
         if dispatch == "fp8":  # the FP8 rows are all that arrives: the first GEMM saves them
             self.fp8_saved_input = True
         self.group, self.dispatch, self.checkpoint, self.sync_free = group, dispatch, checkpoint, sync_free
+        self.weight_grad_scale = 1.0
         self.ep_size, self.ep_rank = world, rank
         self.global_num_experts = num_experts
         # one source rank or one local expert: the rows arrive expert-major already
@@ -184,7 +190,27 @@ class ExpertParallelExperts(FP8GroupedExperts):
             y = self.grouped_mlp(x_perm, plan.offsets, x_fp8, self.fp8_saved_input)
         return combine(y, plan, weights)
 
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w1, w2 = super()._weights()
+        if self.weight_grad_scale == 1.0:
+            return w1, w2
+        return _ScaleGrad.apply(w1, self.weight_grad_scale), _ScaleGrad.apply(w2, self.weight_grad_scale)
+
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, global_experts={self.global_num_experts}, ep_rank={self.ep_rank}, "
                 f"ep_size={self.ep_size}, dispatch={self.dispatch}, checkpoint={self.checkpoint}, "
                 f"sync_free={self.sync_free}")
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """``apply(w, scale)``: a view of ``w`` (so a weight cache keyed on its base still hits) whose
+    gradient is ``scale`` times the incoming one."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None

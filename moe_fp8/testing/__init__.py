@@ -22,6 +22,7 @@ from .report import format_summary, format_table
 from .results import CHECKS, CheckResult, count_statuses
 from .run_case import run_case
 from .thresholds import THRESHOLDS, Floors
+from .tiny_lm import TinyMoELM, lm_loss
 
 __all__ = [
     "ADAPTER_SPECS",
@@ -29,6 +30,7 @@ __all__ = [
     "FORMS",
     "OFFSET_KINDS",
     "THRESHOLDS",
+    "TinyMoELM",
     "CheckResult",
     "Floors",
     "GroupedMMAdapter",
@@ -38,6 +40,7 @@ __all__ = [
     "check_grouped_mm",
     "count_statuses",
     "dirty_allocator",
+    "lm_loss",
     "format_summary",
     "format_table",
     "get_adapter",

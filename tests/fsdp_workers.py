@@ -1,0 +1,317 @@
+"""Scenarios of the FSDP2 + expert-parallel CPU test, run inside ``torch.multiprocessing`` workers (gloo).
+
+Every rank builds the same single-process model from one seed and trains two copies: the
+reference, in this process alone, on the concatenated global batch with the mean loss, and the
+copy that ``moe_fp8.parallel.parallelize`` shards over the mesh, on this rank's slice of it (every
+rank is a data-parallel rank). After every backward each gradient of the parallel model, gathered
+whole, is compared with the reference's; after training, each parameter's total update.
+
+The two are not bitwise equal: per-rank partial sums (the expert layer's per-rank partial outputs
+are rounded to bf16 before they are added, FSDP adds per-rank gradients) and, in FP8 recipes, the
+weight-gradient quantization groups (the token columns of each rank's batch, not of the global
+batch) differ. The bounds (norm-relative, per parameter): ``BOUND`` of each recipe, about 3x the
+largest error measured; an expert gradient off by the ep size (2 or 4) is 50-300% off, one that
+misses another rank's tokens 30-70%, and a forward that reads last step's FP8 weights differs
+by the whole update. AdamW's step ``lr * m / (sqrt(v) + eps)`` is ``lr * sign(g)`` at the first step
+where ``|g| >> eps``: not continuous in a gradient element whose sign is within its error. The
+training runs take ``eps`` = ``EPS``, about the gradients' RMS (0.8-2e-3 here), so that an update's
+error follows its gradient's and the same bound holds for the updates.
+
+The FP8 weight cache is checked apart, bit for bit: a parallelized model with the cache trains
+exactly as one without it (same steps, same outputs at every micro-batch), and its caches hit
+within a step (gradient accumulation) and miss after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from moe_fp8 import FP8GroupedExperts, hf
+from moe_fp8.parallel import checkpoint, parallelize
+from moe_fp8.routing import RouterConfig
+from moe_fp8.testing import TinyMoELM, lm_loss
+
+TIMEOUT = datetime.timedelta(seconds=120)
+BACKEND = "emulated"
+LR, EPS = 1e-3, 1e-3
+PER_RANK, SEQ, VOCAB = 2, 9, 64
+#: norm-relative error bounds of a gradient and of a parameter's total update, per recipe
+BOUND = {"bf16": 2e-2, "rowwise": 0.15}
+#: ... and of the parameters' total updates after training apart (routing decisions may part too)
+TRAJECTORY_BOUND = {"bf16": 5e-2, "rowwise": 0.3}
+WRAPPED = "_checkpoint_wrapped_module."
+
+
+def tiny_lm(recipe: str, router: RouterConfig | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyMoELM(VOCAB, 32, 32, 2, router=router, recipe=recipe, backend=BACKEND)
+
+
+def hf_model(family: str, convert: bool = True) -> torch.nn.Module:
+    import transformers  # noqa: PLC0415  (optional dependency, installed for the tests)
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  vocab_size=VOCAB, tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                                          num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, **common)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.DeepseekV3Config(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                                            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                                            first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                                            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                                            rope_scaling=None, **common)
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+    return hf.convert(model, backend=BACKEND, min_expert_size=0, min_dense_size=0) if convert else model
+
+
+def batches(dp: int, steps: int, accumulate: int, seed: int = 1) -> torch.Tensor:
+    """``(steps, accumulate, dp * PER_RANK, SEQ)`` token ids: the global micro-batches."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (steps, accumulate, dp * PER_RANK, SEQ), generator=gen)
+
+
+def logits_of(model, ids):
+    out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _name(n: str) -> str:
+    return n.replace(WRAPPED, "")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def gradients(model, micro_batches: torch.Tensor, parallel: bool = False) -> dict:
+    """``{name: whole gradient}`` (gathered on every rank) of the mean loss over ``micro_batches
+    (A, B, S)``, accumulated over its ``A`` micro-batches (FSDP reduces at the last one)."""
+    accumulate = micro_batches.shape[0]
+    for a in range(accumulate):
+        if parallel:
+            model.set_requires_gradient_sync(a == accumulate - 1)
+        ids = micro_batches[a]
+        (lm_loss(logits_of(model, ids), ids) / accumulate).backward()
+    return {_name(n): _full(p.grad).clone() for n, p in model.named_parameters()}
+
+
+def train(model, data: torch.Tensor, rows: slice, first: int = 0, steps: int | None = None, optimizer=None,
+          parallel: bool = False, probe=None, check=None):
+    """AdamW steps ``[first, first + steps)`` on ``data[:, :, rows]``; returns the optimizer. With
+    ``probe`` (a single-process copy), before each step: ``probe`` takes ``model``'s parameters and
+    ``check(step, gradients of model, gradients of probe on the whole data[step])`` runs."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    steps = data.shape[0] - first if steps is None else steps
+    for s in range(first, first + steps):
+        if probe is not None:
+            with torch.no_grad():
+                for (n, p), q in zip(model.named_parameters(), probe.parameters()):
+                    q.copy_(_full(p.detach()))
+            probe.zero_grad()
+            want = gradients(probe, data[s])
+        got = gradients(model, data[s, :, rows], parallel)
+        if probe is not None:
+            check(s, got, want)
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    denom = want.float().norm()
+    diff = (got.float() - want.float()).norm()
+    return float("inf") if denom == 0 and diff > 0 else (0.0 if denom == 0 else float(diff / denom))
+
+
+def compare(tag: str, got: dict, want: dict, bound: float) -> None:
+    assert got.keys() == want.keys(), f"{tag}: names {sorted(got.keys() ^ want.keys())}"
+    errors = {n: _rel(got[n], want[n]) for n in want}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= bound, f"{tag}: {worst} off by {errors[worst]:.3g} (bound {bound}); all: {errors}"
+
+
+def compare_updates(tag: str, model, ref, start: dict, bound: float) -> None:
+    got = {_name(n): _full(p.detach()) - start[_name(n)] for n, p in model.named_parameters()}
+    want = {n: p.detach() - start[n] for n, p in ref.named_parameters()}
+    compare(tag, got, want, bound)
+
+
+def save_whole(path: str, model, optimizer=None) -> dict:
+    """DCP checkpoint of ``model`` (and ``optimizer``) at ``path``; rank 0 also writes the whole
+    parameters (returned) to ``path + "_params.pt"``."""
+    checkpoint.save(path, model, optimizer)
+    whole = {_name(n): _full(p.detach()) for n, p in model.named_parameters()}
+    if dist.get_rank() == 0:
+        torch.save(whole, path + "_params.pt")
+    return whole
+
+
+def run_case(tag: str, build, recipe: str, mesh_shape: tuple, names: tuple, *, dispatch="bf16", steps=3,
+             accumulate=1, prepare=None, save_to: str | None = None, **options) -> None:
+    """Train ``build()`` on the mesh and alone; compare every step's gradients and the updates;
+    save the parallel model to ``save_to`` (see :func:`save_whole`)."""
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    full = build()
+    if prepare is not None:
+        prepare(full)
+    ref = copy.deepcopy(full)
+    if dispatch == "fp8":  # FP8 dispatch saves the FP8 rows for the weight gradient: so must the reference
+        for m in ref.modules():
+            if isinstance(m, FP8GroupedExperts):
+                m.fp8_saved_input = True
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    model = parallelize(full, mesh, dispatch=dispatch, **options)
+    data = batches(dp, steps, accumulate)
+    train(model, data, slice(rank * PER_RANK, (rank + 1) * PER_RANK), parallel=True, probe=copy.deepcopy(ref),
+          check=lambda s, got, want: compare(f"{tag} step {s} grads", got, want, BOUND[recipe]))
+    train(ref, data, slice(None))
+    compare_updates(f"{tag} updates", model, ref, start, TRAJECTORY_BOUND[recipe])
+    if save_to is not None:
+        save_whole(save_to, model)
+
+
+def _silence_last_ep_rank(ep: int):
+    """A DeepSeek-style router bias that routes no token to the last ep rank's experts."""
+
+    def prepare(model) -> None:
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                E = m.e_score_correction_bias.numel()
+                m.e_score_correction_bias[E - E // ep:] = -1e4
+
+    return prepare
+
+
+def checkpoint_round_trip(tmp: str, recipe: str = "rowwise") -> None:
+    """3 steps on (dp_shard 2, ep 2) with FP8 dispatch and the weight cache, DCP save (model +
+    AdamW) to ``tmp/step3``, 2 more steps; a model with other values in every parameter loads it on
+    the same layout and its 2 steps equal the uninterrupted ones bit for bit (no FP8 copy of the
+    old weights survives the load); (dp_shard 4, ep 1) resumes too (:func:`resume`)."""
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    data = resume_data()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    model = parallelize(tiny_lm(recipe), mesh, dispatch="fp8", cache_weights=True)
+    optimizer = train(model, data, rows, 0, 3, parallel=True)
+    path = os.path.join(tmp, "step3")
+    whole = save_whole(path, model, optimizer)
+    train(model, data, rows, 3, 2, optimizer, parallel=True)
+    uninterrupted = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    other_values = tiny_lm(recipe)
+    for p in other_values.parameters():
+        p.data.uniform_(-1, 1)
+    again = parallelize(other_values, mesh, dispatch="fp8", cache_weights=True)
+    logits_of(again, data[0, 0, rows])  # fills the FP8 weight cache with the old weights
+    opt_again = torch.optim.AdamW(again.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    checkpoint.load(path, again, opt_again)
+    for n, p in again.named_parameters():
+        assert torch.equal(_full(p.detach()), whole[n]), f"checkpoint: {n} not restored"
+    train(again, data, rows, 3, 2, opt_again, parallel=True)
+    for n, p in again.named_parameters():
+        assert torch.equal(_full(p.detach()), uninterrupted[n]), f"resumed (same layout): {n} differs"
+    resume(tmp, (4, 1), ("dp_shard", "ep"), recipe)
+
+
+def resume_data() -> torch.Tensor:
+    """The global batches of :func:`checkpoint_round_trip`: 5 steps of 8 sequences."""
+    return batches(4, 5, 1, seed=3)
+
+
+def resume(tmp: str, mesh_shape: tuple, names: tuple, recipe: str = "rowwise") -> None:
+    """Load ``tmp/step3`` (model + AdamW) on this layout, train steps 3 and 4 of :func:`resume_data`
+    (each rank its share of the same global batch): the parameters' updates equal 5 single-process
+    steps within the bound."""
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    data = resume_data()
+    per_rank = data.shape[2] // dp
+    ref = tiny_lm(recipe)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    train(ref, data, slice(None))
+    model = parallelize(tiny_lm(recipe), init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    checkpoint.load(os.path.join(tmp, "step3"), model, optimizer)
+    train(model, data, slice(rank * per_rank, (rank + 1) * per_rank), 3, 2, optimizer, parallel=True)
+    compare_updates(f"resumed on {dict(zip(names, mesh_shape))}", model, ref, start, TRAJECTORY_BOUND[recipe])
+
+
+def cache_never_stale() -> None:
+    """With and without the FP8 weight cache, 3 AdamW steps (lr 0.05: a stale FP8 copy would be far
+    off) of 2 micro-batches on (dp_shard 2, ep 2): outputs and parameters bitwise equal throughout;
+    each entry misses once per step and hits at the second micro-batch (its weights gathered anew)."""
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    models = [parallelize(tiny_lm("rowwise"), mesh, cache_weights=c) for c in (True, False)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05, eps=EPS) for m in models]
+    data = batches(dp, 3, 2, seed=5)
+    caches = [c for m in models[0].modules() if isinstance(m, FP8GroupedExperts) for c in m._caches]
+    for s in range(3):
+        misses = sum(c.misses for c in caches)
+        for a in range(2):
+            ids = data[s, a, rank * PER_RANK:(rank + 1) * PER_RANK]
+            outs = []
+            for m in models:
+                m.set_requires_gradient_sync(a == 1)
+                logits = logits_of(m, ids)
+                (lm_loss(logits, ids) / 2).backward()
+                outs.append(logits.detach())
+            assert torch.equal(*outs), f"cache: step {s} micro-batch {a}: logits differ from the uncached model"
+        assert sum(c.misses for c in caches) - misses == len(caches), f"cache: step {s}: expected one miss per entry"
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    assert all(c.hits == 3 for c in caches), f"cache: expected a hit at each step's second micro-batch: {caches}"
+    for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(_full(p.detach()), _full(q.detach())), f"cache: {n} differs from the uncached model"
+
+
+def four_ranks(tmp: str) -> None:
+    names = ("dp_shard", "ep")
+    cache_never_stale()
+    dsv3_router = RouterConfig(8, 2, "sigmoid", renormalize=True, use_correction_bias=True)
+    run_case("tiny rowwise 2x2 bf16-dispatch accumulate=2", lambda: tiny_lm("rowwise"), "rowwise", (2, 2),
+             names, steps=3, accumulate=2)
+    run_case("tiny rowwise 1x4 fp8-dispatch empty ep rank", lambda: tiny_lm("rowwise", dsv3_router), "rowwise",
+             (1, 4), names, dispatch="fp8", steps=2, prepare=_silence_last_ep_rank(4))
+    run_case("tiny bf16 4x1", lambda: tiny_lm("bf16"), "bf16", (4, 1), names, steps=2)
+    run_case("qwen3_moe rowwise 2x2 fp8-dispatch", lambda: hf_model("qwen3_moe"), "rowwise", (2, 2), names,
+             dispatch="fp8", steps=2, save_to=os.path.join(tmp, "qwen3_moe"))
+    run_case("deepseek_v3 rowwise 2x2 bf16-dispatch", lambda: hf_model("deepseek_v3"), "rowwise", (2, 2), names,
+             steps=2, save_to=os.path.join(tmp, "deepseek_v3"))
+    run_case("tiny rowwise 2x2 checkpointed compiled sync-free", lambda: tiny_lm("rowwise"), "rowwise", (2, 2),
+             names, steps=2, sync_free=True, activation_checkpoint=True, compile={"backend": "aot_eager"})
+    checkpoint_round_trip(tmp)
+
+
+def eight_ranks(tmp: str) -> None:
+    run_case("tiny rowwise 2x2x2 (HSDP) fp8-dispatch accumulate=2", lambda: tiny_lm("rowwise"), "rowwise", (2, 2, 2),
+             ("dp_replicate", "dp_shard", "ep"), dispatch="fp8", steps=3, accumulate=2)
+    run_case("deepseek_v3 rowwise 2x4 bf16-dispatch", lambda: hf_model("deepseek_v3"), "rowwise", (2, 4),
+             ("dp_shard", "ep"), steps=2)
+    resume(tmp, (2, 2, 2), ("dp_replicate", "dp_shard", "ep"))  # a checkpoint of 4 ranks
+
+
+SCENARIOS = {"four_ranks": four_ranks, "eight_ranks": eight_ranks}
+
+
+def worker(rank: int, world: int, init_file: str, scenario: str, tmp: str, errors) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=TIMEOUT)
+        SCENARIOS[scenario](tmp)
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+

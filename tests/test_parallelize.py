@@ -1,0 +1,96 @@
+"""``moe_fp8.parallel.parallelize`` (FSDP2 + expert parallelism on a DeviceMesh) on gloo, CPU.
+
+Two spawns (``fsdp_workers``): 4 ranks (dp_shard x ep = 2 x 2, 1 x 4, 4 x 1; own model, converted
+Qwen3-MoE and DeepSeek-V3; BF16 and FP8 dispatch; an ep rank without tokens; gradient
+accumulation; activation checkpointing + per-block compile; the FP8 weight cache; DCP save, resume
+in the same and in another layout) and 8 ranks (HSDP 2 x 2 x 2, DeepSeek-V3 at 2 x 4, and loading
+the 4-rank checkpoint: another world size). Then, in this process, the checkpoint loads into a
+single-process model and into the unconverted Hugging Face model's keys.
+"""
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import fsdp_workers
+from moe_fp8.parallel import ParallelLayout, parallelize
+
+
+def _spawn(scenario: str, world: int, tmp: str) -> None:
+    errors = multiprocessing.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(fsdp_workers.worker, args=(world, os.path.join(tmp, f"init_{scenario}"), scenario, tmp, errors),
+                 nprocs=world, join=True)
+    except Exception as e:
+        msgs = []
+        while not errors.empty():
+            msgs.append(errors.get())
+        pytest.fail("\n".join(msgs) or str(e))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory, monkeypatch_module):
+    """The 4-rank spawn's directory (its DCP checkpoint after 3 steps and the whole parameters)."""
+    tmp = str(tmp_path_factory.mktemp("parallel"))
+    _spawn("four_ranks", 4, tmp)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    # The workers run the kernels' pure-torch references (bit-identical to the kernels, which
+    # their own tests run in the interpreter): the interpreter would take minutes here.
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setenv("TRITON_INTERPRET", "0")
+        yield mp_
+
+
+def test_four_ranks(checkpoint_dir):
+    assert os.path.exists(os.path.join(checkpoint_dir, "step3_params.pt"))
+
+
+def test_eight_ranks_and_another_world_size(checkpoint_dir, monkeypatch_module):
+    _spawn("eight_ranks", 8, checkpoint_dir)
+
+
+def test_checkpoint_loads_into_one_process(checkpoint_dir):
+    from moe_fp8.parallel import checkpoint
+
+    model = fsdp_workers.tiny_lm("rowwise")
+    for p in model.parameters():
+        torch.nn.init.uniform_(p.data, -1, 1)  # nothing left from the seed
+    checkpoint.load(os.path.join(checkpoint_dir, "step3"), model)
+    want = torch.load(os.path.join(checkpoint_dir, "step3_params.pt"))
+    got = dict(model.named_parameters())
+    assert got.keys() == want.keys()
+    for n, p in got.items():
+        assert torch.equal(p.detach(), want[n]), n
+
+
+def test_checkpoint_keys_are_the_unconverted_models(checkpoint_dir):
+    """A converted Hugging Face model's checkpoint (written by the 4-rank spawn) loads into the
+    unconverted model of the same config by its own keys, strictly."""
+    from moe_fp8.parallel import checkpoint
+
+    for family in ("qwen3_moe", "deepseek_v3"):
+        plain = fsdp_workers.hf_model(family, convert=False)
+        for p in plain.parameters():
+            torch.nn.init.uniform_(p.data, -1, 1)
+        checkpoint.load(os.path.join(checkpoint_dir, family), plain)
+        want = torch.load(os.path.join(checkpoint_dir, f"{family}_params.pt"))
+        got = plain.state_dict()
+        for n, t in want.items():
+            assert torch.equal(got[n], t), f"{family}: {n}"
+
+
+def test_layout_errors():
+    class FakeMesh:
+        pass
+
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        ParallelLayout(FakeMesh())
+    with pytest.raises(TypeError, match="nn.Module"):
+        parallelize(object(), FakeMesh())
