@@ -103,7 +103,8 @@ def parallelize(
             compiled region); ``None``: the members of the model's ``nn.ModuleList`` s of layers.
         reshard_after_forward, mp_policy, offload_policy: passed to every ``fully_shard``.
         activation_checkpoint: recompute each block in backward (torch's ``checkpoint_wrapper``,
-            non-reentrant).
+            non-reentrant). A Hugging Face model's ``config.use_cache`` is set to ``False``: the
+            recompute would append each block's keys and values to the KV cache a second time.
         compile: ``torch.compile`` each block with ``fullgraph=True`` (``True``, or a dict of
             ``torch.compile`` keyword arguments such as ``{"backend": "aot_eager"}``). The default
             expert-parallel dispatch waits on the host for its split sizes, which a full graph
@@ -146,6 +147,8 @@ def parallelize(
     if nested and compile_kw is not None:
         raise ValueError("compile: a full graph of a block cannot hold the FSDP hooks of its experts' own FSDP unit; "
                          "with ep > 1 compile needs torch >= 2.13 (one FSDP unit per block with a mesh per parameter)")
+    if activation_checkpoint and getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False
     unclaimed = list(experts)
     if nested:  # torch < 2.13: one FSDP mesh per unit, so the experts are units of their own
         for local in experts:
