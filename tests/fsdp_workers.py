@@ -253,7 +253,8 @@ def cache_never_stale() -> None:
     rank, dp = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
     models = [parallelize(tiny_lm("rowwise"), mesh, cache_weights=c) for c in (True, False)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=0.05, eps=EPS) for m in models]
+    # foreach: the step writes the DTensors' local shards (their version counters, not the wrappers')
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05, eps=EPS, foreach=True) for m in models]
     data = batches(dp, 3, 2, seed=5)
     caches = [c for m in models[0].modules() if isinstance(m, FP8GroupedExperts) for c in m._caches]
     for s in range(3):

@@ -265,9 +265,16 @@ def _stamp_caches(experts: list[FP8GroupedExperts], unit: nn.Module, args) -> No
     if torch.compiler.is_compiling():
         return
     for e in experts:
-        stamp = tuple((id(p), p._version) for p in (e.gate_up_proj, e.down_proj))
+        stamp = tuple(_state_of(p) for p in (e.gate_up_proj, e.down_proj))
         for cache in e._caches:
             cache.source_stamp = stamp
+
+
+def _state_of(p: torch.Tensor) -> tuple:
+    """Identity and version counters of ``p``; for a ``DTensor`` its local shard's too (a foreach
+    optimizer step writes the shards and bumps their counters, not the wrapper's)."""
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    return id(p), p._version, id(local), local._version
 
 
 def _checkpointed(block: nn.Module) -> nn.Module:
