@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..layers.experts import FP8GroupedExperts
 from .experts import DISPATCH_MODES, ExpertParallelExperts
@@ -111,7 +112,10 @@ def parallelize(
             cannot hold: compile needs ``ep == 1`` or ``sync_free=True``.
         cache_weights: keep the experts' FP8 weight cache (one FP8 copy of every layer's
             all-gathered local experts, held between steps: memory that the sharding saves
-            otherwise; it pays with gradient accumulation). Off by default.
+            otherwise; it pays with gradient accumulation). Off by default. Its copies are keyed on
+            the sharded parameters' version counters and on the count of ``torch.optim`` steps
+            (any optimizer's): an optimizer outside ``torch.optim`` that writes the weights must
+            call ``Fp8WeightCache.invalidate`` on the experts' caches.
 
     Returns ``model``: build the optimizer after this call. Each rank then feeds its own batch and
     takes the mean loss over it; every gradient is the data-parallel mean (module docstring).
@@ -176,6 +180,7 @@ def _shard(unit: nn.Module, mesh: DeviceMesh, experts: list[FP8GroupedExperts], 
     fully_shard(unit, mesh=mesh, shard_placement_fn=placement, **fsdp)
     cached = [e for e in experts if e.cache_weights]
     if cached:
+        _count_optimizer_steps()
         unit.register_forward_pre_hook(functools.partial(_stamp_caches, cached), prepend=True)
 
 
@@ -271,10 +276,24 @@ def _stamp_caches(experts: list[FP8GroupedExperts], unit: nn.Module, args) -> No
 
 
 def _state_of(p: torch.Tensor) -> tuple:
-    """Identity and version counters of ``p``; for a ``DTensor`` its local shard's too (a foreach
-    optimizer step writes the shards and bumps their counters, not the wrapper's)."""
+    """What identifies the values ``p`` holds: the number of ``torch.optim`` steps taken so far
+    (a foreach step writes a ``DTensor``'s shards without bumping any version counter), ``p``'s
+    identity and version counter, and its local shard's."""
     local = p._local_tensor if isinstance(p, DTensor) else p
-    return id(p), p._version, id(local), local._version
+    return _optimizer_steps[0], id(p), p._version, id(local), local._version
+
+
+#: steps of any ``torch.optim`` optimizer since the hook below was registered (by a cached ``parallelize``)
+_optimizer_steps = [0]
+_step_hook = []
+
+
+def _count_optimizer_steps() -> None:
+    if not _step_hook:
+        def bump(optimizer, args, kwargs) -> None:
+            _optimizer_steps[0] += 1
+
+        _step_hook.append(register_optimizer_step_post_hook(bump))
 
 
 def _checkpointed(block: nn.Module) -> nn.Module:
