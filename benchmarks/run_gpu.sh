@@ -2,14 +2,14 @@
 # The H200 runs, in stages that each fit a 10-minute slot, results to one folder.
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
-#   STAGE: tests | ep | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
+#   STAGE: tests | ep | parallel | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
 #   python -m moe_fp8.bench presets)
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang ends the stage instead of the run.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|ep|harness|demo|weightquant|models|dsv3|qwen3|llama4 [OUT]}
+stage=${1:?usage: run_gpu.sh tests|ep|parallel|harness|demo|weightquant|models|dsv3|qwen3|llama4 [OUT]}
 out=${2:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -38,6 +38,8 @@ case $stage in
              --impl moe_fp8:hybrid --impl moe_fp8:triton --impl moe_fp8:cuda_auto:rowwise_gw_hp \
              --impl moe_fp8:cuda_auto:tensorwise --impl moe_fp8:cuda_auto:blockwise --impl moe_fp8:cuda_auto:bf16 \
              --json "$out/harness_gpu.json" --markdown "$out/harness_gpu.md" ;;
+  parallel) run 300 gpu_tests_parallelize.log python3 -m pytest -q -s -m gpu tests/test_parallelize_gpu.py -p no:cacheprovider
+           run 300 parallel_step.log python3 -m moe_fp8.bench.parallel_step --out "$out" ;;
   demo)    run 420 demo.log python3 -m moe_fp8.demo --plot "$out/demo_loss.png" ;;
   weightquant) run 300 weight_quant_tests.log python3 -m pytest -q -m gpu tests/test_adamw_quantize_gpu.py \
              -p no:cacheprovider

@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..layers.experts import FP8GroupedExperts
 from .experts import DISPATCH_MODES, ExpertParallelExperts
+from .shard import grouped_experts_of
 
 __all__ = ["MESH_DIMS", "ParallelLayout", "parallelize"]
 
@@ -132,7 +133,7 @@ def parallelize(
                          "graph cannot hold; pass sync_free=True (or use ep == 1)")
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("model: already sharded with fully_shard")
-    found = _experts_of(model)
+    found = grouped_experts_of(model)
     blocks = _blocks_of(model) if blocks is None else list(blocks)
     fsdp = dict(reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
@@ -213,17 +214,6 @@ def _compile_kwargs(compile: bool | dict) -> dict | None:
     if isinstance(compile, dict):
         return {"fullgraph": True, **compile}
     raise TypeError(f"compile: expected a bool or a dict of torch.compile arguments, got {type(compile).__name__}")
-
-
-def _experts_of(model: nn.Module) -> list[tuple[nn.Module, str, FP8GroupedExperts]]:
-    """``(parent, attribute, experts)`` of every ``FP8GroupedExperts`` of ``model``."""
-    if isinstance(model, FP8GroupedExperts):
-        raise ValueError("model: an FP8GroupedExperts itself; parallelize the model that holds it")
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, FP8GroupedExperts)]
-    if any(isinstance(child, ExpertParallelExperts) for _, _, child in found):
-        raise ValueError("model: its experts are already expert-parallel; pass the single-process model")
-    return found
 
 
 def _blocks_of(model: nn.Module) -> list[nn.Module]:

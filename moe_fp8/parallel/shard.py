@@ -11,7 +11,19 @@ from ..layers.experts import FP8GroupedExperts
 from ..layers.moe import FP8MoE
 from .experts import ExpertParallelExperts
 
-__all__ = ["expert_parallel_from", "shard_experts"]
+__all__ = ["expert_parallel_from", "grouped_experts_of", "shard_experts"]
+
+
+def grouped_experts_of(model: nn.Module) -> list[tuple[nn.Module, str, FP8GroupedExperts]]:
+    """``(parent, attribute, experts)`` of every ``FP8GroupedExperts`` of the single-process ``model``.
+    Raises ``ValueError`` when ``model`` is one itself, or holds expert-parallel ones."""
+    if isinstance(model, FP8GroupedExperts):
+        raise ValueError("model: an FP8GroupedExperts itself; use ExpertParallelExperts.from_full")
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, FP8GroupedExperts)]
+    if any(isinstance(child, ExpertParallelExperts) for _, _, child in found):
+        raise ValueError("model: its experts are already expert-parallel")
+    return found
 
 
 def expert_parallel_from(moe: FP8MoE, group=None, dispatch: str = "bf16", checkpoint: bool = False,
@@ -52,12 +64,7 @@ def shard_experts(model: nn.Module, group=None, dispatch: str = "bf16", checkpoi
     forward. ``dispatch``, ``checkpoint``, ``sync_free``: see :class:`ExpertParallelExperts`.
     Raises ``ValueError`` when ``model`` holds no ``FP8GroupedExperts``, or expert-parallel ones.
     """
-    if isinstance(model, FP8GroupedExperts):
-        raise ValueError("model: an FP8GroupedExperts itself; use ExpertParallelExperts.from_full")
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, FP8GroupedExperts)]
-    if any(isinstance(child, ExpertParallelExperts) for _, _, child in found):
-        raise ValueError("model: its experts are already expert-parallel")
+    found = grouped_experts_of(model)
     if not found:
         raise ValueError("model: no FP8GroupedExperts found (convert a Hugging Face model with moe_fp8.hf.convert "
                          "first)")
