@@ -3,14 +3,16 @@
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
 #   STAGE: tests | ep | parallel | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
-#   python -m moe_fp8.bench presets)
+#   python -m moe_fp8.bench presets) | whole MODEL... (the whole-model step of the named models against HF
+#   BF16 and TorchAO, eager and compiled: bench_whole_<first model>.json/.md)
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang ends the stage instead of the run.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|ep|parallel|harness|demo|weightquant|models|dsv3|qwen3|llama4 [OUT]}
+stage=${1:?usage: run_gpu.sh tests|ep|parallel|harness|demo|weightquant|models|dsv3|qwen3|llama4|whole [OUT] [MODEL...]}
 out=${2:-benchmarks/results}
+shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,6 +46,9 @@ case $stage in
   weightquant) run 300 weight_quant_tests.log python3 -m pytest -q -m gpu tests/test_adamw_quantize_gpu.py \
              -p no:cacheprovider
            run 180 weight_quant_step.log python3 benchmarks/bench_weight_quant_step.py --out "$out" ;;
+  whole)   run 580 "bench_whole_$1.log" python3 -m moe_fp8.bench --preset models --kinds model --models "$@" \
+             --modes eager compiled --steps 40 --name "bench_whole_$1" --out "$out" \
+             --variants hf_bf16 ours_fp8 torchao_rowwise torchao_rowwise_gw_hp torchao_moe ;;
   dsv3|qwen3|llama4|models) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
   *)       echo "unknown stage: $stage" >&2; exit 2 ;;
 esac

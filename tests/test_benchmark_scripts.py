@@ -114,3 +114,36 @@ def test_bench_whole_model_kind_cpu():
         assert 4.0 < by_variant[name]["final_loss"] < 6.5  # a byte-level model after 3 steps: ~ln(272)
     assert abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
     assert report.table("model", rows).count("\n") == len(rows)
+
+
+@pytest.mark.interpreter
+def test_bench_whole_model_dense_and_accumulation_cpu():
+    """The dense stand-in (Llama) converts through ``hf.convert`` and trains with 2 micro-batches per
+    optimizer step; the MoE-only variants skip it; a step's parts add up to no more than the step."""
+    pytest.importorskip("transformers")
+    from moe_fp8.bench import models
+
+    rows = models.collect("cpu", models=["llama3_8b"], loss_steps=3, accumulate=2,
+                          variants=["hf_bf16", "ours_bf16", "ours_fp8"])
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == {"hf_bf16", "ours_fp8"} and all("error" not in r for r in rows), rows
+    for r in rows:
+        assert r["accumulate"] == 2 and 0 < r["fwd_bwd_ms"] + r["optim_ms"] <= r["step_ms"] * 1.05
+    assert 4.0 < by_variant["ours_fp8"]["final_loss"] < 6.5 and abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
+    with pytest.raises(ValueError, match="variants: unknown"):
+        models.collect("cpu", models=["llama3_8b"], variants=["torchao"])
+
+
+@pytest.mark.interpreter
+def test_bench_whole_model_isolated_variant_cpu():
+    """A variant run in its own process (TorchAO's MoE path there, since a device assert ends the CUDA
+    context) returns the same kind of result, and a child that fails returns its cause as the error."""
+    pytest.importorskip("transformers")
+    from moe_fp8.bench import models
+
+    job = models._Job("llama3_8b", "eager", "hf_bf16", "cpu", steps=2, timed=1, accumulate=1, backend=None,
+                      loss_steps=2)
+    result = models._run_isolated(job)
+    assert result["step_ms"] > 0 and len(result["losses"]) == 2 and 4.0 < result["losses"][-1] < 6.5
+    with pytest.raises(RuntimeError, match="KeyError: 'no_such_model'"):
+        models._run_isolated(models._Job("no_such_model", "eager", "hf_bf16", "cpu", 2, 1, 1, None, 2))

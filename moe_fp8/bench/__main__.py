@@ -47,7 +47,8 @@ def _collect(kind: str, args: dict, device: str, gemm_methods: list[str] | None)
         from . import models
 
         return models.collect(device, models=args.get("models"), modes=args.get("modes"),
-                              loss_steps=args.get("steps")), {}
+                              loss_steps=args.get("steps"), variants=args.get("variants"),
+                              accumulate=args.get("accumulate") or 1), {}
     from . import train
 
     return train.collect(device, steps=args.get("steps")), {}
@@ -61,9 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", nargs="+", choices=presets.KINDS, help="kinds to run (default: the preset's)")
     ap.add_argument("--gemm-methods", nargs="+", default=presets.GEMM_METHODS,
                     help="grouped-GEMM method labels ('all': every recipe and backend)")
-    ap.add_argument("--models", nargs="+", help="whole-model kind: models to run (default: all three)")
+    ap.add_argument("--models", nargs="+", help="whole-model kind: models to run (default: all four)")
     ap.add_argument("--modes", nargs="+", help="whole-model kind: eager, compiled, reduce-overhead (default: all)")
     ap.add_argument("--steps", type=int, help="whole-model kind: eager steps trained for the loss (default 150)")
+    ap.add_argument("--variants", nargs="+", help="whole-model kind: variants to run (default: each mode's)")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="whole-model kind: micro-batches of 8 x 1024 tokens per optimizer step (default 1)")
+    ap.add_argument("--name", help="result file stem (default bench_<preset>[_quick])")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = {k: (presets.quick(v) if args.quick else v) for k, v in presets.PRESETS[args.preset].items()
             if args.kinds is None or k in args.kinds}
     if "model" in plan:
-        plan["model"] = dict(plan["model"], models=args.models, modes=args.modes, steps=args.steps)
+        plan["model"] = dict(plan["model"], models=args.models, modes=args.modes, steps=args.steps,
+                             variants=args.variants, accumulate=args.accumulate)
     gemm_methods = None if device == "cpu" or args.gemm_methods == ["all"] else args.gemm_methods
-    name = f"bench_{args.preset}" + ("_quick" if args.quick else "")
+    name = args.name or f"bench_{args.preset}" + ("_quick" if args.quick else "")
     start = time.time()
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter; times mean nothing)",

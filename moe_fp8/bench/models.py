@@ -1,33 +1,44 @@
-"""Whole-model training step: Hugging Face MoE models built from configs, trained as the user would
-otherwise run them (unconverted BF16) against the same model converted with the library.
+"""Whole-model training step: Hugging Face models built from configs, trained as the user would
+otherwise run them (unconverted BF16, or TorchAO's float8 training) against the same model converted
+with the library.
 
-Models (real layer sizes, few layers, byte-level vocabulary, 8 x 1024 tokens per step):
+Models (real layer sizes, few layers, byte-level vocabulary, 8 x 1024 tokens per micro-batch):
 
 * ``qwen3_h1024``: Qwen3-MoE, hidden 1024, 64 experts (I = 384), top-8, 4 layers;
 * ``qwen3_30b``: Qwen3-30B-A3B layer sizes (hidden 2048, 128 experts, I = 768, top-8), 2 layers;
 * ``dsv3``: DeepSeek-V3 layer sizes (hidden 7168, MLA, 32 experts, I = 2048, top-8, one shared
-  expert), one dense layer (I = 18432) and one MoE layer.
+  expert), one dense layer (I = 18432) and one MoE layer;
+* ``llama3_8b``: Llama3-8B layer sizes (dense: hidden 4096, I = 14336, 32 heads, 8 KV heads), 4 layers.
 
 Variants: ``hf_bf16`` (unconverted), ``ours_bf16`` (experts on the library's BF16 grouped path),
-``ours_fp8_experts`` (FP8 experts in every MoE block whatever their size, dense linears as built)
-and ``ours_fp8`` (``moe_fp8.hf.convert`` with its defaults, ``rowwise``: FP8 experts and dense
-linears where the size rules say FP8 pays, the rest as built). Modes:
-``eager``, ``compiled`` (``torch.compile(model)``) and ``reduce-overhead`` (CUDA graphs).
+``ours_fp8_experts`` (FP8 experts in every MoE block whatever their size, dense linears as built),
+``ours_fp8`` (``moe_fp8.hf.convert`` with its defaults, ``rowwise``: FP8 experts and dense linears
+where the size rules say FP8 pays, the rest as built), ``torchao_rowwise`` and
+``torchao_rowwise_gw_hp`` (TorchAO's ``convert_to_float8_training`` on the dense linears, its own
+size filter; experts as built) and ``torchao_moe`` (``torchao_rowwise`` plus TorchAO's FP8 grouped
+GEMM on the experts; run in a child process, since a device assert ends the CUDA context; its error
+is the result where it fails). The variants of MoE experts skip the dense model; TorchAO's need a GPU.
+Modes: ``eager``, ``compiled`` (``torch.compile(model)``) and ``reduce-overhead`` (CUDA graphs).
 
-A step is forward, backward, gradient clipping and fused AdamW. Step time is the median over the
-timed steps after warm-up; peak memory is ``max_memory_allocated`` over the run; the loss is the
-mean of the last 10 of ``loss_steps`` steps on byte-level text (the standard library's sources),
-trained in eager mode from the same initial weights on the same batches (``LOSS_VARIANTS``; the
-other rows time 40 steps). ``MODE_VARIANTS`` says which variants each mode runs.
+An optimizer step is ``accumulate`` micro-batches of forward and backward (the loss divided by
+``accumulate``), then gradient clipping and fused AdamW. Reported per optimizer step: the median
+step time over the timed steps after warm-up, and its split into forward+backward and optimizer
+(clip + AdamW) time; peak memory is ``max_memory_allocated`` over the run. The loss is the mean of
+the last 10 of ``loss_steps`` steps on byte-level text (the standard library's sources), trained in
+eager mode from the same initial weights on the same batches (``LOSS_VARIANTS``; the other rows
+time 40 steps). ``MODE_VARIANTS`` says which variants each mode runs.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import json
 import statistics
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,18 +47,25 @@ from torch import nn
 from ..demo.corpus import VOCAB, batches, load_split
 from ..layers.convert import MIN_DENSE_SIZE
 from ..layers.hf_convert import MIN_EXPERT_SIZE
+from . import torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
-VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8")
+VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "torchao_rowwise", "torchao_rowwise_gw_hp",
+            "torchao_moe")
+#: variants that change MoE experts only (skipped for a dense model) and TorchAO's (GPU only)
+EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "torchao_moe")
+TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs (the others in eager only), and those trained for ``loss_steps``
-MODE_VARIANTS = {"eager": VARIANTS, "compiled": ("hf_bf16", "ours_fp8"),
+MODE_VARIANTS = {"eager": VARIANTS,
+                 "compiled": ("hf_bf16", "ours_fp8", "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
                  "reduce-overhead": ("hf_bf16", "ours_fp8")}
 LOSS_VARIANTS = ("hf_bf16", "ours_fp8_experts", "ours_fp8")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Sizes of one benchmark model (``family``: ``"qwen3"`` or ``"deepseek_v3"``)."""
+    """Sizes of one benchmark model (``family``: ``"qwen3"``, ``"deepseek_v3"`` or ``"llama"``;
+    ``expert_hidden`` is the MLP's intermediate size of a dense model)."""
 
     family: str
     hidden: int
@@ -59,45 +77,54 @@ class ModelSpec:
     dense_layers: int = 0
     dense_hidden: int = 0
 
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
 
 MODELS = {
     "qwen3_h1024": ModelSpec("qwen3", 1024, 64, 384, 8, 4, 16),
     "qwen3_30b": ModelSpec("qwen3", 2048, 128, 768, 8, 2, 32),
     "dsv3": ModelSpec("deepseek_v3", 7168, 32, 2048, 8, 2, 128, dense_layers=1, dense_hidden=18432),
+    "llama3_8b": ModelSpec("llama", 4096, 0, 14336, 0, 4, 32),
 }
 #: the CPU smoke run's stand-ins (same families, tiny)
 CPU_MODELS = {
     "qwen3_h1024": ModelSpec("qwen3", 64, 8, 32, 2, 1, 4),
     "dsv3": ModelSpec("deepseek_v3", 64, 8, 32, 2, 2, 4, dense_layers=1, dense_hidden=64),
+    "llama3_8b": ModelSpec("llama", 64, 0, 128, 0, 2, 4),
 }
 
 
 def hf_config(spec: ModelSpec, seq: int):
     """The transformers config of ``spec`` (byte-level vocabulary, untied embeddings)."""
+    common = dict(vocab_size=VOCAB, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                  num_attention_heads=spec.heads, max_position_embeddings=max(seq, 256), tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if spec.family == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(intermediate_size=spec.expert_hidden, num_key_value_heads=max(1, spec.heads // 4),
+                           **common)
     if spec.family == "qwen3":
         from transformers import Qwen3MoeConfig
 
         head = 128 if spec.hidden >= 2048 else 64
         return Qwen3MoeConfig(
-            vocab_size=VOCAB, hidden_size=spec.hidden, intermediate_size=spec.expert_hidden * 4,
-            moe_intermediate_size=spec.expert_hidden, num_hidden_layers=spec.layers,
-            num_attention_heads=spec.heads, num_key_value_heads=max(1, spec.heads // 8), head_dim=head,
-            num_experts=spec.experts, num_experts_per_tok=spec.top_k, norm_topk_prob=True,
-            max_position_embeddings=max(seq, 256), tie_word_embeddings=False,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+            intermediate_size=spec.expert_hidden * 4, moe_intermediate_size=spec.expert_hidden,
+            num_key_value_heads=max(1, spec.heads // 8), head_dim=head, num_experts=spec.experts,
+            num_experts_per_tok=spec.top_k, norm_topk_prob=True, **common)
     from transformers import DeepseekV3Config
 
     big = spec.hidden >= 4096
     groups = 8 if spec.experts % 8 == 0 and spec.experts >= 16 else 1
     return DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=spec.hidden, intermediate_size=spec.dense_hidden or spec.expert_hidden,
-        moe_intermediate_size=spec.expert_hidden, num_hidden_layers=spec.layers,
-        first_k_dense_replace=spec.dense_layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+        intermediate_size=spec.dense_hidden or spec.expert_hidden, moe_intermediate_size=spec.expert_hidden,
+        first_k_dense_replace=spec.dense_layers, num_key_value_heads=spec.heads,
         n_shared_experts=1, n_routed_experts=spec.experts, num_experts_per_tok=spec.top_k, n_group=groups,
         topk_group=max(1, groups // 2), q_lora_rank=1536 if big else None, kv_lora_rank=512 if big else 32,
         qk_rope_head_dim=64 if big else 8, qk_nope_head_dim=128 if big else 8, v_head_dim=128 if big else 16,
-        max_position_embeddings=max(seq, 256), routed_scaling_factor=2.5 if big else 1.0, norm_topk_prob=True,
-        tie_word_embeddings=False, rope_scaling=None, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        routed_scaling_factor=2.5 if big else 1.0, norm_topk_prob=True, rope_scaling=None, **common)
 
 
 def build(spec: ModelSpec, seq: int, device: str, seed: int = 0) -> nn.Module:
@@ -114,6 +141,8 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
     every expert and dense linear whatever its size (the CPU stand-ins are tiny)."""
     from .. import hf
 
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
     model = copy.deepcopy(base)
     min_dense_size, min_expert_size = (MIN_DENSE_SIZE, MIN_EXPERT_SIZE) if size_rules else (0, 0)
     if variant == "ours_bf16":
@@ -123,96 +152,206 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
     elif variant == "ours_fp8":
         hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False, min_dense_size=min_dense_size,
                    min_expert_size=min_expert_size)
-    elif variant not in VARIANTS:
-        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+    elif variant in TORCHAO_VARIANTS:
+        recipe = "rowwise_with_gw_hp" if variant == "torchao_rowwise_gw_hp" else "rowwise"
+        torchao_models.convert(model, recipe, experts=variant == "torchao_moe")
     return model.train()
 
 
-def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, mode: str):
+def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, mode: str, clock):
+    """``step(micro_batches) -> (loss, fwd+bwd seconds, optimizer seconds)`` of one optimizer step."""
     torch._dynamo.reset()  # a new model's frames would count against the recompile limit of the last one's
     fwd = model if mode == "eager" else torch.compile(model, mode=None if mode == "compiled" else mode)
     graphs = mode == "reduce-overhead"
 
-    def step(batch: torch.Tensor) -> torch.Tensor:
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        logits = fwd(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        loss.backward()
+    def step(micro_batches: list[torch.Tensor]):
+        t0 = clock()
+        total = 0.0
+        for batch in micro_batches:
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = fwd(input_ids=batch[:, :-1]).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()) / len(micro_batches)
+            loss.backward()
+            total = total + loss.detach()
+        t1 = clock()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        t2 = clock()
+        return total, t0, t1, t2
 
     return step
 
 
+class _Clock:
+    """CUDA events on a GPU (read after the step's sync), ``perf_counter`` on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __call__(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
 def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, timed: int, lr: float,
-                device: str, backend: str | None, size_rules: bool = True) -> dict:
-    """Train a fresh copy of ``base`` for ``steps`` steps; step times, peak memory and losses."""
+                device: str, backend: str | None, size_rules: bool = True, accumulate: int = 1) -> dict:
+    """Train a fresh copy of ``base`` for ``steps`` optimizer steps of ``accumulate`` micro-batches
+    from ``data``; step, forward+backward and optimizer times, peak memory and losses."""
     model = convert(base, variant, backend, size_rules=size_rules)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device == "cuda")
-    step = _step_fn(model, opt, mode)
     cuda = device == "cuda"
+    clock = _Clock(cuda)
+    step = _step_fn(model, opt, mode, clock)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for i, batch in zip(range(steps), data):
-        t0 = time.perf_counter()
-        loss = step(batch)
-        losses.append(loss.item())  # syncs
-        times.append(time.perf_counter() - t0)
+    losses, times, fwd_bwd, optim = [], [], [], []
+    for _ in range(steps):
+        micro = [next(data) for _ in range(accumulate)]
+        start = time.perf_counter()
+        loss, t0, t1, t2 = step(micro)
+        losses.append(float(loss))  # syncs
+        times.append(time.perf_counter() - start)
+        fwd_bwd.append(clock.seconds(t0, t1))
+        optim.append(clock.seconds(t1, t2))
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     del model, opt, step
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return dict(step_ms=statistics.median(times[-timed:]) * 1e3, peak_gib=peak, losses=losses)
+    ms = lambda xs: statistics.median(xs[-timed:]) * 1e3  # noqa: E731
+    return dict(step_ms=ms(times), fwd_bwd_ms=ms(fwd_bwd), optim_ms=ms(optim), peak_gib=peak, losses=losses)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One (model, mode, variant) run, as the child process of an isolated variant receives it."""
+
+    model: str
+    mode: str
+    variant: str
+    device: str
+    steps: int
+    timed: int
+    accumulate: int
+    backend: str | None
+    loss_steps: int
+
+
+def _data(job: _Job, train: torch.Tensor, batch: int, seq: int):
+    return (b.to(job.device) for b in batches(train, batch, seq, seed=0))
+
+
+def _shapes(device: str) -> tuple[int, int]:
+    return (8, 1024) if device == "cuda" else (2, 32)
+
+
+def _corpus(device: str, loss_steps: int, accumulate: int) -> torch.Tensor:
+    batch, seq = _shapes(device)
+    return load_split(batch * (seq + 1) * loss_steps * accumulate + seq + 2, 1000)[0]
+
+
+def _run_job(job: _Job, base: nn.Module, train: torch.Tensor) -> dict:
+    gpu = job.device == "cuda"
+    spec = (MODELS if gpu else CPU_MODELS)[job.model]
+    batch, seq = _shapes(job.device)
+    return run_variant(base, job.variant, job.mode, _data(job, train, batch, seq), steps=job.steps, timed=job.timed,
+                       lr=min(3e-3, 1.2 / spec.hidden), device=job.device, backend=job.backend,
+                       size_rules=gpu, accumulate=job.accumulate)  # the CPU stand-ins are below every size rule
+
+
+def _run_isolated(job: _Job) -> dict:
+    """``_run_job`` in a child process (``python -m moe_fp8.bench.models JOB``); its error where it fails."""
+    proc = subprocess.run([sys.executable, "-m", "moe_fp8.bench.models", json.dumps(asdict(job))],
+                          capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    cause = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+    raise RuntimeError(f"child exited with {proc.returncode}: {cause.strip()[:300]}")
+
+
+def _child(arg: str) -> None:
+    job = _Job(**json.loads(arg))
+    spec = (MODELS if job.device == "cuda" else CPU_MODELS)[job.model]
+    base = build(spec, _shapes(job.device)[1], job.device)
+    result = _run_job(job, base, _corpus(job.device, job.loss_steps, job.accumulate))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _variants_of(spec: ModelSpec, mode: str, gpu: bool, chosen: list[str] | None) -> list[str]:
+    out = []
+    for v in MODE_VARIANTS[mode]:
+        if chosen is not None and v not in chosen:
+            continue
+        if v in EXPERT_VARIANTS and not spec.moe:
+            continue
+        if v in TORCHAO_VARIANTS and not (gpu and torchao_models.available()):
+            continue
+        out.append(v)
+    return out
 
 
 def collect(device: str, models: list[str] | None = None, modes: list[str] | None = None,
-            loss_steps: int | None = None, backend: str | None = None) -> list[dict]:
-    """One row per (model, mode, variant): step ms, tokens/s, speedup over ``hf_bf16`` in the same
-    mode, peak GiB, and (eager rows) the final loss and its gap to ``hf_bf16``."""
+            loss_steps: int | None = None, backend: str | None = None, variants: list[str] | None = None,
+            accumulate: int = 1) -> list[dict]:
+    """One row per (model, mode, variant): optimizer-step ms (and its forward+backward and optimizer
+    parts), tokens/s, speedup over ``hf_bf16`` in the same mode, peak GiB, and (eager rows) the final
+    loss and its gap to ``hf_bf16``."""
     try:
         import transformers  # noqa: F401
     except ImportError:
         print("transformers not installed (pip install -e '.[hf]'): no whole-model rows")
         return []
+    if accumulate < 1:
+        raise ValueError(f"accumulate: expected >= 1, got {accumulate}")
+    unknown = set(variants or ()) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
     gpu = device == "cuda"
     table = MODELS if gpu else CPU_MODELS
     names = models or list(table)
     modes = modes or (list(MODES) if gpu else ["eager"])
-    batch, seq = (8, 1024) if gpu else (2, 32)
+    batch, seq = _shapes(device)
     loss_steps = loss_steps or (150 if gpu else 3)
     timed_steps = 40 if gpu else 3
-    train, _ = load_split(batch * (seq + 1) * loss_steps + seq + 2, 1000)
+    train = _corpus(device, loss_steps, accumulate)
     rows = []
     for name in names:
         spec = table[name]
         base = build(spec, seq, device)
-        lr = min(3e-3, 1.2 / spec.hidden)
         for mode in modes:
-            for variant in MODE_VARIANTS[mode]:
+            for variant in _variants_of(spec, mode, gpu, variants):
                 loss_run = mode == "eager" and variant in LOSS_VARIANTS
                 steps = loss_steps if loss_run else timed_steps
-                data = (b.to(device) for b in batches(train, batch, seq, seed=0))
+                job = _Job(name, mode, variant, device, steps, min(20, steps - steps // 3), accumulate, backend,
+                           loss_steps)
                 try:
-                    r = run_variant(base, variant, mode, data, steps=steps, timed=min(20, steps - steps // 3),
-                                    lr=lr, device=device, backend=backend,
-                                    size_rules=gpu)  # the CPU stand-ins are below every size rule
+                    r = _run_isolated(job) if variant == "torchao_moe" else _run_job(job, base, train)
                 except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
-                    rows.append(dict(model=name, mode=mode, variant=variant, error=f"{type(e).__name__}: {e}"))
+                    rows.append(dict(model=name, mode=mode, variant=variant, accumulate=accumulate,
+                                     error=f"{type(e).__name__}: {e}"))
+                    print(f"{name} {mode} {variant}: failed: {rows[-1]['error'][:300]}", flush=True)
                     continue
-                row = dict(model=name, mode=mode, variant=variant, step_ms=r["step_ms"],
-                           tokens_per_s=batch * seq / r["step_ms"] * 1e3, peak_gib=r["peak_gib"])
+                row = dict(model=name, mode=mode, variant=variant, accumulate=accumulate, step_ms=r["step_ms"],
+                           fwd_bwd_ms=r["fwd_bwd_ms"], optim_ms=r["optim_ms"],
+                           tokens_per_s=accumulate * batch * seq / r["step_ms"] * 1e3, peak_gib=r["peak_gib"])
                 if loss_run:
                     row["final_loss"] = statistics.fmean(r["losses"][-10:])
                 rows.append(row)
-                print(f"{name} {mode} {variant}: {row['step_ms']:.1f} ms, peak {row['peak_gib']} GiB, "
-                      f"loss {row.get('final_loss')}", flush=True)
+                print(f"{name} {mode} {variant}: {row['step_ms']:.1f} ms (fwd+bwd {row['fwd_bwd_ms']:.1f}, "
+                      f"optimizer {row['optim_ms']:.1f}), peak {row['peak_gib']} GiB, loss {row.get('final_loss')}",
+                      flush=True)
         del base
         gc.collect()
     _relative(rows)
@@ -229,3 +368,7 @@ def _relative(rows: list[dict]) -> None:
         r["speedup"] = base["step_ms"] / r["step_ms"]
         if "final_loss" in r:
             r["loss_gap"] = r["final_loss"] / base["final_loss"] - 1
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

@@ -32,7 +32,8 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
                     ("FP8 ms", "fp8_ms", ".3f"), ("vs BF16", "speedup", ".2f"), ("BF16 graph ms", "bf16_graph_ms", ".3f"),
                     ("FP8 graph ms", "fp8_graph_ms", ".3f"), ("graph vs BF16", "graph_speedup", ".2f")],
     "model": [("model", "model", "s"), ("mode", "mode", "s"), ("variant", "variant", "s"),
-              ("step ms", "step_ms", ".1f"), ("tokens/s", "tokens_per_s", ",.0f"), ("vs HF BF16", "speedup", ".2f"),
+              ("micro-batches", "accumulate", "d"), ("step ms", "step_ms", ".1f"), ("fwd+bwd ms", "fwd_bwd_ms", ".1f"),
+              ("optimizer ms", "optim_ms", ".1f"), ("tokens/s", "tokens_per_s", ",.0f"), ("vs HF BF16", "speedup", ".2f"),
               ("peak GiB", "peak_gib", ".2f"), ("loss", "final_loss", ".4f"), ("loss gap", "loss_gap", "+.2%")],
 }
 TITLES = {"quant": "Quantization kernels (bandwidth)", "gemm": "Grouped GEMM, forward+backward",
@@ -49,12 +50,17 @@ def _cell(row: dict, key: str, spec: str) -> str:
     return format(v, spec) + ("x" if "speedup" in key else "")
 
 
+def _label(row: dict) -> str:
+    if "variant" in row:
+        return f"{row['model']} {row['mode']} {row['variant']}"
+    return row.get("method", row.get("recipe", "?"))
+
+
 def table(kind: str, rows: list[dict], markdown: bool = False) -> str:
     """The rows of one kind as aligned text, or as a markdown table."""
     cols = COLUMNS[kind]
     cells = [[h for h, _, _ in cols]] + [[_cell(r, k, s) for _, k, s in cols] for r in rows if "error" not in r]
-    cells += [[r.get("method", r.get("recipe", "?")), "failed: " + r["error"][:100]] + [""] * (len(cols) - 2)
-              for r in rows if "error" in r]
+    cells += [[_label(r), "failed: " + r["error"][:160]] + [""] * (len(cols) - 2) for r in rows if "error" in r]
     if markdown:
         lines = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cols)]
         return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells[1:]])
