@@ -1,5 +1,6 @@
 """Hugging Face transformers integration: ``moe_fp8.hf.convert(model)`` converts a whole model (MoE experts
-and dense linears) in place and attaches a ``ConversionReport`` (see ``layers/hf_convert.py``, docs/conversion.md)."""
+and dense linears; a model without MoE blocks, its dense linears) in place and attaches a ``ConversionReport``
+(see ``layers/hf_convert.py``, docs/conversion.md)."""
 
 from .layers.conversion_report import ConversionReport
 from .layers.convert import MIN_DENSE_SIZE

@@ -49,13 +49,16 @@ class ModuleConversion:
 
 @dataclass
 class ConversionReport:
-    """The entries of one conversion (model order), with the settings that decided them
-    (``min_expert_size`` is ``None`` for ``convert_to_fp8``, which leaves MoE blocks alone)."""
+    """The entries of one conversion (model order), with the settings that decided them, and the
+    number of supported MoE blocks found (``min_expert_size`` and ``moe_blocks`` are ``None`` for
+    ``convert_to_fp8``, which leaves MoE blocks alone; ``moe_blocks == 0``: a dense model, whose
+    linears alone were converted)."""
 
     recipe: str
     min_dense_size: int
     min_expert_size: int | None = None
     entries: list[ModuleConversion] = field(default_factory=list)
+    moe_blocks: int | None = None
 
     def add(self, fqn: str, module: nn.Module, became: str, reason: str | None = None, detail: str = "",
             cls: str | None = None) -> None:
@@ -103,11 +106,15 @@ class ConversionReport:
         total = self.matmul_params
         return self.fp8_params / total if total else 0.0
 
-    def __str__(self) -> str:
+    def table(self) -> str:
+        """One line per entry: module, class, what it became, why it was kept, detail."""
         rows = [(e.fqn or "<model>", e.cls, e.became, e.reason or "", e.detail) for e in self.entries]
         head = ("module", "class", "became", "kept because", "detail")
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         line = "  ".join("{:<%d}" % w for w in widths)
+        return "\n".join(line.format(*r).rstrip() for r in [head, *rows])
+
+    def __str__(self) -> str:
         counts = self.counts()
         why = ", ".join(f"{k[len('kept: '):]} {v}" for k, v in counts.items() if k.startswith("kept: "))
         counts = ", ".join(f"{k} {v}" + (f" ({why})" if k == KEPT else "") for k, v in counts.items()
@@ -115,10 +122,11 @@ class ConversionReport:
         sizes = f"min_dense_size {self.min_dense_size}"
         if self.min_expert_size is not None:
             sizes += f", min_expert_size {self.min_expert_size}"
+        no_moe = ["no MoE block found (a dense model): the dense rules alone applied"] if self.moe_blocks == 0 else []
         return "\n".join([
             f"moe_fp8 conversion (recipe {self.recipe}, {sizes}): {counts}",
+            *no_moe,
             f"FP8 parameters: {self.fp8_params:,} of {self.matmul_params:,} matmul parameters "
             f"({100 * self.fp8_fraction:.1f}%)",
-            line.format(*head).rstrip(),
-            *(line.format(*r).rstrip() for r in rows),
+            self.table(),
         ])

@@ -1,5 +1,6 @@
 """``convert``: a whole Hugging Face transformers model to FP8 in place: the MoE blocks' experts (here)
-and the dense linears (``convert.convert_linears``), with a ``ConversionReport``.
+and the dense linears (``convert.convert_linears``), with a ``ConversionReport``. A model without MoE
+blocks (Llama, Mistral, ...) has its dense linears converted alone.
 
 Supported blocks and what replaces what:
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from ..quant.recipes import get_recipe
 from ..routing import RouterConfig
-from .conversion_report import BF16_RECIPE, DENSE_OFF, ConversionReport
+from .conversion_report import BF16_RECIPE, DENSE_OFF, FP8_LINEAR, ConversionReport
 from .convert import MIN_DENSE_SIZE, check_conversion_args, check_size, convert_linears
 from .experts import FP8GroupedExperts
 from .fp8_linear import DENSE_RECIPES, FP8Linear, _check_dense_recipe
@@ -46,7 +47,9 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
             cache_weights: bool = True) -> nn.Module:
     """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
     return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it
-    became and why anything was kept; ``print`` it for a table).
+    became and why anything was kept; ``print`` it for a table). A model without MoE blocks (Llama,
+    Mistral, any dense model) has its dense linears converted by the rules below; its report has
+    ``moe_blocks == 0`` and says so.
 
     * Experts: FP8 grouped GEMMs with ``recipe`` (``"bf16"``: the library's BF16 grouped path, for
       A/B runs, and the dense linears are left untouched), ``backend`` / ``fmt`` / ``cache_weights``
@@ -64,8 +67,10 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     ``model`` may also be a single block: the result is then the converted block (the same object
     for transformers 5.x Mixtral / Qwen3-MoE / DeepSeek-V3 blocks, a new one otherwise). Raises
     ``ValueError`` naming the class of a block that looks like an MoE block (has ``experts``) but is
-    not supported, when nothing was found, and when ``model`` holds modules this library converted
-    already (a model is converted once: convert a fresh copy to change recipe).
+    not supported; when there is nothing to convert (no supported MoE block and no linear passing
+    the dense rules: the message lists ``SUPPORTED_BLOCKS`` and, per module, the rule that kept it);
+    and when ``model`` holds modules this library converted already (a model is converted once:
+    convert a fresh copy to change recipe).
     """
     check_conversion_args(model, filter_fn, min_dense_size)
     check_size("min_expert_size", min_expert_size)
@@ -79,13 +84,16 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     kept: dict[int, str] = {}
     root = _convert_block(model, opts, min_size, kept)
     if root is not None:  # a bare block: converted in place, its replacement, or itself when kept
-        model = root
+        model, blocks = root, 1
     else:
-        _convert_blocks(model, opts, min_size, kept)
-    report = ConversionReport(expert_recipe.name, min_dense_size, min_expert_size)
+        blocks = _convert_blocks(model, opts, min_size, kept)
+    report = ConversionReport(expert_recipe.name, min_dense_size, min_expert_size, moe_blocks=blocks)
     keep = DENSE_OFF if not dense else BF16_RECIPE if not expert_recipe.is_fp8 else None
     model = convert_linears(model, report, recipe=linear_recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
                             fmt=fmt, keep_reason=keep, kept_experts=kept)
+    if blocks == 0 and FP8_LINEAR not in report.counts():  # nothing was changed
+        raise ValueError(f"model: nothing to convert: no MoE block found (supported: {', '.join(SUPPORTED_BLOCKS)}) "
+                         f"and no linear passed the dense rules; per module, what kept it:\n{report.table()}")
     model.fp8_conversion_report = report
     return model
 
@@ -108,7 +116,9 @@ def _refuse_converted(model: nn.Module) -> None:
                              "a model is converted once: convert a fresh copy")
 
 
-def _convert_blocks(model: nn.Module, opts: dict, min_size: int, kept: dict[int, str]) -> None:
+def _convert_blocks(model: nn.Module, opts: dict, min_size: int, kept: dict[int, str]) -> int:
+    """Convert every supported MoE block below ``model``; return how many there were. Raises when
+    there were none but a block with ``experts`` of an unsupported class was found."""
     blocks = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -120,7 +130,7 @@ def _convert_blocks(model: nn.Module, opts: dict, min_size: int, kept: dict[int,
         found = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "experts")})
         if found:
             raise ValueError(f"model: unsupported MoE block class(es) {found}; supported: {SUPPORTED_BLOCKS}")
-        raise ValueError(f"model: no MoE block found; supported: {SUPPORTED_BLOCKS}")
+    return blocks
 
 
 def _convert_block(block: nn.Module, opts: dict, min_size: int, kept: dict[int, str]) -> nn.Module | None:
