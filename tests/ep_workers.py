@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moe_fp8 import FP8GroupedExperts, FP8MoE
 from moe_fp8.parallel import ExpertParallelExperts, RowsAllToAll, all_to_all_rows, destination_plan, exchange_counts
-from moe_fp8.parallel import expert_parallel_from, shard_experts
+from moe_fp8.parallel import expert_parallel_from, expert_parallel_moe, shard_experts
 from moe_fp8.quant import quantize_rowwise
 from moe_fp8.routing import combine, permute, permute_quantize
 
@@ -349,15 +349,21 @@ def check_checkpoint(group, world: int, rank: int, dispatch: str) -> None:
 
 
 def check_construction(group, world: int) -> None:
-    """``FP8MoE(ep_group=)`` holds ``E / W`` experts and runs; bad arguments raise ``ValueError``."""
-    moe = FP8MoE(H, I, 2 * world, K, ep_group=group, dispatch="fp8", backend=BACKEND).to(torch.bfloat16)
+    """``expert_parallel_moe`` holds ``E / W`` experts and runs; bad arguments raise ``ValueError``."""
+    moe = expert_parallel_moe(H, I, 2 * world, K, group=group, dispatch="fp8", sync_free=True, backend=BACKEND,
+                              shared_expert_hidden_size=16).to(torch.bfloat16)
+    assert isinstance(moe, FP8MoE) and isinstance(moe.experts, ExpertParallelExperts)
     assert moe.experts.gate_up_proj.shape == (2, 2 * I, H) and moe.experts.down_proj.shape == (2, H, I)
+    assert (moe.experts.dispatch, moe.experts.sync_free, moe.experts.backend) == ("fp8", True, BACKEND)
+    assert moe.shared_experts is not None
     x = torch.randn(3, 2, H).to(torch.bfloat16)
     assert moe(x).shape == x.shape
     for call, what in (
         (lambda: ExpertParallelExperts(world + 1, H, I, group=group), "num_experts"),
         (lambda: ExpertParallelExperts(world, H, I, group=group, dispatch="int8"), "dispatch"),
         (lambda: ExpertParallelExperts(world, H, I, group=group, dispatch="fp8", recipe="bf16"), "dispatch"),
+        (lambda: expert_parallel_moe(H, I, world + 1, K, group=group), "num_experts"),
+        (lambda: expert_parallel_moe(H, I, world, K, group=group, dispatch="fp8", recipe="bf16"), "dispatch"),
     ):
         try:
             call()

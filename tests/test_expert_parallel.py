@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 import ep_workers
-from moe_fp8 import FP8MoE
 from moe_fp8.parallel import ExpertParallelExperts, destination_plan, destination_ranks, dispatch_bytes_per_row
+from moe_fp8.parallel import expert_parallel_moe
 
 WORLD = 4
 
@@ -66,8 +66,8 @@ def test_destination_ranks_against_a_loop():
 def test_needs_a_process_group():
     with pytest.raises(ValueError, match="group"):
         ExpertParallelExperts(4, 32, 32)
-    with pytest.raises(ValueError, match="dispatch"):
-        FP8MoE(32, 32, 4, 2, dispatch="fp8")
+    with pytest.raises(ValueError, match="group"):
+        expert_parallel_moe(32, 32, 4, 2, dispatch="fp8")
 
 
 def test_bytes_per_row():

@@ -350,6 +350,28 @@ def test_state_dict_names_and_bad_input():
     assert out.shape == (3, H) and r.aux_loss is not None and r.aux_loss.ndim == 0
 
 
+def test_given_routed_experts():
+    torch.manual_seed(0)
+    built = FP8MoE(H, I, E, K, backend="emulated").to(torch.bfloat16)
+    experts = FP8GroupedExperts(E, H, I, backend="emulated").to(torch.bfloat16)
+    experts.load_state_dict(built.experts.state_dict())
+    given = FP8MoE(H, I, E, K, experts=experts).to(torch.bfloat16)
+    given.router.load_state_dict(built.router.state_dict())
+    assert given.experts is experts and given.recipe == experts.recipe
+    x = torch.randn(T, H).to(torch.bfloat16)
+    assert torch.equal(given(x), built(x))
+    with pytest.raises(TypeError, match="experts: expected an nn.Module or None"):
+        FP8MoE(H, I, E, K, experts=built.experts.gate_up_proj)
+    for bad, what in (
+        (FP8GroupedExperts(E + 1, H, I), "global_num_experts"),
+        (FP8GroupedExperts(E, H + 16, I), "hidden_size"),
+        (FP8GroupedExperts(E, H, I + 16), "expert_hidden_size"),
+        (FP8GroupedExperts(E, H, I, recipe="bf16"), "recipe"),
+    ):
+        with pytest.raises(ValueError, match=f"experts: its {what} is"):
+            FP8MoE(H, I, E, K, experts=bad)
+
+
 def test_meta_parameters_and_device_mismatch():
     meta = FP8MoE(H, I, E, K, device="meta")
     for x in (torch.randn(T, H), torch.randn(T, H, device="meta")):

@@ -55,6 +55,9 @@ class FP8GroupedExperts(nn.Module):
             (without input scales), and the saved activation is half the bytes. The gate/up weight
             gradient reads those rows dequantized, so it sees the input quantized twice (as
             DeepSeek-V3's FP8 training does); outputs and the other gradients are unchanged.
+
+    ``global_num_experts``: the count of experts its ``top_k_index`` ids index (``E`` here; the
+    expert-parallel subclass holds a shard of them).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class FP8GroupedExperts(nn.Module):
             raise ValueError(f"num_experts: expected >= 1, got {num_experts}")
         E, H, I = num_experts, hidden_size, expert_hidden_size
         self.num_experts, self.hidden_size, self.expert_hidden_size = E, H, I
+        self.global_num_experts = E
         self.recipe = get_recipe(recipe)
         if fp8_saved_input and self.recipe.scaling != "rowwise":
             raise ValueError(f"fp8_saved_input: needs a recipe with row scales (rowwise, rowwise_gw_hp), "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..quant.recipes import Float8Recipe, get_recipe
 from ..routing import Router, RouterConfig, RouterOutput
 from .experts import FP8GroupedExperts
 from .mlp import SwiGLUMLP
@@ -31,17 +32,19 @@ class FP8MoE(nn.Module):
             ``n_shared * I``; Llama 4: ``I``); 0 for none.
         recipe: ``"rowwise"``, ``"rowwise_gw_hp"``, ``"tensorwise"``, ``"blockwise"`` or ``"bf16"``
             (the exact BF16 baseline of the same module).
-        backend, fmt, cache_weights: see :class:`FP8GroupedExperts`.
+        backend, fmt, cache_weights: see :class:`FP8GroupedExperts` (``backend`` and ``cache_weights``
+            only for the routed experts this layer builds, when ``experts`` is ``None``).
         return_router_output: make ``forward`` return ``(out, RouterOutput)`` (logits, aux loss,
             expert load, ...) instead of ``out``. Required when the router config has an aux or
             z-loss coefficient (the loss would be computed and dropped otherwise: ``ValueError``).
-        ep_group: a ``torch.distributed`` process group for expert parallelism, or ``None`` (all
-            experts local). With a group of ``W`` ranks each rank holds ``E / W`` experts
-            (:class:`moe_fp8.parallel.ExpertParallelExperts`; ``E`` must be a multiple of ``W``),
-            routes its own tokens and exchanges their rows by all-to-all; every rank must call
-            ``forward``. ``moe_fp8.parallel.expert_parallel_from`` shards a full layer instead.
-        dispatch: with ``ep_group``, ``"bf16"`` or ``"fp8"`` rows on the wire (see ``docs/expert-parallel.md``);
-            ``moe.experts.sync_free = True`` switches to the sync-free dispatch.
+        experts: the routed experts, or ``None`` to build an :class:`FP8GroupedExperts` of
+            ``num_experts`` experts. A module called as ``experts(tokens (T, H), topk_ids (T, k),
+            topk_weights (T, k), input_scales=...) -> (T, H)`` with global expert ids in
+            ``[0, num_experts)``, with ``recipe`` and ``reset_parameters()``; an ``FP8GroupedExperts``
+            must match the sizes, expert count (``global_num_experts``) and recipe (else
+            ``ValueError``). Expert parallelism passes its sharded experts here:
+            ``moe_fp8.parallel.expert_parallel_moe`` builds such a layer, ``expert_parallel_from``
+            shards a full one.
 
     ``forward(x (..., H)) -> (..., H)`` in ``x``'s dtype (or the autocast dtype). Parameters still
     on the meta device (build there, then ``to_empty`` and load or ``reset_parameters``), or on
@@ -62,8 +65,7 @@ class FP8MoE(nn.Module):
         fmt=None,
         cache_weights: bool = True,
         return_router_output: bool = False,
-        ep_group=None,
-        dispatch: str = "bf16",
+        experts: nn.Module | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -80,20 +82,15 @@ class FP8MoE(nn.Module):
                 "return_router_output: must be True when router_config has aux_loss_coef or z_loss_coef > 0 "
                 "(the loss is returned in RouterOutput.aux_loss; without it the loss would be dropped)"
             )
-        if ep_group is None and dispatch != "bf16":
-            raise ValueError(f"dispatch: {dispatch!r} needs an ep_group (without one no rows travel)")
+        if experts is not None:
+            _check_experts(experts, num_experts, hidden_size, expert_hidden_size, get_recipe(recipe))
         kw = dict(device=device, dtype=dtype)
         self.hidden_size = hidden_size
         self.return_router_output = return_router_output
         self.router = Router(hidden_size, router_config, **kw)
-        experts_kw = dict(recipe=recipe, backend=backend, fmt=fmt, cache_weights=cache_weights, **kw)
-        if ep_group is None:
-            self.experts = FP8GroupedExperts(num_experts, hidden_size, expert_hidden_size, **experts_kw)
-        else:
-            from ..parallel import ExpertParallelExperts  # noqa: PLC0415  (parallel imports this package)
-
-            self.experts = ExpertParallelExperts(num_experts, hidden_size, expert_hidden_size, group=ep_group,
-                                                 dispatch=dispatch, **experts_kw)
+        self.experts = experts if experts is not None else FP8GroupedExperts(
+            num_experts, hidden_size, expert_hidden_size, recipe=recipe, backend=backend, fmt=fmt,
+            cache_weights=cache_weights, **kw)
         self.shared_experts = (
             SwiGLUMLP(hidden_size, shared_expert_hidden_size, recipe=recipe, fmt=fmt, **kw)
             if shared_expert_hidden_size
@@ -125,3 +122,20 @@ class FP8MoE(nn.Module):
             out = out + self.shared_experts(tokens)
         out = out.reshape(shape[:-1] + (out.shape[-1],))
         return (out, r) if self.return_router_output else out
+
+
+def _check_experts(experts: nn.Module, num_experts: int, hidden_size: int, expert_hidden_size: int,
+                   recipe: Float8Recipe) -> None:
+    """Raise ``TypeError`` / ``ValueError`` when the given routed experts cannot serve this layer."""
+    if not isinstance(experts, nn.Module):
+        raise TypeError(f"experts: expected an nn.Module or None, got {type(experts).__name__}")
+    if not isinstance(experts, FP8GroupedExperts):
+        return
+    for what, got, want in (
+        ("global_num_experts", experts.global_num_experts, num_experts),
+        ("hidden_size", experts.hidden_size, hidden_size),
+        ("expert_hidden_size", experts.expert_hidden_size, expert_hidden_size),
+        ("recipe", experts.recipe, recipe),
+    ):
+        if got != want:
+            raise ValueError(f"experts: its {what} is {got!r}, this layer's is {want!r}")

@@ -13,7 +13,8 @@ sum): about 3x the bytes of the one-pass kernel, which reads the k rows once and
 token once. ``index_add_`` avoids the copy but uses float atomics, whose order (and bits) vary.
 
 Exposed as the torch ops (``triton_op``) ``moe_fp8::routing_combine`` (autograd registered) and
-``moe_fp8::routing_combine_backward``.
+``moe_fp8::routing_combine_backward``. The unweighted combine and the bf16 permute
+(``moe_fp8::routing_permute``) are each other's backward: both autograd formulas are registered here.
 """
 
 from __future__ import annotations
@@ -116,6 +117,20 @@ def _combine_backward(ctx, grad_out):
 
 
 torch.library.register_autograd("moe_fp8::routing_combine", _combine_backward, setup_context=_combine_setup)
+
+
+def _permute_setup(ctx, inputs, output):
+    _, pair_to_row, row_to_pair, pad_rows, top_k = inputs
+    ctx.save_for_backward(pair_to_row, row_to_pair, pad_rows)
+    ctx.top_k = top_k
+
+
+def _permute_backward(ctx, grad):
+    plan_tensors = ctx.saved_tensors
+    return _combine_op(grad.contiguous(), *plan_tensors, None, ctx.top_k), None, None, None, None
+
+
+torch.library.register_autograd("moe_fp8::routing_permute", _permute_backward, setup_context=_permute_setup)
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | None = None) -> torch.Tensor:

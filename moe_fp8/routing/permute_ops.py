@@ -2,8 +2,9 @@
 
 Both are ``torch.library.triton_op`` s (``moe_fp8::routing_permute``, ``moe_fp8::routing_permute_quantize``)
 with fake kernels, so ``torch.compile`` traces them down to the kernel and they capture in CUDA graphs. The bf16
-permute is differentiable (its backward is the unweighted combine); the quantizing one marks its
-outputs non-differentiable (FP8 codes feed a GEMM whose autograd op owns the backward).
+permute is differentiable: its backward is the unweighted combine, so its autograd is registered in
+``combine_ops`` (which imports this module; ``moe_fp8.routing`` imports both). The quantizing one marks
+its outputs non-differentiable (FP8 codes feed a GEMM whose autograd op owns the backward).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def launch_permute(
     return out, scale
 
 
-# --- bf16 permute (differentiable) ---------------------------------------------------------------
+# --- bf16 permute (its autograd is registered in combine_ops) ---------------------------------
 @torch.library.triton_op("moe_fp8::routing_permute", mutates_args=())
 def _permute_op(
     x: torch.Tensor, pair_to_row: torch.Tensor, row_to_pair: torch.Tensor, pad_rows: torch.Tensor, top_k: int
@@ -85,22 +86,6 @@ def _permute_op(
 @_permute_op.register_fake
 def _(x, pair_to_row, row_to_pair, pad_rows, top_k):
     return x.new_empty(row_to_pair.shape[0], x.shape[1])
-
-
-def _permute_setup(ctx, inputs, output):
-    _, pair_to_row, row_to_pair, pad_rows, top_k = inputs
-    ctx.save_for_backward(pair_to_row, row_to_pair, pad_rows)
-    ctx.top_k = top_k
-
-
-def _permute_backward(ctx, grad):
-    from .combine_ops import _combine_op  # noqa: PLC0415  (combine imports this module)
-
-    plan_tensors = ctx.saved_tensors
-    return _combine_op(grad.contiguous(), *plan_tensors, None, ctx.top_k), None, None, None, None
-
-
-torch.library.register_autograd("moe_fp8::routing_permute", _permute_backward, setup_context=_permute_setup)
 
 
 # --- fused permute + rowwise FP8 quantization ----------------------------------------------------
