@@ -87,7 +87,7 @@ def test_demo_gpu_small(tmp_path):
                cwd=tmp_path)
     table = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d", line)]
     assert [int(r[0]) for r in table] == [10, 20] and float(table[1][4]) < float(table[0][4])
-    assert "FP8 dense: shared" in out
+    assert "FP8 dense: all" in out  # the GPU default
 
 
 @pytest.mark.parametrize("flags", [["--dispatch", "fp8"], ["--dispatch", "bf16", "--sync-free"]])
