@@ -108,7 +108,8 @@ def test_bench_whole_model_kind_cpu():
 
     rows = models.collect("cpu", models=["qwen3_h1024"], loss_steps=3)
     by_variant = {r["variant"]: r for r in rows}
-    assert set(by_variant) == set(models.VARIANTS) and all("error" not in r for r in rows), rows
+    on_cpu = set(models.VARIANTS) - set(models.TORCHAO_VARIANTS)  # TorchAO's variants need a GPU
+    assert set(by_variant) == on_cpu and all("error" not in r for r in rows), rows
     assert by_variant["hf_bf16"]["speedup"] == 1.0
     for name in models.LOSS_VARIANTS:
         assert 4.0 < by_variant[name]["final_loss"] < 6.5  # a byte-level model after 3 steps: ~ln(272)

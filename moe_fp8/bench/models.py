@@ -276,9 +276,10 @@ def _run_isolated(job: _Job) -> dict:
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    cause = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
-    raise RuntimeError(f"child exited with {proc.returncode}: {cause.strip()[:300]}")
+    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+    cause = next((ln for ln in lines if "Assertion" in ln and "failed" in ln),  # a device assert: its first line
+                 next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else ""))
+    raise RuntimeError(f"child exited with {proc.returncode}: {cause[:300]}")
 
 
 def _child(arg: str) -> None:
