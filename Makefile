@@ -10,10 +10,10 @@ STAMP := $(VENV)/.installed
 # tests/test_torchtitan_integration.py needs only its model code and the four packages after it.
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q -c constraints/cpu.txt torch
-	$(VPY) -m pip install -q -c constraints/cpu.txt -e '.[test,hf,demo]'
-	$(VPY) -m pip install -q --no-deps -c constraints/cpu.txt torchtitan
-	$(VPY) -m pip install -q -c constraints/cpu.txt spmd_types tyro docstring-parser typeguard
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q --no-compile -c constraints/cpu.txt torch
+	$(VPY) -m pip install -q --no-compile -c constraints/cpu.txt -e '.[test,hf,demo]'
+	$(VPY) -m pip install -q --no-compile --no-deps -c constraints/cpu.txt torchtitan
+	$(VPY) -m pip install -q --no-compile -c constraints/cpu.txt spmd_types tyro docstring-parser typeguard
 	touch $(STAMP)
 
 venv: $(STAMP)

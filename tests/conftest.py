@@ -9,8 +9,16 @@ kernel module is imported, so a plain `pytest` works on a CPU machine. Markers:
 
 import os
 
-import pytest
-import torch
+# One CPU thread per process: pytest-xdist runs a worker per core and the multi-rank tests spawn
+# several processes per worker. With torch's default (a thread per core in every process) OpenMP's
+# barriers spin against each other: a 4-rank gloo test on 2 cores ran 10x slower. Spawned ranks and
+# subprocesses inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
