@@ -36,12 +36,15 @@ def use_triton(kernel, t: torch.Tensor) -> bool:
     """Run ``kernel`` for tensors on ``t``'s device? GPUs (CUDA / ROCm) always; CPU in the interpreter.
 
     Without a GPU and without the interpreter the callers use their pure-torch reference, which
-    gives the same results (bit for bit for the permutes and quantization).
+    gives the same results (bit for bit for the permutes and quantization). CPU tensors take the
+    kernel only while ``TRITON_INTERPRET`` is still set: a process whose kernels were decorated for
+    the interpreter goes to the references once it sets ``TRITON_INTERPRET=0``, as
+    :func:`triton_runs_on` does.
     """
     if t.device.type == "cuda":
         # Under torch.compile the answer is the compiled kernel (dynamo cannot inspect the kernel's type).
         return torch.compiler.is_compiling() or not _interpreted(kernel)
-    return t.device.type == "cpu" and _interpreted(kernel)
+    return t.device.type == "cpu" and _interpreted(kernel) and interpreter_enabled()
 
 
 @dataclass(frozen=True)

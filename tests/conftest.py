@@ -61,3 +61,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and not INTERPRETING:
             item.add_marker(skip_interp)
+
+
+@pytest.fixture
+def torch_references(monkeypatch):
+    """CPU code paths through the kernels' pure-torch references (bit-identical to the kernels, which
+    their own tests run in the interpreter): for tests of what is built around the kernels (whole
+    models, benchmark plumbing), which the interpreter would make minutes long."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -1,9 +1,9 @@
 """Scenarios of the FSDP2 + expert-parallel CPU test, run inside ``torch.multiprocessing`` workers (gloo).
 
-Every rank builds the same single-process model from one seed and trains two copies: the
-reference, in this process alone, on the concatenated global batch with the mean loss, and the
-copy that ``moe_fp8.parallel.parallelize`` shards over the mesh, on this rank's slice of it (every
-rank is a data-parallel rank). After every backward each gradient of the parallel model, gathered
+Every rank builds the same single-process model from one seed; ``parallelize`` shards a copy over
+the mesh and trains it, each rank on its slice of the global batch (every rank is a data-parallel
+rank), and rank 0 alone trains the reference, a copy in that process only, on the concatenated
+global batch with the mean loss. After every backward each gradient of the parallel model, gathered
 whole, is compared with the reference's; after training, each parameter's total update.
 
 The two are not bitwise equal: per-rank partial sums (the expert layer's per-rank partial outputs
@@ -115,13 +115,15 @@ def train(model, data: torch.Tensor, rows: slice, first: int = 0, steps: int | N
     steps = data.shape[0] - first if steps is None else steps
     for s in range(first, first + steps):
         if probe is not None:
-            with torch.no_grad():
-                for (n, p), q in zip(model.named_parameters(), probe.parameters()):
-                    q.copy_(_full(p.detach()))
-            probe.zero_grad()
-            want = gradients(probe, data[s])
+            whole = [_full(p.detach()) for p in model.parameters()]  # a collective: every rank
+            if _leads():
+                with torch.no_grad():
+                    for q, w in zip(probe.parameters(), whole):
+                        q.copy_(w)
+                probe.zero_grad()
+                want = gradients(probe, data[s])
         got = gradients(model, data[s, :, rows], parallel)
-        if probe is not None:
+        if probe is not None and _leads():
             check(s, got, want)
         optimizer.step()
         optimizer.zero_grad()
@@ -142,9 +144,18 @@ def compare(tag: str, got: dict, want: dict, bound: float) -> None:
 
 
 def compare_updates(tag: str, model, ref, start: dict, bound: float) -> None:
+    """Checked on rank 0, the one that trained ``ref``; every rank gathers ``model``'s parameters."""
     got = {_name(n): _full(p.detach()) - start[_name(n)] for n, p in model.named_parameters()}
-    want = {n: p.detach() - start[n] for n, p in ref.named_parameters()}
-    compare(tag, got, want, bound)
+    if _leads():
+        want = {n: p.detach() - start[n] for n, p in ref.named_parameters()}
+        compare(tag, got, want, bound)
+
+
+def _leads() -> bool:
+    """Rank 0 trains the single-process references and checks; every rank takes part in the
+    collectives that gather the parallel model's tensors. A failed check ends rank 0, and
+    ``torch.multiprocessing.spawn`` then ends the others."""
+    return dist.get_rank() == 0
 
 
 def save_whole(path: str, model, optimizer=None) -> dict:
@@ -176,7 +187,8 @@ def run_case(tag: str, build, recipe: str, mesh_shape: tuple, names: tuple, *, d
     data = batches(dp, steps, accumulate)
     train(model, data, slice(rank * PER_RANK, (rank + 1) * PER_RANK), parallel=True, probe=copy.deepcopy(ref),
           check=lambda s, got, want: compare(f"{tag} step {s} grads", got, want, BOUND[recipe]))
-    train(ref, data, slice(None))
+    if _leads():
+        train(ref, data, slice(None))
     compare_updates(f"{tag} updates", model, ref, start, TRAJECTORY_BOUND[recipe])
     if save_to is not None:
         save_whole(save_to, model)
@@ -238,7 +250,8 @@ def resume(tmp: str, mesh_shape: tuple, names: tuple, recipe: str = "rowwise") -
     per_rank = data.shape[2] // dp
     ref = tiny_lm(recipe)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    train(ref, data, slice(None))
+    if _leads():
+        train(ref, data, slice(None))
     model = parallelize(tiny_lm(recipe), init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
     checkpoint.load(os.path.join(tmp, "step3"), model, optimizer)

@@ -2,7 +2,8 @@
 markdown and a PNG; the GPU-only scripts in ``benchmarks/`` compile; the offline sm90 check runs.
 
 GPU time is scarce; a benchmark that dies of a typo wastes a run. On the CPU the kernels run in the
-Triton interpreter on tiny shapes, so these check the code paths, not any number.
+Triton interpreter on tiny shapes (the whole-model kind: the kernels' pure-torch references), so
+these check the code paths, not any number.
 """
 
 import json
@@ -99,8 +100,7 @@ def test_bench_quant_kernel_filter(monkeypatch):
                        "group dual, both from amax, padded"}
 
 
-@pytest.mark.interpreter
-def test_bench_whole_model_kind_cpu():
+def test_bench_whole_model_kind_cpu(torch_references):
     """The whole-model kind trains every eager variant of a tiny Qwen3-MoE from the same weights:
     the unconverted row is the reference, the converted ones stay close to its loss."""
     pytest.importorskip("transformers")
@@ -117,8 +117,7 @@ def test_bench_whole_model_kind_cpu():
     assert report.table("model", rows).count("\n") == len(rows)
 
 
-@pytest.mark.interpreter
-def test_bench_whole_model_dense_and_accumulation_cpu():
+def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
     """The dense stand-in (Llama) converts through ``hf.convert`` and trains with 2 micro-batches per
     optimizer step; the MoE-only variants skip it; a step's parts add up to no more than the step."""
     pytest.importorskip("transformers")
@@ -135,8 +134,7 @@ def test_bench_whole_model_dense_and_accumulation_cpu():
         models.collect("cpu", models=["llama3_8b"], variants=["torchao"])
 
 
-@pytest.mark.interpreter
-def test_bench_whole_model_isolated_variant_cpu():
+def test_bench_whole_model_isolated_variant_cpu(torch_references):
     """A variant run in its own process (TorchAO's MoE path there, since a device assert ends the CUDA
     context) returns the same kind of result, and a child that fails returns its cause as the error."""
     pytest.importorskip("transformers")
