@@ -4,13 +4,16 @@
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
 #   STAGE: tests | ep | parallel | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
 #   python -m moe_fp8.bench presets) | whole MODEL... (the whole-model step of the named models against HF
-#   BF16 and TorchAO, eager and compiled: bench_whole_<first model>.json/.md)
+#   BF16 and TorchAO, eager and compiled: bench_whole_<first model>.json/.md) | job ACCUMULATE MODEL...
+#   (the whole-model step with 4 decoder layers and ACCUMULATE micro-batches per optimizer step;
+#   modes from $MODES, default "eager compiled"; time limit $LIMIT, default 590 s:
+#   bench_job_acc<ACCUMULATE>_<first model>.json/.md)
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang ends the stage instead of the run.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|ep|parallel|harness|demo|weightquant|models|dsv3|qwen3|llama4|whole [OUT] [MODEL...]}
+stage=${1:?usage: run_gpu.sh tests|ep|parallel|harness|demo|weightquant|models|dsv3|qwen3|llama4|whole|job [OUT] [ARGS...]}
 out=${2:-benchmarks/results}
 shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
@@ -49,6 +52,12 @@ case $stage in
   whole)   run 580 "bench_whole_$1.log" python3 -m moe_fp8.bench --preset models --kinds model --models "$@" \
              --modes eager compiled --steps 40 --name "bench_whole_$1" --out "$out" \
              --variants hf_bf16 ours_fp8 torchao_rowwise torchao_rowwise_gw_hp torchao_moe ;;
+  job)     acc=$1
+           shift
+           read -r -a modes <<< "${MODES:-eager compiled}"
+           run "${LIMIT:-590}" "bench_job_acc${acc}_$1.log" python3 -m moe_fp8.bench --preset models --kinds model \
+             --models "$@" --layers 4 --accumulate "$acc" --modes "${modes[@]}" --steps 40 \
+             --name "bench_job_acc${acc}_$1" --out "$out" --variants hf_bf16 ours_fp8 ours_fp8_experts torchao_rowwise ;;
   dsv3|qwen3|llama4|models) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
   *)       echo "unknown stage: $stage" >&2; exit 2 ;;
 esac

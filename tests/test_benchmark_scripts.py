@@ -118,20 +118,25 @@ def test_bench_whole_model_kind_cpu(torch_references):
 
 
 def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
-    """The dense stand-in (Llama) converts through ``hf.convert`` and trains with 2 micro-batches per
-    optimizer step; the MoE-only variants skip it; a step's parts add up to no more than the step."""
+    """The dense stand-in (Llama, 3 decoder layers) converts through ``hf.convert`` and trains with 2
+    micro-batches per optimizer step; the MoE-only variants skip it; a step's parts add up to no
+    more than the step."""
     pytest.importorskip("transformers")
     from moe_fp8.bench import models
 
-    rows = models.collect("cpu", models=["llama3_8b"], loss_steps=3, accumulate=2,
+    rows = models.collect("cpu", models=["llama3_8b"], loss_steps=3, accumulate=2, layers=3,
                           variants=["hf_bf16", "ours_bf16", "ours_fp8"])
     by_variant = {r["variant"]: r for r in rows}
     assert set(by_variant) == {"hf_bf16", "ours_fp8"} and all("error" not in r for r in rows), rows
     for r in rows:
         assert r["accumulate"] == 2 and 0 < r["fwd_bwd_ms"] + r["optim_ms"] <= r["step_ms"] * 1.05
+        assert r["layers"] == 3
     assert 4.0 < by_variant["ours_fp8"]["final_loss"] < 6.5 and abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
+    assert models.build(models._spec("llama3_8b", "cpu", 3), 32, "cpu").config.num_hidden_layers == 3
     with pytest.raises(ValueError, match="variants: unknown"):
         models.collect("cpu", models=["llama3_8b"], variants=["torchao"])
+    with pytest.raises(ValueError, match="layers: expected >= 1"):
+        models.collect("cpu", models=["llama3_8b"], layers=0)
 
 
 def test_bench_whole_model_isolated_variant_cpu(torch_references):

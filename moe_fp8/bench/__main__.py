@@ -48,7 +48,7 @@ def _collect(kind: str, args: dict, device: str, gemm_methods: list[str] | None)
 
         return models.collect(device, models=args.get("models"), modes=args.get("modes"),
                               loss_steps=args.get("steps"), variants=args.get("variants"),
-                              accumulate=args.get("accumulate") or 1), {}
+                              accumulate=args.get("accumulate") or 1, layers=args.get("layers")), {}
     from . import train
 
     return train.collect(device, steps=args.get("steps")), {}
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", help="whole-model kind: variants to run (default: each mode's)")
     ap.add_argument("--accumulate", type=int, default=1,
                     help="whole-model kind: micro-batches of 8 x 1024 tokens per optimizer step (default 1)")
+    ap.add_argument("--layers", type=int, help="whole-model kind: decoder layers of every model (default: each model's)")
     ap.add_argument("--name", help="result file stem (default bench_<preset>[_quick])")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.kinds is None or k in args.kinds}
     if "model" in plan:
         plan["model"] = dict(plan["model"], models=args.models, modes=args.modes, steps=args.steps,
-                             variants=args.variants, accumulate=args.accumulate)
+                             variants=args.variants, accumulate=args.accumulate, layers=args.layers)
     gemm_methods = None if device == "cpu" or args.gemm_methods == ["all"] else args.gemm_methods
     name = args.name or f"bench_{args.preset}" + ("_quick" if args.quick else "")
     start = time.time()

@@ -10,6 +10,9 @@ Models (real layer sizes, few layers, byte-level vocabulary, 8 x 1024 tokens per
   expert), one dense layer (I = 18432) and one MoE layer;
 * ``llama3_8b``: Llama3-8B layer sizes (dense: hidden 4096, I = 14336, 32 heads, 8 KV heads), 4 layers.
 
+``layers`` (``--layers``) gives every model that many decoder layers instead (DeepSeek-V3's first
+stays its dense layer).
+
 Variants: ``hf_bf16`` (unconverted), ``ours_bf16`` (experts on the library's BF16 grouped path),
 ``ours_fp8_experts`` (FP8 experts in every MoE block whatever their size, dense linears as built),
 ``ours_fp8`` (``moe_fp8.hf.convert`` with its defaults, ``rowwise``: FP8 experts and dense linears
@@ -26,7 +29,7 @@ step time over the timed steps after warm-up, and its split into forward+backwar
 (clip + AdamW) time; peak memory is ``max_memory_allocated`` over the run. The loss is the mean of
 the last 10 of ``loss_steps`` steps on byte-level text (the standard library's sources), trained in
 eager mode from the same initial weights on the same batches (``LOSS_VARIANTS``; the other rows
-time 40 steps). ``MODE_VARIANTS`` says which variants each mode runs.
+run 40 micro-batches, at least 12 optimizer steps). ``MODE_VARIANTS`` says which variants each mode runs.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -245,6 +248,14 @@ class _Job:
     accumulate: int
     backend: str | None
     loss_steps: int
+    layers: int | None = None
+
+
+def _spec(model: str, device: str, layers: int | None) -> ModelSpec:
+    """The sizes of ``model`` on ``device`` (the CPU stand-in off CUDA), with ``layers`` decoder
+    layers when given."""
+    spec = (MODELS if device == "cuda" else CPU_MODELS)[model]
+    return spec if layers is None else replace(spec, layers=layers)
 
 
 def _data(job: _Job, train: torch.Tensor, batch: int, seq: int):
@@ -262,7 +273,7 @@ def _corpus(device: str, loss_steps: int, accumulate: int) -> torch.Tensor:
 
 def _run_job(job: _Job, base: nn.Module, train: torch.Tensor) -> dict:
     gpu = job.device == "cuda"
-    spec = (MODELS if gpu else CPU_MODELS)[job.model]
+    spec = _spec(job.model, job.device, job.layers)
     batch, seq = _shapes(job.device)
     return run_variant(base, job.variant, job.mode, _data(job, train, batch, seq), steps=job.steps, timed=job.timed,
                        lr=min(3e-3, 1.2 / spec.hidden), device=job.device, backend=job.backend,
@@ -284,8 +295,7 @@ def _run_isolated(job: _Job) -> dict:
 
 def _child(arg: str) -> None:
     job = _Job(**json.loads(arg))
-    spec = (MODELS if job.device == "cuda" else CPU_MODELS)[job.model]
-    base = build(spec, _shapes(job.device)[1], job.device)
+    base = build(_spec(job.model, job.device, job.layers), _shapes(job.device)[1], job.device)
     result = _run_job(job, base, _corpus(job.device, job.loss_steps, job.accumulate))
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -305,10 +315,11 @@ def _variants_of(spec: ModelSpec, mode: str, gpu: bool, chosen: list[str] | None
 
 def collect(device: str, models: list[str] | None = None, modes: list[str] | None = None,
             loss_steps: int | None = None, backend: str | None = None, variants: list[str] | None = None,
-            accumulate: int = 1) -> list[dict]:
+            accumulate: int = 1, layers: int | None = None) -> list[dict]:
     """One row per (model, mode, variant): optimizer-step ms (and its forward+backward and optimizer
     parts), tokens/s, speedup over ``hf_bf16`` in the same mode, peak GiB, and (eager rows) the final
-    loss and its gap to ``hf_bf16``."""
+    loss and its gap to ``hf_bf16``. ``layers``: decoder layers of every model (default: each
+    model's own; DeepSeek-V3's first is its dense layer)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -316,6 +327,8 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
         return []
     if accumulate < 1:
         raise ValueError(f"accumulate: expected >= 1, got {accumulate}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers: expected >= 1, got {layers}")
     unknown = set(variants or ()) - set(VARIANTS)
     if unknown:
         raise ValueError(f"variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
@@ -325,18 +338,18 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
     modes = modes or (list(MODES) if gpu else ["eager"])
     batch, seq = _shapes(device)
     loss_steps = loss_steps or (150 if gpu else 3)
-    timed_steps = 40 if gpu else 3
+    timed_steps = max(12, 40 // accumulate) if gpu else 3  # 40 micro-batches at least
     train = _corpus(device, loss_steps, accumulate)
     rows = []
     for name in names:
-        spec = table[name]
+        spec = _spec(name, device, layers)
         base = build(spec, seq, device)
         for mode in modes:
             for variant in _variants_of(spec, mode, gpu, variants):
                 loss_run = mode == "eager" and variant in LOSS_VARIANTS
                 steps = loss_steps if loss_run else timed_steps
                 job = _Job(name, mode, variant, device, steps, min(20, steps - steps // 3), accumulate, backend,
-                           loss_steps)
+                           loss_steps, layers)
                 try:
                     r = _run_isolated(job) if variant == "torchao_moe" else _run_job(job, base, train)
                 except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
@@ -344,7 +357,8 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
                                      error=f"{type(e).__name__}: {e}"))
                     print(f"{name} {mode} {variant}: failed: {rows[-1]['error'][:300]}", flush=True)
                     continue
-                row = dict(model=name, mode=mode, variant=variant, accumulate=accumulate, step_ms=r["step_ms"],
+                row = dict(model=name, mode=mode, variant=variant, layers=spec.layers, accumulate=accumulate,
+                           step_ms=r["step_ms"],
                            fwd_bwd_ms=r["fwd_bwd_ms"], optim_ms=r["optim_ms"],
                            tokens_per_s=accumulate * batch * seq / r["step_ms"] * 1e3, peak_gib=r["peak_gib"])
                 if loss_run:

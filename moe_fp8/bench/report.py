@@ -32,7 +32,8 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
                     ("FP8 ms", "fp8_ms", ".3f"), ("vs BF16", "speedup", ".2f"), ("BF16 graph ms", "bf16_graph_ms", ".3f"),
                     ("FP8 graph ms", "fp8_graph_ms", ".3f"), ("graph vs BF16", "graph_speedup", ".2f")],
     "model": [("model", "model", "s"), ("mode", "mode", "s"), ("variant", "variant", "s"),
-              ("micro-batches", "accumulate", "d"), ("step ms", "step_ms", ".1f"), ("fwd+bwd ms", "fwd_bwd_ms", ".1f"),
+              ("layers", "layers", "d"), ("micro-batches", "accumulate", "d"), ("step ms", "step_ms", ".1f"),
+              ("fwd+bwd ms", "fwd_bwd_ms", ".1f"),
               ("optimizer ms", "optim_ms", ".1f"), ("tokens/s", "tokens_per_s", ",.0f"), ("vs HF BF16", "speedup", ".2f"),
               ("peak GiB", "peak_gib", ".2f"), ("loss", "final_loss", ".4f"), ("loss gap", "loss_gap", "+.2%")],
 }
