@@ -6,7 +6,8 @@
 #   python -m moe_fp8.bench presets) | whole MODEL... (the whole-model step of the named models against HF
 #   BF16 and TorchAO, eager and compiled: bench_whole_<first model>.json/.md) | job ACCUMULATE MODEL...
 #   (the whole-model step with 4 decoder layers and ACCUMULATE micro-batches per optimizer step;
-#   modes from $MODES, default "eager compiled"; time limit $LIMIT, default 590 s:
+#   modes from $MODES, default "eager compiled"; variants from $VARIANTS, default hf_bf16 ours_fp8
+#   ours_fp8_experts torchao_rowwise; time limit $LIMIT, default 590 s:
 #   bench_job_acc<ACCUMULATE>_<first model>.json/.md)
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
@@ -55,9 +56,10 @@ case $stage in
   job)     acc=$1
            shift
            read -r -a modes <<< "${MODES:-eager compiled}"
+           read -r -a variants <<< "${VARIANTS:-hf_bf16 ours_fp8 ours_fp8_experts torchao_rowwise}"
            run "${LIMIT:-590}" "bench_job_acc${acc}_$1.log" python3 -m moe_fp8.bench --preset models --kinds model \
              --models "$@" --layers 4 --accumulate "$acc" --modes "${modes[@]}" --steps 40 \
-             --name "bench_job_acc${acc}_$1" --out "$out" --variants hf_bf16 ours_fp8 ours_fp8_experts torchao_rowwise ;;
+             --name "bench_job_acc${acc}_$1" --out "$out" --variants "${variants[@]}" ;;
   dsv3|qwen3|llama4|models) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
   *)       echo "unknown stage: $stage" >&2; exit 2 ;;
 esac

@@ -60,7 +60,8 @@ EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "torchao_moe")
 TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs (the others in eager only), and those trained for ``loss_steps``
 MODE_VARIANTS = {"eager": VARIANTS,
-                 "compiled": ("hf_bf16", "ours_fp8", "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
+                 "compiled": ("hf_bf16", "ours_fp8", "ours_fp8_experts", "torchao_rowwise", "torchao_rowwise_gw_hp",
+                              "torchao_moe"),
                  "reduce-overhead": ("hf_bf16", "ours_fp8")}
 LOSS_VARIANTS = ("hf_bf16", "ours_fp8_experts", "ours_fp8")
 
