@@ -19,7 +19,8 @@ error follows its gradient's and the same bound holds for the updates.
 
 The FP8 weight cache is checked apart, bit for bit: a parallelized model with the cache trains
 exactly as one without it (same steps, same outputs at every micro-batch), and its caches hit
-within a step (gradient accumulation) and miss after each optimizer step.
+within a step (gradient accumulation) and miss after each optimizer step. So is the FP8
+all-gather of the expert weights (``fp8_all_gather``): bitwise the training without it.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ import traceback
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from moe_fp8 import FP8GroupedExperts, hf
 from moe_fp8.parallel import checkpoint, parallelize
+from moe_fp8.parallel.fp8_all_gather import Fp8AllGatherWeight, all_gather_bytes
 from moe_fp8.routing import RouterConfig
 from moe_fp8.testing import TinyMoELM, lm_loss
 
@@ -290,9 +293,74 @@ def cache_never_stale() -> None:
         assert torch.equal(_full(p.detach()), _full(q.detach())), f"cache: {n} differs from the uncached model"
 
 
+def fp8_all_gather_exact(tmp: str) -> None:
+    """With and without ``fp8_all_gather``, 2 AdamW steps of 2 micro-batches on (dp_shard 2, ep 2): BF16
+    dispatch; FP8 dispatch with activation checkpointing and BF16 parameters (``mp_policy``). Outputs,
+    gradients and parameters bitwise equal throughout; the pre-all-gather hooks returned FP8 bytes
+    and fp32 scales only, as many as ``all_gather_bytes`` says; the state dict holds plain tensors of
+    the parameters' dtype, and its DCP checkpoint loads into a model of other values bit for bit."""
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    gathered = []  # (dtype, bytes) of every all-gather input the hooks returned on this rank
+    pre_all_gather = Fp8AllGatherWeight.fsdp_pre_all_gather
+
+    def recording(self, mesh, outer_size, outer_stride, module, mp_policy):
+        inputs, metadata = pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+        gathered.extend((t.dtype, t.numel() * t.element_size()) for t in inputs)
+        return inputs, metadata
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cases = {"bf16-dispatch": dict(dispatch="bf16"),
+             "fp8-dispatch checkpointed bf16-params": dict(dispatch="fp8", activation_checkpoint=True, mp_policy=bf16)}
+    Fp8AllGatherWeight.fsdp_pre_all_gather = recording
+    try:
+        for tag, options in cases.items():
+            gathered.clear()
+            models = [parallelize(tiny_lm("rowwise"), mesh, fp8_all_gather=f, **options) for f in (True, False)]
+            opts = [torch.optim.AdamW(m.parameters(), lr=0.05, eps=EPS) for m in models]
+            data = batches(dp, 2, 2, seed=7)
+            for s in range(2):
+                for a in range(2):
+                    outs = []
+                    for m in models:
+                        m.set_requires_gradient_sync(a == 1)
+                        logits = logits_of(m, data[s, a, rows])
+                        (lm_loss(logits, data[s, a, rows]) / 2).backward()
+                        outs.append(logits.detach())
+                    assert torch.equal(*outs), f"fp8_all_gather {tag}: step {s} micro-batch {a}: logits differ"
+                for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+                    assert torch.equal(_full(p.grad), _full(q.grad)), f"fp8_all_gather {tag}: step {s}: {n}.grad"
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
+            for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+                assert torch.equal(_full(p.detach()), _full(q.detach())), f"fp8_all_gather {tag}: {n} differs"
+            kinds = {d for d, _ in gathered}
+            assert kinds == {torch.float8_e4m3fn, torch.float32}, f"fp8_all_gather {tag}: gathered {gathered}"
+            want = 4 * all_gather_bytes(models[0])["fp8"]  # 4 micro-batches, each rank 1 / dp_shard of every gather
+            assert 2 * sum(b for _, b in gathered) == want, f"fp8_all_gather {tag}: {gathered} != {want} bytes"
+    finally:
+        Fp8AllGatherWeight.fsdp_pre_all_gather = pre_all_gather
+    for key, value in models[0].state_dict().items():  # the experts' weights: plain fp32 shards
+        assert type(value._local_tensor) is torch.Tensor and value.dtype == torch.float32, f"fp8_all_gather: {key}"
+    path = os.path.join(tmp, "fp8_all_gather")
+    whole = save_whole(path, models[0])
+    other = tiny_lm("rowwise")
+    for p in other.parameters():
+        p.data.uniform_(-1, 1)
+    other = parallelize(other, mesh, dispatch="fp8", activation_checkpoint=True, mp_policy=bf16, fp8_all_gather=True)
+    checkpoint.load(path, other)
+    for n, p in other.named_parameters():
+        assert torch.equal(_full(p.detach()), whole[_name(n)]), f"fp8_all_gather: {n} not restored"
+    ids = data[0, 0, rows]
+    assert torch.equal(logits_of(other, ids), logits_of(models[0], ids)), "fp8_all_gather: loaded model differs"
+
+
 def four_ranks(tmp: str) -> None:
     names = ("dp_shard", "ep")
     cache_never_stale()
+    fp8_all_gather_exact(tmp)
     dsv3_router = RouterConfig(8, 2, "sigmoid", renormalize=True, use_correction_bias=True)
     run_case("tiny rowwise 2x2 bf16-dispatch accumulate=2", lambda: tiny_lm("rowwise"), "rowwise", (2, 2),
              names, steps=3, accumulate=2)

@@ -2,7 +2,8 @@
 
 Two spawns (``fsdp_workers``): 4 ranks (dp_shard x ep = 2 x 2, 1 x 4, 4 x 1; own model, converted
 Qwen3-MoE and DeepSeek-V3; BF16 and FP8 dispatch; an ep rank without tokens; gradient
-accumulation; activation checkpointing + per-block compile; the FP8 weight cache; DCP save, resume
+accumulation; activation checkpointing + per-block compile; the FP8 weight cache; the FP8
+all-gather of the expert weights, bitwise against the same model without it; DCP save, resume
 in the same and in another layout) and 8 ranks (HSDP 2 x 2 x 2, DeepSeek-V3 at 2 x 4, and loading
 the 4-rank checkpoint: another world size). Then, in this process, the checkpoint loads into a
 single-process model and into the unconverted Hugging Face model's keys.

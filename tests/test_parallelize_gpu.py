@@ -1,6 +1,7 @@
 """``parallelize`` on one GPU (NCCL, world size 1, a 1 x 1 mesh): 5 AdamW steps of a parallelized
 model equal the same model trained without it, eagerly, with activation checkpointing, and with
-every block compiled by Inductor (``fullgraph=True``); the FP8 weight cache too."""
+every block compiled by Inductor (``fullgraph=True``); the FP8 weight cache too; and with
+``fp8_all_gather`` the same as without (the CUDA quantizers and GEMMs on the gathered operands)."""
 
 import copy
 import os
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from moe_fp8 import hf  # noqa: E402
 from moe_fp8.parallel import parallelize  # noqa: E402
+from moe_fp8.parallel.fp8_all_gather import Fp8AllGatherWeight, all_gather_bytes  # noqa: E402
 from moe_fp8.testing import TinyMoELM, lm_loss  # noqa: E402
 
 VOCAB = 256
@@ -104,3 +106,28 @@ def test_parallelized_equals_one_gpu(mesh, build, how):
     else:  # world size 1: FSDP copies parameters and gradients, nothing else changes
         assert got == want
         assert diffs[worst] == 0.0, worst
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+def test_fp8_all_gather_equals_plain_gather(mesh, checkpointed, monkeypatch):
+    """World size 1: FSDP "gathers" by copying the packed FP8 bytes and scales; 5 steps of 2
+    micro-batches equal the same parallelized model without the option, bit for bit, and every
+    micro-batch moved the bytes ``all_gather_bytes`` says (uint8: the packed FP8 and fp32)."""
+    sizes = []
+    pre_all_gather = Fp8AllGatherWeight.fsdp_pre_all_gather
+
+    def recording(self, mesh, outer_size, outer_stride, module, mp_policy):
+        inputs, metadata = pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+        sizes.extend((t.dtype, t.numel()) for t in inputs)
+        return inputs, metadata
+
+    monkeypatch.setattr(Fp8AllGatherWeight, "fsdp_pre_all_gather", recording)
+    base = _tiny()
+    plain = parallelize(copy.deepcopy(base), mesh, activation_checkpoint=checkpointed)
+    model = parallelize(base, mesh, activation_checkpoint=checkpointed, fp8_all_gather=True)
+    want, got = _train(plain), _train(model)
+    assert got == want
+    p_want, p_got = _params(plain), _params(model)
+    assert all(torch.equal(p_got[n], p_want[n]) for n in p_want)
+    assert {d for d, _ in sizes} == {torch.uint8}
+    assert sum(n for _, n in sizes) == 10 * all_gather_bytes(model)["fp8"]  # 5 steps x 2 micro-batches

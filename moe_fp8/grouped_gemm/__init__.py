@@ -1,13 +1,17 @@
-"""FP8 grouped GEMM of MoE experts: the differentiable op, its backends and the weight cache."""
+"""FP8 grouped GEMM of MoE experts: the differentiable op, its backends, the weight cache and weights
+given as their FP8 operands."""
 
 from .backends import BACKEND_ENV_VAR, available_backends, select_backend
 from .emulated import emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d
 from .op import fp8_grouped_mm
+from .quantized_weight import QuantizedExpertWeight, WeightOperands
 from .weight_cache import Fp8WeightCache
 
 __all__ = [
     "BACKEND_ENV_VAR",
     "Fp8WeightCache",
+    "QuantizedExpertWeight",
+    "WeightOperands",
     "available_backends",
     "emulated_grouped_mm_2d2d",
     "emulated_grouped_mm_2d3d",

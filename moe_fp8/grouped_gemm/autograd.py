@@ -40,6 +40,7 @@ from ..quant.reference import dequantize
 from . import library as lib
 from .backends import get_backend
 from .padding import padded_offsets, padded_rows
+from .quantized_weight import QuantizedExpertWeight
 
 __all__ = ["FP8GroupedMM", "dequantize_rows"]
 
@@ -92,7 +93,9 @@ class FP8GroupedMM(torch.autograd.Function):
 
     ``scaling`` is ``None`` for the BF16 recipe; ``w_quant`` is the 4-tuple of
     ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here; ``x_quant`` is
-    ``x``'s rowwise ``(q, scale)`` made upstream, or ``None`` to quantize here. ``save_x_fp8``
+    ``x``'s rowwise ``(q, scale)`` made upstream, or ``None`` to quantize here. A
+    ``QuantizedExpertWeight`` ``w`` gives its forward layout in forward and its dgrad layout in
+    backward (read then: its owner gathers it again in between). ``save_x_fp8``
     (with ``x_quant``): save ``x_quant``, not ``x``, and give the wgrad ``x_quant`` dequantized
     (:func:`dequantize_rows`); ``x`` is then never read. ``save_w`` (only
     with ``scaling="rowwise"`` and ``w_quant=None``): save ``w`` (and its amax over N) and quantize
@@ -113,9 +116,14 @@ class FP8GroupedMM(torch.autograd.Function):
             return same_or_cast(lib.bf16_mm_2d3d(backend, x, w, offs, True), out_dtype)
         fused = get_backend(backend).fused_quant
         ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant
+        ctx.w_operands = None
         if ctx.w_saved:
             q_fwd, s_fwd, col_amax = lib.quantize_weight_forward_layout(w, fmt, pow2, fused)
             q_bwd, s_bwd = w, col_amax
+        elif isinstance(w, QuantizedExpertWeight):  # FP8 operands made elsewhere: the dgrad layout read in backward
+            q_fwd, s_fwd = w.layout("forward", fmt, pow2)
+            q_bwd = s_bwd = None
+            ctx.w_operands = w.operands
         else:
             if w_quant is None:
                 w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
@@ -180,10 +188,13 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in x's dtype, and grad_out's FP8
     ``(q, scale)``, with ``group_amax`` also its per-group column amax ``(E, N)`` fp32. ``q_bwd,
     s_bwd``: the saved dgrad layout, or ``w`` and its amax over N (``ctx.w_saved``) to quantize it
-    here (freed on return, before the wgrad runs)."""
+    here (freed on return, before the wgrad runs), or ``None`` to read it from the
+    ``QuantizedExpertWeight``'s operands (``ctx.w_operands``)."""
     fused = get_backend(ctx.backend).fused_quant
     if ctx.w_saved:
         q_bwd, s_bwd = lib.quantize_weight_dgrad_layout(q_bwd, s_bwd, ctx.fmt, ctx.pow2, fused)
+    elif ctx.w_operands is not None:
+        q_bwd, s_bwd = ctx.w_operands.get("dgrad", ctx.w_dtype, ctx.fmt, ctx.pow2)
     if group_amax:
         g_fp8 = lib.quantize_activation_group_amax(grad_out, offs, ctx.fmt, ctx.pow2, fused)
     else:

@@ -12,6 +12,7 @@ from ..quant.recipes import Float8Recipe, get_recipe
 from . import library as lib
 from .autograd import FP8GroupedMM
 from .backends import select_backend
+from .quantized_weight import QuantizedExpertWeight
 from .weight_cache import Fp8WeightCache
 
 __all__ = ["CHECK_OFFSETS_ENV_VAR", "fp8_grouped_mm"]
@@ -40,7 +41,10 @@ def fp8_grouped_mm(
 
     Args:
         x: ``(M, K)`` activations, bf16 (fp16/fp32 too on the triton and emulated backends).
-        w: ``(E, N, K)`` expert weights in ``nn.Linear`` layout, same dtype as ``x``.
+        w: ``(E, N, K)`` expert weights in ``nn.Linear`` layout, same dtype as ``x``; or a
+            ``QuantizedExpertWeight`` (recipes with row scales): its FP8 operands, forward layout
+            in forward and dgrad layout in backward, are used as they are (``weight_cache`` is not
+            read).
         offs: ``(E,)`` int32 cumulative END offsets of the experts' rows on ``x``'s device;
             empty experts are legal, ``offs[-1] <= M``.
         recipe: ``"rowwise"`` (default), ``"rowwise_gw_hp"``, ``"tensorwise"``, ``"blockwise"``
@@ -96,6 +100,9 @@ def fp8_grouped_mm(
     if hasattr(w, "_fp8_cache_source") and (weight_cache is None or not rec.is_fp8):
         raise ValueError("w: a Fp8WeightCache.stand_in holds no values; pass it only with weight_cache and an "
                          "FP8 recipe (the weights are then read through the cache)")
+    quantized = isinstance(w, QuantizedExpertWeight)
+    if quantized and rec.scaling != "rowwise":
+        raise ValueError(f"w: a QuantizedExpertWeight holds row-scaled FP8 operands; recipe {rec.name!r} takes others")
     be = select_backend(backend, x.device)
     dtypes = be.out_dtypes if rec.is_fp8 else _FLOAT_DTYPES
     if out_dtype not in dtypes:
@@ -112,6 +119,8 @@ def fp8_grouped_mm(
 
     fmt = be.fp8_format(x.device).name if rec.is_fp8 else ""
     w_quant = None
+    if quantized:  # FP8GroupedMM reads its layouts when it needs them
+        weight_cache = None
     if weight_cache is not None and rec.is_fp8 and weight_cache.bypassed(w):
         w = weight_cache.values(w)  # a CUDA graph is being captured: as without a cache
     elif weight_cache is not None and rec.is_fp8:
@@ -124,7 +133,7 @@ def fp8_grouped_mm(
     elif save_x_fp8:
         raise ValueError("save_x_fp8: needs x_fp8 (the FP8 rows to keep for the backward)")
     x, w_mat = (x if save_x_fp8 else x.contiguous()), _matrix_layout(w)
-    save_w = w_quant is None and rec.scaling == "rowwise" and w_mat is w and _kept_alive(w)
+    save_w = not quantized and w_quant is None and rec.scaling == "rowwise" and w_mat is w and _kept_alive(w)
     return FP8GroupedMM.apply(
         x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
         bool(save_x_fp8),

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..checks import check_multiple_of, check_tensor
-from ..grouped_gemm import Fp8WeightCache, fp8_grouped_mm, select_backend
+from ..grouped_gemm import Fp8WeightCache, QuantizedExpertWeight, fp8_grouped_mm, select_backend
 from ..quant import formats, quantize_rowwise
 from ..quant.recipes import get_recipe
 from ..quant.swiglu import SwiGLUQuantize
@@ -170,6 +170,15 @@ class FP8GroupedExperts(nn.Module):
             x = x.to(torch.bfloat16)
         return x, out_dtype
 
+    def gemm_weight_dtype(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The dtype weight ``name`` (``"gate_up_proj"`` or ``"down_proj"``) enters its grouped GEMM in
+        (is cast to, and quantized from) for tokens of ``dtype`` without autocast: the first GEMM's
+        (:meth:`gemm_input`: ``dtype``, or bf16 where the backend takes bf16 only); the second GEMM
+        runs on the first's output, which the GEMMs write in bf16."""
+        if name == "down_proj":
+            return torch.bfloat16
+        return dtype if dtype in select_backend(self.backend, device).out_dtypes else torch.bfloat16
+
     def permuted_rows(self, x: torch.Tensor, plan, input_scales: torch.Tensor | None = None,
                       quantize: bool = True, stand_in: bool = False
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -200,12 +209,13 @@ class FP8GroupedExperts(nn.Module):
         fmt = formats.resolve_format(self.fmt, x_perm.device)
         pow2 = recipe.pow2_scales
         gemm = dict(recipe=recipe, backend=self.backend)
-        # FP8 recipes read cached weights only through the cache: a weight cast happens there, on a miss.
-        # Not while compiling or capturing a CUDA graph (then the weights are quantized in the step).
-        cached = (self._caches is not None and recipe.is_fp8 and not torch.compiler.is_compiling()
-                  and not Fp8WeightCache.bypassed(x_perm))
-        cache = self._caches if cached else (None, None)
         w1, w2 = self._weights()
+        # FP8 recipes read cached weights only through the cache: a weight cast happens there, on a miss.
+        # Not while compiling or capturing a CUDA graph (then the weights are quantized in the step), nor
+        # for weights that come quantized (FSDP's FP8 all-gather).
+        cached = (self._caches is not None and recipe.is_fp8 and not torch.compiler.is_compiling()
+                  and not Fp8WeightCache.bypassed(x_perm) and not isinstance(w1, QuantizedExpertWeight))
+        cache = self._caches if cached else (None, None)
         w1 = _cast(w1, x_perm.dtype, cache[0])
         h = fp8_grouped_mm(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8,
                            save_x_fp8=save_x_fp8 and x_fp8 is not None, **gemm)

@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..layers.experts import FP8GroupedExperts
 from .experts import DISPATCH_MODES, ExpertParallelExperts
+from .fp8_all_gather import check_experts, enable_fp8_all_gather
 from .shard import grouped_experts_of
 
 __all__ = ["MESH_DIMS", "ParallelLayout", "parallelize"]
@@ -87,6 +88,7 @@ def parallelize(
     activation_checkpoint: bool = False,
     compile: bool | dict = False,
     cache_weights: bool = False,
+    fp8_all_gather: bool = False,
 ) -> nn.Module:
     """Shard ``model`` over ``mesh`` in place: experts over ``ep``, FSDP2 everywhere; return ``model``.
 
@@ -117,6 +119,14 @@ def parallelize(
             the sharded parameters' version counters and on the count of ``torch.optim`` steps
             (any optimizer's): an optimizer outside ``torch.optim`` that writes the weights must
             call ``Fp8WeightCache.invalidate`` on the experts' caches.
+        fp8_all_gather: FSDP all-gathers the routed experts' weights as rowwise FP8 (each shard
+            quantized before the gather, in the layout the grouped GEMMs of that pass take) instead
+            of in their dtype; bitwise the same training (``moe_fp8.parallel.fp8_all_gather``).
+            Needs recipes with row scales, ``dp_shard`` dividing each ep rank's experts (shards of
+            whole experts), ``reshard_after_forward=True`` (the backward gathers the dgrad layout
+            anew), every MoE layer inside a block, no ``compile`` and no ``cache_weights``; raises
+            ``ValueError`` / ``NotImplementedError`` otherwise. With ``activation_checkpoint`` every
+            gather carries both layouts. The gathers' sizes: ``fp8_all_gather.all_gather_bytes``.
 
     Returns ``model``: build the optimizer after this call. Each rank then feeds its own batch and
     takes the mean loss over it; every gradient is the data-parallel mean (module docstring).
@@ -135,6 +145,10 @@ def parallelize(
         raise ValueError("model: already sharded with fully_shard")
     found = grouped_experts_of(model)
     blocks = _blocks_of(model) if blocks is None else list(blocks)
+    nested = layout.ep > 1 and bool(found) and _placement_api() is None
+    if fp8_all_gather:
+        _check_fp8_all_gather([e for _, _, e in found], blocks, layout, nested, reshard_after_forward,
+                              compile_kw is not None, cache_weights)
     fsdp = dict(reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         fsdp["mp_policy"] = mp_policy
@@ -145,10 +159,11 @@ def parallelize(
     for parent, name, full in found:
         local = _shard_over_ep(full, layout, dispatch, sync_free)
         local.cache_weights = cache_weights and local.cache_weights
+        if fp8_all_gather:
+            enable_fp8_all_gather(local, both_layouts=activation_checkpoint)
         setattr(parent, name, local)
         experts.append(local)
     placement = _expert_placement(experts, layout)
-    nested = layout.ep > 1 and placement is None
     if nested and compile_kw is not None:
         raise ValueError("compile: a full graph of a block cannot hold the FSDP hooks of its experts' own FSDP unit; "
                          "with ep > 1 compile needs torch >= 2.13 (one FSDP unit per block with a mesh per parameter)")
@@ -189,8 +204,20 @@ def _expert_placement(experts: list[FP8GroupedExperts], layout: ParallelLayout):
     """A ``shard_placement_fn`` putting the experts' parameters on the expert mesh (torch >= 2.13:
     one FSDP unit holds parameters of several meshes), or ``None`` where not needed or not
     available."""
-    if layout.ep == 1 or not experts:
+    api = _placement_api()
+    if layout.ep == 1 or not experts or api is None:
         return None
+    FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult = api
+    mesh = layout.expert_mesh
+    info = (FSDPMeshInfo(mesh, shard_mesh_dim=0) if mesh.ndim == 1
+            else HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0))
+    params = {id(p) for e in experts for p in e.parameters()}
+    return lambda p: ShardPlacementResult(Shard(0), info) if id(p) in params else None
+
+
+def _placement_api() -> tuple | None:
+    """``(FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult)``: what a ``shard_placement_fn`` with a
+    mesh of its own returns (torch >= 2.13), or ``None``."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: PLC0415
             FSDPMeshInfo,
@@ -199,11 +226,34 @@ def _expert_placement(experts: list[FP8GroupedExperts], layout: ParallelLayout):
         )
     except ImportError:
         return None
-    mesh = layout.expert_mesh
-    info = (FSDPMeshInfo(mesh, shard_mesh_dim=0) if mesh.ndim == 1
-            else HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0))
-    params = {id(p) for e in experts for p in e.parameters()}
-    return lambda p: ShardPlacementResult(Shard(0), info) if id(p) in params else None
+    return FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+
+
+def _check_fp8_all_gather(experts: list[FP8GroupedExperts], blocks: list[nn.Module], layout: ParallelLayout,
+                          nested: bool, reshard_after_forward: bool | int, compiled: bool,
+                          cache_weights: bool) -> None:
+    """Raise where ``fp8_all_gather`` could not train bitwise as without it (or is not built)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam  # noqa: PLC0415
+
+    if not hasattr(FSDPParam, "_init_extensions"):
+        raise NotImplementedError("fp8_all_gather: this torch's FSDP2 has no all-gather extensions "
+                                  "(fsdp_pre_all_gather / fsdp_post_all_gather)")
+    if reshard_after_forward is not True:
+        raise ValueError(f"fp8_all_gather: needs reshard_after_forward=True (got {reshard_after_forward!r}): the "
+                         "forward gathers the forward layout only and the backward must gather the dgrad layout anew")
+    if compiled:
+        raise NotImplementedError("fp8_all_gather: not built for compile (the gathered weights are tensor subclasses "
+                                  "that the compiled blocks would have to trace)")
+    if cache_weights:
+        raise ValueError("fp8_all_gather: the weights arrive quantized at every gather; cache_weights has nothing to "
+                         "keep (pass cache_weights=False)")
+    for e in experts:
+        check_experts(e, layout.ep, layout.shard)
+    inside = {id(m) for b in blocks for m in b.modules()}
+    if not nested and any(id(e) not in inside for e in experts):
+        raise ValueError("fp8_all_gather: an MoE layer outside every block would be in the root FSDP unit, which "
+                         "FSDP may keep unsharded from forward to backward (no dgrad-layout gather); pass blocks= "
+                         "that hold every MoE layer")
 
 
 def _compile_kwargs(compile: bool | dict) -> dict | None:
