@@ -102,13 +102,16 @@ def test_example_expert_parallel_two_processes(flags):
 
 def test_example_train_distributed(tmp_path):
     """``torchrun --nproc-per-node 4 examples/train_distributed.py --cpu``: 4 steps of 2 micro-batches
-    on (dp_shard 2, ep 2) with a checkpoint after step 2, then steps 3 and 4 resumed from it on
-    (dp_shard 4, ep 1)."""
+    on (dp_shard 2, ep 2) with a checkpoint after step 2, then steps 3 and 4 resumed from it by 2
+    processes on (dp_shard 2, ep 1): another layout and world size."""
     ckpt = str(tmp_path / "ckpt")
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "examples/train_distributed.py",
-              "--cpu", "--steps", "4", "--accumulate", "2"]
-    first = _run([*launch, "--mesh", "dp_shard=2,ep=2", "--save", ckpt, "--save-at", "2"])
-    resumed = _run([*launch, "--mesh", "dp_shard=4,ep=1", "--resume", ckpt])
+
+    def launch(ranks: int) -> list[str]:
+        return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                "examples/train_distributed.py", "--cpu", "--steps", "4", "--accumulate", "2"]
+
+    first = _run([*launch(4), "--mesh", "dp_shard=2,ep=2", "--save", ckpt, "--save-at", "2"])
+    resumed = _run([*launch(2), "--mesh", "dp_shard=2,ep=1", "--resume", ckpt])
     losses = [{int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([\d.]+)", out)} for out in (first, resumed)]
     assert list(losses[0]) == [1, 2, 3, 4] and list(losses[1]) == [3, 4], (first, resumed)
     assert losses[0][4] < losses[0][1]
