@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -373,36 +372,32 @@ def check_construction(group, world: int) -> None:
             raise AssertionError(f"no ValueError for a bad {what}")
 
 
-def worker(rank: int, world: int, init_file: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=TIMEOUT)
-        groups = {w: dist.new_group(list(range(w)), timeout=TIMEOUT) for w in range(2, world)}
-        groups[world] = dist.group.WORLD
-        for w, group in groups.items():
-            if rank < w:
-                check_construction(group, w)
-                check_round_trip(group, w, rank)
-                check_fp8_rows_equal_quantize_after_receipt(group, w, rank)
-                check_experts(group, w, rank, "rowwise")
-                check_layer(group, w, rank, "fp8", 2 * w)
-            if rank >= w:  # outside the group
-                try:
-                    ExpertParallelExperts(2 * w, H, I, group=group)
-                except ValueError as e:
-                    assert "not a member" in str(e), str(e)
-                else:
-                    raise AssertionError("no ValueError outside the group")
-            if rank < w == 3:
-                check_checkpoint(group, w, rank, "fp8")
-            if rank < w and w in (2, 4):  # Qwen3-MoE's 8 experts over 2 and 4 ranks
-                check_hf_model(group, w, rank, "bf16" if w == 2 else "fp8")
-            if rank < w == 2:
-                check_checkpoint(group, w, rank, "bf16")
-                check_experts(group, w, rank, "bf16")
-                check_layer(group, w, rank, "bf16", w)  # one expert per rank
-            dist.barrier()  # the ranks outside the group wait here
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
+def worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
+    groups = {w: dist.new_group(list(range(w)), timeout=TIMEOUT) for w in range(2, world)}
+    groups[world] = dist.group.WORLD
+    for w, group in groups.items():
+        if rank < w:
+            check_construction(group, w)
+            check_round_trip(group, w, rank)
+            check_fp8_rows_equal_quantize_after_receipt(group, w, rank)
+            check_experts(group, w, rank, "rowwise")
+            check_layer(group, w, rank, "fp8", 2 * w)
+        if rank >= w:  # outside the group
+            try:
+                ExpertParallelExperts(2 * w, H, I, group=group)
+            except ValueError as e:
+                assert "not a member" in str(e), str(e)
+            else:
+                raise AssertionError("no ValueError outside the group")
+        if rank < w == 3:
+            check_checkpoint(group, w, rank, "fp8")
+        if rank < w and w in (2, 4):  # Qwen3-MoE's 8 experts over 2 and 4 ranks
+            check_hf_model(group, w, rank, "bf16" if w == 2 else "fp8")
+        if rank < w == 2:
+            check_checkpoint(group, w, rank, "bf16")
+            check_experts(group, w, rank, "bf16")
+            check_layer(group, w, rank, "bf16", w)  # one expert per rank
+        dist.barrier()  # the ranks outside the group wait here
+    dist.destroy_process_group()

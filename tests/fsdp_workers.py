@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -387,13 +386,8 @@ def eight_ranks(tmp: str) -> None:
 SCENARIOS = {"four_ranks": four_ranks, "eight_ranks": eight_ranks}
 
 
-def worker(rank: int, world: int, init_file: str, scenario: str, tmp: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=TIMEOUT)
-        SCENARIOS[scenario](tmp)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
+def worker(rank: int, world: int, init_file: str, scenario: str, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
+    SCENARIOS[scenario](tmp)
+    dist.destroy_process_group()
 

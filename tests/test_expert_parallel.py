@@ -7,37 +7,23 @@ after receipt; the full FP8MoE (router, shared expert) sharded. A hang fails by 
 """
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-import ep_workers
+from rank_spawn import spawn
 from moe_fp8.parallel import ExpertParallelExperts, destination_plan, destination_ranks, dispatch_bytes_per_row
 from moe_fp8.parallel import expert_parallel_moe
 
 WORLD = 4
 
 
-def test_expert_parallel_gloo_2_3_4_ranks(monkeypatch):
-    # The workers run the routing kernels' pure-torch references (bit-identical to the kernels,
-    # which their own tests run in the interpreter): the interpreter would take minutes here.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    errors = multiprocessing.get_context("spawn").SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(ep_workers.worker, args=(WORLD, os.path.join(tmp, "init"), errors), nprocs=WORLD, join=True)
-        except Exception as e:
-            msgs = []
-            while not errors.empty():
-                msgs.append(errors.get())
-            pytest.fail("\n".join(msgs) or str(e))
+def test_expert_parallel_gloo_2_3_4_ranks(tmp_path):
+    spawn("ep_workers", WORLD, WORLD, str(tmp_path / "init"))
 
 
 def test_destination_ranks_against_a_loop():

@@ -9,51 +9,33 @@ the 4-rank checkpoint: another world size). Then, in this process, the checkpoin
 single-process model and into the unconverted Hugging Face model's keys.
 """
 
-import multiprocessing
 import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fsdp_workers
+from rank_spawn import spawn
 from moe_fp8.parallel import ParallelLayout, parallelize
 
 
 def _spawn(scenario: str, world: int, tmp: str) -> None:
-    errors = multiprocessing.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(fsdp_workers.worker, args=(world, os.path.join(tmp, f"init_{scenario}"), scenario, tmp, errors),
-                 nprocs=world, join=True)
-    except Exception as e:
-        msgs = []
-        while not errors.empty():
-            msgs.append(errors.get())
-        pytest.fail("\n".join(msgs) or str(e))
+    spawn("fsdp_workers", world, world, os.path.join(tmp, f"init_{scenario}"), scenario, tmp)
 
 
 @pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory, monkeypatch_module):
+def checkpoint_dir(tmp_path_factory):
     """The 4-rank spawn's directory (its DCP checkpoint after 3 steps and the whole parameters)."""
     tmp = str(tmp_path_factory.mktemp("parallel"))
     _spawn("four_ranks", 4, tmp)
     return tmp
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    # The workers run the kernels' pure-torch references (bit-identical to the kernels, which
-    # their own tests run in the interpreter): the interpreter would take minutes here.
-    with pytest.MonkeyPatch.context() as mp_:
-        mp_.setenv("TRITON_INTERPRET", "0")
-        yield mp_
-
-
 def test_four_ranks(checkpoint_dir):
     assert os.path.exists(os.path.join(checkpoint_dir, "step3_params.pt"))
 
 
-def test_eight_ranks_and_another_world_size(checkpoint_dir, monkeypatch_module):
+def test_eight_ranks_and_another_world_size(checkpoint_dir):
     _spawn("eight_ranks", 8, checkpoint_dir)
 
 

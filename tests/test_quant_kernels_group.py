@@ -138,32 +138,37 @@ def test_group_colwise_single_cpu(fmt):
     _check_single(x[:, 3:], _offsets(75, 3, "empty", seed=4), True, fmt)  # strided input
 
 
+#: Group ends over 150 rows for 16- to 256-row chunks: an empty first group, groups of 5, 1 and 1 rows
+#: inside one chunk, groups ending on chunk edges (32, 64) with an empty group between them, groups
+#: spanning several chunks (64-90, 90-141), and an empty last group at the last row.
+STRIP_ENDS = torch.tensor([0, 5, 6, 7, 32, 32, 37, 64, 90, 141, 150, 150], dtype=torch.int32)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("chunk,tickets,lag,two_pass", [(16, False, 0, False), (32, True, 2, False),
                                                         (256, False, 1, False), (16, True, 5, False),
                                                         (16, False, 0, True), (64, True, 3, True)])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("ends", [[37, 37, 90, 141], [0, 32, 32, 64, 150, 150], [5, 6, 7, 140]], ids=str)
-def test_group_colwise_strip_configs_cpu(chunk, tickets, lag, two_pass, padded, ends):
-    """Small tiles: groups of several chunks and chunks of several groups (pieces, partial tiles, the
-    last arriver finishing), empty groups inside and at the chunk edges; workers trailing their
-    members by ``lag`` column blocks (more than there are: 5 > 4); members and workers in two
-    launches (``two_pass``)."""
+def test_group_colwise_strip_configs_cpu(chunk, tickets, lag, two_pass, padded):
+    """Small tiles over ``STRIP_ENDS``: groups of several chunks and chunks of several groups
+    (pieces, partial tiles, the last arriver finishing), empty groups first, inside, at chunk edges
+    and last; workers trailing their members by ``lag`` column blocks (more than there are: 5 > 4);
+    members and workers in two launches (``two_pass``)."""
     a, b = hard_input((150, 40), seed=12), hard_input((150, 24), seed=13)
     config = dict(CHUNK=chunk, BLOCK_R=16, BLOCK_C=16, num_warps=4, TICKETS=tickets, LAG=lag, TWO_PASS=two_pass)
-    _check_launch(a, b, torch.tensor(ends, dtype=torch.int32), padded, config)
+    _check_launch(a, b, STRIP_ENDS, padded, config)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("chunk,block_c", [(16, 16), (32, 32), (16, 64)])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("ends", [[37, 37, 90, 141], [0, 32, 32, 64, 150, 150], [5, 6, 7, 140]], ids=str)
-def test_group_colwise_from_amax_configs_cpu(chunk, block_c, padded, ends):
+def test_group_colwise_from_amax_configs_cpu(chunk, block_c, padded):
     """The workers alone, given the amaxes (``launch_group_colwise(amax_bits=...)``), with tiles small
-    enough for groups of several chunks, chunks of several groups and empty groups at their edges."""
+    enough for groups of several chunks, chunks of several groups and empty groups at their edges
+    (``STRIP_ENDS``)."""
     a, b = hard_input((150, 40), seed=14), hard_input((150, 24), seed=15)
     config = colwise_config(chunk=chunk, block_r=16, block_c=block_c)
-    _check_launch(a, b, torch.tensor(ends, dtype=torch.int32), padded, config, from_amax=True)
+    _check_launch(a, b, STRIP_ENDS, padded, config, from_amax=True)
 
 
 @pytest.mark.interpreter
@@ -175,7 +180,7 @@ def test_group_colwise_padded_half_tiles_cpu(block_r, chunk, tail, from_amax):
     the partial tiles at group edges store 16-row vectors holding the group's rows and its pad
     zeros, and no row of a neighbour. ``tail`` rows follow the last padded group (23: the row count
     is no multiple of 16, so the launch keeps per-row masks)."""
-    a, b = hard_input((200, 40), seed=16), hard_input((200, 24), seed=17)
+    a, b = hard_input((200, 24), seed=16), hard_input((200, 16), seed=17)
     ends = torch.tensor([16, 16, 61, 80, 150, 197], dtype=torch.int32)  # padded starts 0, 16, 16, 64, 96, 176
     config = colwise_config(chunk=chunk, block_r=block_r, block_c=16)
     _check_launch(a, b, ends, True, config, from_amax=from_amax, tail=tail)
@@ -238,11 +243,11 @@ def test_group_colwise_property_cpu(sizes, tail, chunk, padded, pow2, seed):
     output layouts: bytes and scales equal the reference's, every output element written."""
     offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
     M = int(offs[-1]) + tail
-    a, b = hard_input((M, 24), seed=seed), hard_input((M, 40), torch.float32, seed=seed + 1)
+    a, b = hard_input((M, 16), seed=seed), hard_input((M, 24), torch.float32, seed=seed + 1)
     padded_offs, rows_out = _padded(offs) if padded else (None, M)
-    qa = torch.empty_strided((rows_out, 24), (1, rows_out), dtype=torch.float8_e4m3fn)
-    qb = torch.empty_strided((rows_out, 40), (1, rows_out), dtype=torch.float8_e4m3fn)
-    sa, sb = torch.empty(len(sizes), 24), torch.empty(len(sizes), 40)
+    qa = torch.empty_strided((rows_out, 16), (1, rows_out), dtype=torch.float8_e4m3fn)
+    qb = torch.empty_strided((rows_out, 24), (1, rows_out), dtype=torch.float8_e4m3fn)
+    sa, sb = torch.empty(len(sizes), 16), torch.empty(len(sizes), 24)
     for t in (qa, qb, sa, sb):  # poison: every element must be written
         t.view(torch.uint8).fill_(0x55)
     launch_group_colwise(a, qa, sa, b, qb, sb, offs, padded_offs, E4M3FN, pow2,

@@ -326,12 +326,15 @@ def col_amax_fits(K: int) -> bool:
 
 def _col_amax_config(M: int, K: int, rows_per_program: int, tile: int, num_warps: int | None) -> tuple[dict, int]:
     """Block sizes of the column-amax kernels (``rowwise_config`` without its pass choice: whole
-    rows only, else ``ValueError``) and their rows per program, a multiple of the row block."""
+    rows only, else ``ValueError``) and their rows per program: a multiple of the row block, at most
+    ``M`` rounded up to it (no program loops over row blocks that are wholly masked)."""
     if not col_amax_fits(K):
         raise ValueError(f"K: rows of {K} elements do not fit in registers (at most {MAX_SINGLE_PASS_K})")
     cfg = rowwise_config(M, K, tile=tile, num_warps=num_warps)
     del cfg["SINGLE_PASS"]
-    return cfg, max(rows_per_program, cfg["BLOCK_M"]) // cfg["BLOCK_M"] * cfg["BLOCK_M"]
+    block_m = cfg["BLOCK_M"]
+    rows = max(rows_per_program, block_m) // block_m * block_m
+    return cfg, min(rows, cdiv(max(M, 1), block_m) * block_m)
 
 
 def launch_expert_rowwise_col_amax(
