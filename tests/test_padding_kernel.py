@@ -114,8 +114,9 @@ SIZES = {
 def test_matches_reference(case, dtype):
     sizes, M = SIZES[case]
     seed = len(case) + dtype.itemsize
-    # C = 300: full and partial column blocks at the default 512-byte width (bf16, fp32)
-    check(random_rows(M, 300, dtype, seed=seed), offsets(sizes), block_r=4, block_bytes=32)
+    # C = 300: full and partial column blocks at the default 512-byte width (bf16, fp32) and at the
+    # launcher's 128 bytes (every dtype); 8-row blocks inside the 16-row padded groups
+    check(random_rows(M, 300, dtype, seed=seed), offsets(sizes), block_r=8, block_bytes=128)
 
 
 @pytest.mark.interpreter
@@ -123,9 +124,10 @@ def test_matches_reference(case, dtype):
 @pytest.mark.parametrize("case", list(SIZES))
 def test_column_major_matches_reference(case, dtype):
     # C = 70 with 32-byte chunks: full and partial column chunks, one program per tile (the
-    # row-major launch above has one program per row block looping over all chunks)
+    # row-major launch above has one program per row block looping over all chunks); 32-row tiles
+    # across the 16-row padded groups' edges
     sizes, M = SIZES[case]
-    check(random_rows(M, 70, dtype, seed=len(case)), offsets(sizes), column_major=True, block_r=8, block_bytes=32)
+    check(random_rows(M, 70, dtype, seed=len(case)), offsets(sizes), column_major=True, block_r=32, block_bytes=32)
 
 
 @pytest.mark.interpreter

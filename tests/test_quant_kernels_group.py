@@ -229,7 +229,7 @@ def test_group_colwise_no_groups_cpu():
 
 
 @pytest.mark.interpreter
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
     tail=st.integers(0, 20),
