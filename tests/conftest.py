@@ -51,6 +51,9 @@ def pytest_configure(config):
         problem = interpreter_numpy_problem(triton.__version__, numpy.__version__)
         if problem:
             raise pytest.UsageError(problem)
+        from interpreter_builtins import memoize_builtin_lookup
+
+        memoize_builtin_lookup()
 
 
 def pytest_collection_modifyitems(config, items):
