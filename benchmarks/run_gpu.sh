@@ -7,8 +7,8 @@
 #   BF16 and TorchAO, eager and compiled: bench_whole_<first model>.json/.md) | job ACCUMULATE MODEL...
 #   (the whole-model step with 4 decoder layers and ACCUMULATE micro-batches per optimizer step;
 #   modes from $MODES, default "eager compiled"; variants from $VARIANTS, default hf_bf16 ours_fp8
-#   ours_fp8_experts torchao_rowwise; time limit $LIMIT, default 590 s:
-#   bench_job_acc<ACCUMULATE>_<first model>.json/.md)
+#   ours_fp8_experts torchao_rowwise; eager loss steps from $STEPS, default 40; time limit $LIMIT,
+#   default 590 s: bench_job_acc<ACCUMULATE>_<first model><$SUFFIX>.json/.md)
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
@@ -58,8 +58,8 @@ case $stage in
            read -r -a modes <<< "${MODES:-eager compiled}"
            read -r -a variants <<< "${VARIANTS:-hf_bf16 ours_fp8 ours_fp8_experts torchao_rowwise}"
            run "${LIMIT:-590}" "bench_job_acc${acc}_$1.log" python3 -m moe_fp8.bench --preset models --kinds model \
-             --models "$@" --layers 4 --accumulate "$acc" --modes "${modes[@]}" --steps 40 \
-             --name "bench_job_acc${acc}_$1" --out "$out" --variants "${variants[@]}" ;;
+             --models "$@" --layers 4 --accumulate "$acc" --modes "${modes[@]}" --steps "${STEPS:-40}" \
+             --name "bench_job_acc${acc}_$1${SUFFIX:-}" --out "$out" --variants "${variants[@]}" ;;
   dsv3|qwen3|llama4|models) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
   *)       echo "unknown stage: $stage" >&2; exit 2 ;;
 esac
