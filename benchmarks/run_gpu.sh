@@ -57,7 +57,7 @@ case $stage in
            shift
            read -r -a modes <<< "${MODES:-eager compiled}"
            read -r -a variants <<< "${VARIANTS:-hf_bf16 ours_fp8 ours_fp8_experts torchao_rowwise}"
-           run "${LIMIT:-590}" "bench_job_acc${acc}_$1.log" python3 -m moe_fp8.bench --preset models --kinds model \
+           run "${LIMIT:-590}" "bench_job_acc${acc}_$1${SUFFIX:-}.log" python3 -m moe_fp8.bench --preset models --kinds model \
              --models "$@" --layers 4 --accumulate "$acc" --modes "${modes[@]}" --steps "${STEPS:-40}" \
              --name "bench_job_acc${acc}_$1${SUFFIX:-}" --out "$out" --variants "${variants[@]}" ;;
   dsv3|qwen3|llama4|models) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
