@@ -1,0 +1,100 @@
+"""Which FP8 dense linears move the loss: the whole-model step's eager training (4 decoder layers, 8 x
+1024 tokens, AdamW, 150 steps) of one model, HF BF16 against ``hf.convert`` with its defaults and
+with groups of dense linears left in BF16 by ``filter_fn``, plus the library's BF16 path (the
+spread that summation order alone gives). Prints the mean loss of steps 41-50, 91-100 and 141-150
+per variant and writes ``dense_loss_<model>.json`` / ``.md`` to ``--out``.
+
+    python benchmarks/bench_dense_loss.py --model dsv3 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moe_fp8 import hf
+from moe_fp8.bench import models as m
+from moe_fp8.bench.report import run_env, write_report
+
+#: variant -> (hf.convert keyword arguments, names of dense linears kept in BF16)
+ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+VARIANTS = {
+    "hf_bf16": None,
+    "ours_bf16_experts": (dict(recipe="bf16", min_expert_size=0), ()),
+    "ours_fp8_defaults": (dict(recipe="rowwise"), ()),
+    "ours_fp8_no_fp8_attention": (dict(recipe="rowwise"), ATTENTION),
+    "ours_fp8_no_fp8_dense_mlp": (dict(recipe="rowwise"), MLP),
+}
+WINDOWS = ((40, 50), (90, 100), (140, 150))
+
+
+def variant_model(base: torch.nn.Module, variant: str) -> torch.nn.Module:
+    model = copy.deepcopy(base)
+    spec = VARIANTS[variant]
+    if spec is not None:
+        kwargs, kept = spec
+        hf.convert(model, cache_weights=False, filter_fn=lambda mod, fqn: fqn.rsplit(".", 1)[-1] not in kept,
+                   **kwargs)
+    return model.train()
+
+
+def train(model: torch.nn.Module, data, steps: int, lr: float) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    losses = []
+    for _ in range(steps):
+        batch = next(data)
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="dsv3", choices=sorted(m.MODELS))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args()
+    spec = m._spec(args.model, "cuda", args.layers)
+    batch, seq = m._shapes("cuda")
+    base = m.build(spec, seq, "cuda")
+    train_data = m._corpus("cuda", args.steps, 1)
+    lr = min(3e-3, 1.2 / spec.hidden)
+    rows = []
+    for variant in args.variants:
+        model = variant_model(base, variant)
+        data = (b.to("cuda") for b in m.batches(train_data, batch, seq, seed=0))
+        losses = train(model, data, args.steps, lr)
+        del model
+        torch.cuda.empty_cache()
+        row = dict(variant=variant, **{f"loss_{a + 1}_{b}": statistics.fmean(losses[a:b]) for a, b in WINDOWS
+                                        if b <= args.steps})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    ref = rows[0]
+    keys = [k for k in ref if k.startswith("loss_")]
+    body = ["| variant | " + " | ".join(f"mean loss, steps {k[5:].replace('_', '-')}" for k in keys)
+            + " | gap at the last |", "|---|" + "---:|" * (len(keys) + 1)]
+    for r in rows:
+        gap = (r[keys[-1]] / ref[keys[-1]] - 1) * 100
+        body.append(f"| {r['variant']} | " + " | ".join(f"{r[k]:.4f}" for k in keys) + f" | {gap:+.2f}% |")
+    write_report(args.out, f"dense_loss_{args.model}", run_env("cuda"), rows,
+                 f"Loss of FP8 dense linears: `python benchmarks/bench_dense_loss.py --model {args.model}`",
+                 f"{args.layers} decoder layers, {args.steps} eager steps of {batch} x {seq} tokens", body)
+    print("\n".join(body))
+
+if __name__ == "__main__":
+    main()
