@@ -2,7 +2,8 @@
 1024 tokens, AdamW, 150 steps) of one model, HF BF16 against ``hf.convert`` with its defaults and
 with groups of dense linears left in BF16 by ``filter_fn``, plus the library's BF16 path (the
 spread that summation order alone gives). Prints the mean loss of steps 41-50, 91-100 and 141-150
-per variant and writes ``dense_loss_<model>.json`` / ``.md`` to ``--out``.
+per variant and writes ``dense_loss_<model>[_<name>].json`` / ``.md`` to ``--out``. Loss spread
+between two runs of one variant on the GPU: about 2% (its kernels are not deterministic).
 
     python benchmarks/bench_dense_loss.py --model dsv3 --out benchmarks/results
 """
@@ -31,6 +32,7 @@ VARIANTS = {
     "ours_fp8_defaults": (dict(recipe="rowwise"), ()),
     "ours_fp8_no_fp8_attention": (dict(recipe="rowwise"), ATTENTION),
     "ours_fp8_no_fp8_dense_mlp": (dict(recipe="rowwise"), MLP),
+    "ours_fp8_dense_gw_hp": (dict(recipe="rowwise", dense_recipe="rowwise_gw_hp"), ()),
 }
 WINDOWS = ((40, 50), (90, 100), (140, 150))
 
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--name", help="suffix of the result files")
     args = ap.parse_args()
     spec = m._spec(args.model, "cuda", args.layers)
     batch, seq = m._shapes("cuda")
@@ -91,7 +94,7 @@ def main() -> None:
     for r in rows:
         gap = (r[keys[-1]] / ref[keys[-1]] - 1) * 100
         body.append(f"| {r['variant']} | " + " | ".join(f"{r[k]:.4f}" for k in keys) + f" | {gap:+.2f}% |")
-    write_report(args.out, f"dense_loss_{args.model}", run_env("cuda"), rows,
+    write_report(args.out, f"dense_loss_{args.model}" + (f"_{args.name}" if args.name else ""), run_env("cuda"), rows,
                  f"Loss of FP8 dense linears: `python benchmarks/bench_dense_loss.py --model {args.model}`",
                  f"{args.layers} decoder layers, {args.steps} eager steps of {batch} x {seq} tokens", body)
     print("\n".join(body))
