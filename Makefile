@@ -6,6 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-gpu compile-check venv clean
 
+# Bytecode is compiled once after the installs (pip's --no-compile skips it), on every core: where
+# PYTHONDONTWRITEBYTECODE is set, every test process would otherwise compile torch and transformers
+# from source again (about 200 s of CPU in one `make test` on 2 cores). compileall's status is
+# ignored: files written for newer Pythons (torch's py312 test helpers) fail and are never imported.
 # torchtitan goes in without its requirements (its trainer's ~146 MiB: datasets, tensorboard, wandb):
 # tests/test_torchtitan_integration.py needs only its model code and the four packages after it.
 $(STAMP): pyproject.toml constraints/cpu.txt
@@ -14,6 +18,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	$(VPY) -m pip install -q --no-compile -c constraints/cpu.txt -e '.[test,hf,demo]'
 	$(VPY) -m pip install -q --no-compile --no-deps -c constraints/cpu.txt torchtitan
 	$(VPY) -m pip install -q --no-compile -c constraints/cpu.txt spmd_types tyro docstring-parser typeguard
+	$(VPY) -m compileall -q -j 0 "$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" moe_fp8 > /dev/null || true
 	touch $(STAMP)
 
 venv: $(STAMP)
