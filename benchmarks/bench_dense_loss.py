@@ -1,7 +1,8 @@
 """Which FP8 dense linears move the loss: the whole-model step's eager training (4 decoder layers, 8 x
-1024 tokens, AdamW, 150 steps) of one model, HF BF16 against ``hf.convert`` with its defaults and
-with groups of dense linears left in BF16 by ``filter_fn``, plus the library's BF16 path (the
-spread that summation order alone gives). Prints the mean loss of steps 41-50, 91-100 and 141-150
+1024 tokens, AdamW, 150 steps) of one model, HF BF16 against ``hf.convert`` with its defaults, with
+groups of dense linears left in BF16 by ``filter_fn``, with other dense recipes, and with TorchAO's
+rowwise ``Float8Linear`` on exactly the linears the defaults convert (our FP8 experts; needs
+``torchao``), plus the library's BF16 path (the spread that summation order alone gives). Prints the mean loss of steps 41-50, 91-100 and 141-150
 per variant and writes ``dense_loss_<model>[_<name>].json`` / ``.md`` to ``--out``. Loss spread
 between two runs of one variant on the GPU: about 2% (its kernels are not deterministic).
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from moe_fp8 import hf
 from moe_fp8.bench import models as m
 from moe_fp8.bench.report import run_env, write_report
+from moe_fp8.layers import FP8Linear
 
 #: variant -> (hf.convert keyword arguments, names of dense linears kept in BF16)
 ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "k_proj", "v_proj", "o_proj")
@@ -33,6 +35,8 @@ VARIANTS = {
     "ours_fp8_no_fp8_attention": (dict(recipe="rowwise"), ATTENTION),
     "ours_fp8_no_fp8_dense_mlp": (dict(recipe="rowwise"), MLP),
     "ours_fp8_dense_gw_hp": (dict(recipe="rowwise", dense_recipe="rowwise_gw_hp"), ()),
+    "ours_fp8_dense_tensorwise": (dict(recipe="rowwise", dense_recipe="tensorwise"), ()),
+    "torchao_dense_same_linears": (dict(recipe="rowwise", dense=False), ()),
 }
 WINDOWS = ((40, 50), (90, 100), (140, 150))
 
@@ -44,7 +48,22 @@ def variant_model(base: torch.nn.Module, variant: str) -> torch.nn.Module:
         kwargs, kept = spec
         hf.convert(model, cache_weights=False, filter_fn=lambda mod, fqn: fqn.rsplit(".", 1)[-1] not in kept,
                    **kwargs)
+    if variant == "torchao_dense_same_linears":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        names = default_fp8_linears(base)
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=lambda mod, fqn: fqn in names)
     return model.train()
+
+
+def default_fp8_linears(base: torch.nn.Module) -> set[str]:
+    """Names of the linears ``hf.convert``'s defaults turn into ``FP8Linear`` in ``base``."""
+    probe = hf.convert(copy.deepcopy(base), cache_weights=False)
+    names = {name for name, mod in probe.named_modules() if isinstance(mod, FP8Linear)}
+    del probe
+    torch.cuda.empty_cache()
+    return names
 
 
 def train(model: torch.nn.Module, data, steps: int, lr: float) -> list[float]:

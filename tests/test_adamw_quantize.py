@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from moe_fp8 import FP8GroupedExperts
-from moe_fp8.grouped_gemm import library
+from moe_fp8.grouped_gemm import compiled_weight_cache, library
 from moe_fp8.optim import AdamWQuantize, adamw_hyper, adamw_quantize, adamw_quantize_reference
 from moe_fp8.quant import reference as ref
 from moe_fp8.testing import dirty_allocator
@@ -158,6 +158,32 @@ def test_optimizer_fills_the_caches_and_matches_torch_adamw(monkeypatch):
         cached = cache.get(cache.stand_in(p, dtype), key, lambda t: pytest.fail("a miss after the step"))
         _assert_quantized_equal(cached, library.quantize_weight(p.detach().to(dtype), *key))
     assert opt.state_dict()["state"][1]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.interpreter
+def test_optimizer_fills_the_compiled_cache(monkeypatch):
+    """After a compiled forward (aot_eager, full graph) the fused step writes its copies into the
+    compiled cache: the next compiled forward and backward quantize no weight, and the copies are
+    the bytes of quantizing the new weights."""
+    torch.manual_seed(4)
+    model = _Block().to(torch.bfloat16)
+    opt = AdamWQuantize(model.parameters(), model, foreach=False, **HYPER)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    calls = []
+    real = library.quantize_weight
+    monkeypatch.setattr(library, "quantize_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, dy = torch.randn(16, 64).bfloat16(), torch.randn(16, 64).bfloat16()
+    for step in range(2):
+        before = len(calls)
+        opt.zero_grad()
+        compiled(x).backward(dy)
+        opt.step()
+        assert len(calls) - before == (2 if step == 0 else 0)
+    cache = compiled_weight_cache()
+    for p in (model.experts.gate_up_proj, model.experts.down_proj):
+        ((dtype, key),) = cache.keys(p)
+        cached = cache.get(p, key, lambda t: pytest.fail("a miss after the step"))
+        _assert_quantized_equal(cached, library.quantize_weight(p.detach(), *key))
 
 
 @pytest.mark.interpreter

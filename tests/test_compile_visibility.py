@@ -1,6 +1,6 @@
 """What ``torch.compile`` sees of the library: our Triton kernels as ``triton_kernel_wrapper`` nodes
-in the AOT graphs (forward and backward), not opaque ``moe_fp8::*`` calls, and compiled results
-equal to eager ones. CPU: tiny shapes, Triton interpreter, a graph-capturing AOT backend. GPU:
+in the AOT graphs (forward and backward), not opaque ``moe_fp8::*`` calls (except, with the weight
+cache on, the GEMMs that read the cached FP8 weights), and compiled results equal to eager ones. CPU: tiny shapes, Triton interpreter, a graph-capturing AOT backend. GPU:
 Inductor on converted Hugging Face decoder layers, ``mode="reduce-overhead"`` on a whole model."""
 
 import logging
@@ -63,13 +63,17 @@ def _compiled_vs_eager(module, x, dy):
     return want, got, cap
 
 
+_CACHED_GEMM = "moe_fp8.gg_mm_2d3d_cached_weight.default"
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("recipe", ["rowwise"])
-def test_fp8_moe_graph_holds_the_triton_kernels(recipe):
-    """Forward+backward of FP8MoE (Triton grouped GEMM backend) compiled: every kernel of routing,
-    quantization and GEMM is a node of the graph, and the results are bit for bit eager's."""
+@pytest.mark.parametrize("cache_weights", [False, True])
+def test_fp8_moe_graph_holds_the_triton_kernels(cache_weights):
+    """Forward+backward of FP8MoE (Triton grouped GEMM backend, rowwise) compiled: every kernel of
+    routing, quantization and GEMM is a node of the graph, and the results are bit for bit eager's.
+    With the weight cache the forward and dgrad GEMMs are the opaque op reading the cached weights."""
     torch.manual_seed(0)
-    moe = FP8MoE(H, I, E, K, recipe=recipe, backend="triton").to(torch.bfloat16)
+    moe = FP8MoE(H, I, E, K, recipe="rowwise", backend="triton", cache_weights=cache_weights).to(torch.bfloat16)
     x, dy = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
     want, got, cap = _compiled_vs_eager(moe, x, dy)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
@@ -77,9 +81,13 @@ def test_fp8_moe_graph_holds_the_triton_kernels(recipe):
     fw, bw = (set(cap.kernels(g)) for g in cap.graphs)
     assert {"plan_kernel", "permute_rows_kernel", "combine_kernel"} <= fw
     assert "combine_backward_kernel" in bw
-    assert {"_swiglu_quant_kernel", "_grouped_mm_2d3d_kernel", "_expert_rowwise_col_amax_kernel"} <= fw
-    assert {"_swiglu_bwd_kernel", "_grouped_mm_2d3d_kernel", "_grouped_mm_2d2d_kernel"} <= bw
-    assert not any(cap.library_ops(g) for g in cap.graphs)  # nothing opaque left
+    assert "_swiglu_quant_kernel" in fw and {"_swiglu_bwd_kernel", "_grouped_mm_2d2d_kernel"} <= bw
+    if cache_weights:  # the weights' quantization and the GEMMs reading them: inside the cached op
+        assert [sorted(cap.library_ops(g)) for g in cap.graphs] == [[_CACHED_GEMM]] * 2
+        assert [str(n.target) for g in cap.graphs for n in g.graph.nodes].count(_CACHED_GEMM) == 4
+    else:
+        assert {"_grouped_mm_2d3d_kernel", "_expert_rowwise_col_amax_kernel"} <= fw and "_grouped_mm_2d3d_kernel" in bw
+        assert not any(cap.library_ops(g) for g in cap.graphs)  # nothing opaque left
 
 
 _VIEW_OPS = ("aten.slice.Tensor", "aten.as_strided.default", "aten.view.default", "aten.view.dtype",
@@ -119,7 +127,7 @@ def test_emulated_backend_keeps_only_its_gemms_opaque():
     """The CPU reference GEMMs and quantizers (what ``emulated`` runs) read the offsets on the host:
     they stay opaque custom ops; routing, permute, SwiGLU and combine are still traced to kernels."""
     torch.manual_seed(1)
-    moe = FP8MoE(H, I, E, K, recipe="rowwise", backend="emulated").to(torch.bfloat16)
+    moe = FP8MoE(H, I, E, K, recipe="rowwise", backend="emulated", cache_weights=False).to(torch.bfloat16)
     x, dy = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
     want, got, cap = _compiled_vs_eager(moe, x, dy)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
@@ -164,11 +172,11 @@ class _Layer(torch.nn.Module):
         return self.layer(x, position_ids=pos, position_embeddings=self.rotary(x, pos))
 
 
-def _converted_layer(name: str, recipe: str, backend: str, device="cpu"):
+def _converted_layer(name: str, recipe: str, backend: str, device="cpu", cache_weights=True):
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(_config(name)).to(device, torch.bfloat16)
     model.config._attn_implementation = "sdpa"
-    hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0)
+    hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0, cache_weights=cache_weights)
     return _Layer(model)
 
 
@@ -178,7 +186,7 @@ def test_hf_decoder_layer_compiles_with_the_triton_kernels(name, recipe):
     """One decoder layer of a converted tiny model, attention included: fullgraph forward+backward,
     our kernels in the graph, equal to eager (the same kernels; the compiled attention and norms may
     round differently, hence SQNR)."""
-    layer = _converted_layer(name, recipe, "triton")
+    layer = _converted_layer(name, recipe, "triton", cache_weights=False)
     x, dy = torch.randn(1, 8, H).bfloat16(), torch.randn(1, 8, H).bfloat16()
     want, got, cap = _compiled_vs_eager(layer, x, dy)
     assert sqnr(want[0], got[0]) >= 40 and sqnr(want[1], got[1]) >= 40

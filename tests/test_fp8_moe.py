@@ -579,6 +579,49 @@ def test_fp8_moe_gpu_compile_reduce_overhead():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_fp8_moe_gpu_compile_weights_quantized_once_per_step(mode):
+    """Inductor, full graph, weight cache on, ``quantize_after_step``: 3 optimizer steps of 2
+    micro-batches; every micro-batch against an eager step of the same weights (output, x's and
+    every parameter's gradient). Before the last step every weight is flipped in place outside the
+    optimizer (a stale FP8 copy would flip the output's sign). Without CUDA graphs the compiled
+    cache quantizes each weight in the first forward and after the flip, the hook after each step;
+    with CUDA graphs it is never filled."""
+    from moe_fp8.grouped_gemm import compiled_weight_cache
+    from moe_fp8.optim import quantize_after_step
+
+    mods, x, dy = _gpu_pair(T=1024)
+    moe = mods["rowwise"]
+    opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
+    quantize_after_step(opt, moe)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, mode=mode, fullgraph=True)
+    cache = compiled_weight_cache()
+    misses = cache.misses
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                for p in moe.parameters():
+                    p.mul_(-0.5)
+        for micro in range(2):
+            eager, eager_gx, eager_grads = _grads(moe, x, dy)
+            moe.zero_grad()
+            if mode is not None:
+                torch.compiler.cudagraph_mark_step_begin()
+            xr = x.clone().requires_grad_()
+            out = compiled(xr)
+            out.backward(dy)
+            assert sqnr(eager, out) >= 40, (step, micro)
+            assert sqnr(eager_gx, xr.grad) >= 40, (step, micro)
+            for name, p in moe.named_parameters():
+                assert sqnr(eager_grads[name], p.grad) >= 40, (step, micro, name)
+        opt.step()
+    weights = moe.experts._weights()
+    held = sum(len(cache.keys(w)) for w in weights)
+    assert (held, cache.misses - misses) == ((2, 4) if mode is None else (0, 0))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe, cache_weights", [("rowwise", True), ("rowwise", False), ("bf16", True)])
 def test_fp8_moe_gpu_cuda_graph_forward_backward(recipe, cache_weights):
     """Forward + backward captured in one CUDA graph (what a host-bound layer needs): replays with

@@ -18,7 +18,9 @@ except (``save_w``) when no cache serves a ``rowwise`` weight that the caller ke
 (a parameter or a view of one): then the forward quantizes the forward layout and takes the dgrad
 layout's amax (over N) from the same read, ``w`` itself and that ``(E, K)`` amax are saved, and
 the backward quantizes the dgrad layout from them (the same bytes, one read and one write of
-``w``), so no FP8 weight copy lives from forward to backward.
+``w``), so no FP8 weight copy lives from forward to backward;
+and except (``cached``) under torch.compile with a cache: the forward and dgrad GEMMs read the
+weight's FP8 layouts inside one opaque op each (``compiled_cache``), and only the parameter is saved.
 With ``rowwise`` FP8 wgrad and both gradients wanted, the forward's row quantization of ``x`` (or,
 when ``x`` comes quantized from upstream and its groups average at least
 ``UPSTREAM_AMAX_MIN_ROWS_PER_GROUP`` rows, a read of ``x`` alone) and the dgrad's of grad_out also
@@ -39,12 +41,13 @@ from ..quant.kernels.rowwise import col_amax_fits
 from ..quant.reference import dequantize
 from . import library as lib
 from .backends import get_backend
+from .compiled_cache import mm_2d3d_cached_weight
 from .padding import padded_offsets, padded_rows
 from .quantized_weight import QuantizedExpertWeight
 
 __all__ = ["FP8GroupedMM", "dequantize_rows"]
 
-_NONES = (None,) * 11  # gradients of the non-tensor arguments of ``apply``
+_NONES = (None,) * 12  # gradients of the non-tensor arguments of ``apply``
 _DEQUANTIZE_ELEMENTS = 1 << 26  # elements per chunk of dequantize_rows (its fp32 temporary: 256 MB)
 
 
@@ -89,7 +92,8 @@ def _upstream_amax_pays(m: int, groups: int) -> bool:
 
 
 class FP8GroupedMM(torch.autograd.Function):
-    """``apply(x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w)``.
+    """``apply(x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
+    save_x_fp8, cached)``.
 
     ``scaling`` is ``None`` for the BF16 recipe; ``w_quant`` is the 4-tuple of
     ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here; ``x_quant`` is
@@ -99,12 +103,14 @@ class FP8GroupedMM(torch.autograd.Function):
     (with ``x_quant``): save ``x_quant``, not ``x``, and give the wgrad ``x_quant`` dequantized
     (:func:`dequantize_rows`); ``x`` is then never read. ``save_w`` (only
     with ``scaling="rowwise"`` and ``w_quant=None``): save ``w`` (and its amax over N) and quantize
-    its dgrad layout in backward instead of saving that layout from forward.
+    its dgrad layout in backward instead of saving that layout from forward. ``cached`` (FP8
+    recipes, ``w_quant=None``, a plain ``w``): ``None``, or whether ``w`` is the transposed view of
+    the parameter whose FP8 layouts :func:`.compiled_cache.mm_2d3d_cached_weight` reads.
     """
 
     @staticmethod
     def forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
-                save_x_fp8=False):
+                save_x_fp8=False, cached=None):
         ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
         ctx.w_dtype = w.dtype
         ctx.empty = x.shape[0] == 0
@@ -117,7 +123,11 @@ class FP8GroupedMM(torch.autograd.Function):
         fused = get_backend(backend).fused_quant
         ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant
         ctx.w_operands = None
-        if ctx.w_saved:
+        ctx.cached = cached
+        if cached is not None:  # the parameter itself: the GEMMs read its FP8 layouts from the cache
+            param = w.transpose(1, 2) if cached else w
+            q_fwd, s_fwd, q_bwd, s_bwd = param, None, param, None
+        elif ctx.w_saved:
             q_fwd, s_fwd, col_amax = lib.quantize_weight_forward_layout(w, fmt, pow2, fused)
             q_bwd, s_bwd = w, col_amax
         elif isinstance(w, QuantizedExpertWeight):  # FP8 operands made elsewhere: the dgrad layout read in backward
@@ -143,7 +153,11 @@ class FP8GroupedMM(torch.autograd.Function):
             xq, xs, x_amax = lib.quantize_activation_group_amax(x, offs, fmt, pow2, fused)
         else:
             xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused, _routed_rows(offs, scaling))
-        out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
+        if cached is not None:
+            out = mm_2d3d_cached_weight(backend, xq, xs, q_fwd, cached, offs, out_dtype, False, scaling, fmt, pow2,
+                                        fused)
+        else:
+            out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
         ctx.x_dtype = x.dtype
         # tensorwise FP8 wgrad takes x's FP8 bytes as they are (one scale for the tensor): x is saved
         # in FP8, with its scale in the amax's place
@@ -189,7 +203,8 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     ``(q, scale)``, with ``group_amax`` also its per-group column amax ``(E, N)`` fp32. ``q_bwd,
     s_bwd``: the saved dgrad layout, or ``w`` and its amax over N (``ctx.w_saved``) to quantize it
     here (freed on return, before the wgrad runs), or ``None`` to read it from the
-    ``QuantizedExpertWeight``'s operands (``ctx.w_operands``)."""
+    ``QuantizedExpertWeight``'s operands (``ctx.w_operands``), or the parameter whose dgrad layout
+    the compiled cache holds (``ctx.cached``)."""
     fused = get_backend(ctx.backend).fused_quant
     if ctx.w_saved:
         q_bwd, s_bwd = lib.quantize_weight_dgrad_layout(q_bwd, s_bwd, ctx.fmt, ctx.pow2, fused)
@@ -200,6 +215,10 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     else:
         rows = _routed_rows(offs, ctx.scaling)
         g_fp8 = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused, rows)
+    if ctx.cached is not None:
+        dx = mm_2d3d_cached_weight(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, ctx.cached, offs, ctx.x_dtype, True,
+                                   ctx.scaling, ctx.fmt, ctx.pow2, fused)
+        return dx, g_fp8
     return lib.mm_2d3d(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, s_bwd, offs, ctx.x_dtype), g_fp8
 
 

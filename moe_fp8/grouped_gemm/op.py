@@ -57,7 +57,10 @@ def fp8_grouped_mm(
         out_dtype: dtype of the result (bf16 only on the cuda_auto, cuda, hybrid and rocm backends).
         weight_cache: serve the quantized weights from this cache while ``w`` is unchanged
             (same tensor, same version counter): pass it across gradient-accumulation
-            micro-batches. Not for ``torch.compile``; bypassed while a CUDA graph is captured
+            micro-batches. Under ``torch.compile`` any cache given makes the GEMMs read ``w``'s
+            FP8 layouts from the process-wide ``compiled_weight_cache()`` instead (``w`` a
+            parameter or a transposed view of one, in ``x``'s dtype; see ``compiled_cache``);
+            bypassed while a CUDA graph is captured
             (the graph then quantizes ``w`` on every replay, as without a cache: see
             ``Fp8WeightCache``). Without a cache, a ``rowwise`` weight that is a parameter (or a
             view of one) is saved as is and its dgrad layout quantized in backward, so no FP8
@@ -118,8 +121,13 @@ def fp8_grouped_mm(
         offs = torch.cummax(offs.clamp(0, M), 0).values
 
     fmt = be.fp8_format(x.device).name if rec.is_fp8 else ""
-    w_quant = None
+    w_quant, cached = None, None
     if quantized:  # FP8GroupedMM reads its layouts when it needs them
+        weight_cache = None
+    if weight_cache is not None and rec.is_fp8 and torch.compiler.is_compiling():
+        if hasattr(w, "_fp8_cache_source"):
+            raise ValueError("w: under torch.compile pass the weight itself in x's dtype, not a stand-in")
+        cached = _transposed_layout(w)
         weight_cache = None
     if weight_cache is not None and rec.is_fp8 and weight_cache.bypassed(w):
         w = weight_cache.values(w)  # a CUDA graph is being captured: as without a cache
@@ -133,10 +141,11 @@ def fp8_grouped_mm(
     elif save_x_fp8:
         raise ValueError("save_x_fp8: needs x_fp8 (the FP8 rows to keep for the backward)")
     x, w_mat = (x if save_x_fp8 else x.contiguous()), _matrix_layout(w)
-    save_w = not quantized and w_quant is None and rec.scaling == "rowwise" and w_mat is w and _kept_alive(w)
+    save_w = (not quantized and w_quant is None and cached is None and rec.scaling == "rowwise" and w_mat is w
+              and _kept_alive(w))
     return FP8GroupedMM.apply(
         x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
-        bool(save_x_fp8),
+        bool(save_x_fp8), cached,
     )
 
 
@@ -154,10 +163,18 @@ def _matrix_layout(w: torch.Tensor) -> torch.Tensor:
     Every quantizer takes any strides and ``torch._grouped_mm`` takes both layouts, so the
     transposed view of a parameter is never copied (nor is its gradient copied back).
     """
+    return w if _transposed_layout(w) is not None else w.contiguous()
+
+
+def _transposed_layout(w: torch.Tensor) -> bool | None:
+    """Whether ``w (E, N, K)`` is the transposed view of ``(E, K, N)`` weights (False: ``nn.Linear``
+    layout; ``None``: neither, so ``_matrix_layout`` copies it)."""
     E, N, K = w.shape
-    if (w.stride(2) == 1 and w.stride(1) == K) or (w.stride(1) == 1 and w.stride(2) == N):
-        return w
-    return w.contiguous()
+    if w.stride(2) == 1 and w.stride(1) == K:
+        return False
+    if w.stride(1) == 1 and w.stride(2) == N:
+        return True
+    return None
 
 
 def _check_x_fp8(x_fp8, rec: Float8Recipe, fmt: str, x: torch.Tensor) -> None:

@@ -18,8 +18,8 @@ freeze the FP8 copy into the graph (replays after a weight update would use the 
 read freed memory once the entry is replaced), and a miss would fill the cache with the graph's
 memory. So a captured step quantizes the weights inside the graph, on every replay, and replays
 see every in-place weight update; ``fp8_grouped_mm`` then takes its uncached path (no FP8 copy of
-a parameter kept from forward to backward). Under ``torch.compile`` the FP8 modules do not use the
-cache.
+a parameter kept from forward to backward). Under ``torch.compile`` the GEMMs read one process-wide
+cache inside opaque ops (``compiled_cache``).
 
 Parameters sharded by FSDP2 (``fully_shard``): the module sees the unsharded parameter, one
 tensor object whose storage FSDP frees after use and fills again by each all-gather with its

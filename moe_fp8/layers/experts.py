@@ -210,12 +210,7 @@ class FP8GroupedExperts(nn.Module):
         pow2 = recipe.pow2_scales
         gemm = dict(recipe=recipe, backend=self.backend)
         w1, w2 = self._weights()
-        # FP8 recipes read cached weights only through the cache: a weight cast happens there, on a miss.
-        # Not while compiling or capturing a CUDA graph (then the weights are quantized in the step), nor
-        # for weights that come quantized (FSDP's FP8 all-gather).
-        cached = (self._caches is not None and recipe.is_fp8 and not torch.compiler.is_compiling()
-                  and not Fp8WeightCache.bypassed(x_perm) and not isinstance(w1, QuantizedExpertWeight))
-        cache = self._caches if cached else (None, None)
+        cache = self._caches if self._reads_cache(w1, x_perm) else (None, None)
         w1 = _cast(w1, x_perm.dtype, cache[0])
         h = fp8_grouped_mm(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8,
                            save_x_fp8=save_x_fp8 and x_fp8 is not None, **gemm)
@@ -228,6 +223,20 @@ class FP8GroupedExperts(nn.Module):
         # The grouped GEMMs write bf16; fp32 modules (no autocast) get their dtype back at the end.
         w2 = _cast(w2, a.dtype, cache[1])
         return fp8_grouped_mm(a, w2, offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
+
+    def _reads_cache(self, w1: torch.Tensor, x_perm: torch.Tensor) -> bool:
+        """Whether the GEMMs read the weights through the caches (FP8 recipes only; eagerly a weight
+        cast happens there, on a miss). Not for weights that come quantized (FSDP's FP8 all-gather),
+        nor while a CUDA graph is captured (the step then quantizes them), nor for weights FSDP
+        gathers unless ``parallelize`` keys the caches on the sharded state: the gathered tensor keeps
+        its identity and version counter across optimizer steps. Under ``torch.compile``: weights in
+        the activations' dtype, read from the compiled cache (``fp8_grouped_mm``)."""
+        if self._caches is None or not self.recipe.is_fp8 or isinstance(w1, QuantizedExpertWeight):
+            return False
+        fsdp = getattr(self, "_is_fsdp_managed_module", False)
+        if torch.compiler.is_compiling():
+            return not fsdp and w1.dtype == x_perm.dtype
+        return not Fp8WeightCache.bypassed(x_perm) and not (fsdp and self._caches[0].source_stamp is None)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "

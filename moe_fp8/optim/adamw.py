@@ -2,8 +2,8 @@
 
 The expert weights of ``FP8GroupedExperts`` (``nn.Linear`` layout, contiguous, a recipe with row
 scales) take :func:`.adamw_quantize.adamw_quantize`: the update and the forward-layout FP8 copy in
-one pass, the dgrad layout from one more read, stored in the module's weight cache under the
-settings the last forward used (an entry exists once a forward ran; before, the update alone).
+one pass, the dgrad layout from one more read, stored in the module's weight cache (the compiled
+cache, after a compiled forward) under the settings the last forward used (an entry exists once a forward ran; before, the update alone).
 Every other parameter takes ``torch.optim.AdamW`` itself, and after the step every other stale
 cache entry is re-quantized (:func:`.after_step.refresh_weight_caches`).
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..grouped_gemm.compiled_cache import compiled_weight_cache
 from .adamw_kernel import adamw_fits
 from .adamw_quantize import PARAM_DTYPES, STATE_DTYPES, adamw_hyper, adamw_quantize
 from .after_step import cached_experts, refresh_weight_caches
@@ -102,9 +103,10 @@ class AdamWQuantize(torch.optim.AdamW):
         state["step"] += 1
         hyper = adamw_hyper(step=int(state["step"].item()), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                             weight_decay=group["weight_decay"])
-        cache = self._fusable[p]
-        target = next(((dtype, key) for dtype, key in cache.keys(p)
-                       if key[0] == "rowwise" and dtype in (p.dtype, torch.bfloat16)), None)
+        # the module's cache after an eager forward, the compiled cache after a compiled one
+        cache, target = next(((c, (dtype, key)) for c in (self._fusable[p], compiled_weight_cache())
+                              for dtype, key in c.keys(p) if key[0] == "rowwise" and dtype in (p.dtype, torch.bfloat16)),
+                             (None, None))
         grad = p.grad.contiguous()
         if target is None:  # no forward has run yet: nothing says how the GEMMs quantize
             adamw_quantize(p, grad, state["exp_avg"], state["exp_avg_sq"], hyper, quantize=False)

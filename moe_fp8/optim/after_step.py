@@ -5,6 +5,7 @@
 hook on the optimizer re-quantizes every cache entry whose weight the step changed, so the next
 forward and backward find both layouts ready (hits), keyed on the post-step state: any later
 in-place write to a weight (``p.add_()``, ``load_state_dict``) bumps its version and misses.
+Under ``torch.compile`` the GEMMs read the process-wide compiled cache, which the hook refreshes too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..grouped_gemm.compiled_cache import compiled_weight_cache
 from ..layers.experts import FP8GroupedExperts
 
 __all__ = ["cached_experts", "quantize_after_step", "refresh_weight_caches"]
@@ -37,12 +39,14 @@ def cached_experts(model: nn.Module) -> list[FP8GroupedExperts]:
 
 
 def refresh_weight_caches(modules: list[FP8GroupedExperts]) -> int:
-    """Re-quantize every stale cache entry of ``modules`` (see ``Fp8WeightCache.refresh``).
+    """Re-quantize every stale cache entry of ``modules`` and of the compiled cache (see
+    ``Fp8WeightCache.refresh``; the compiled cache's entries are those of weights still alive).
 
-    Entries exist once a forward has run eagerly (their settings: dtype, format, scaling, backend,
-    come from it); before that, and under ``torch.compile`` (whose modules bypass the cache), there
-    are none and this does nothing. Returns how many entries were re-quantized."""
-    return sum(cache.refresh() for m in modules for cache in m._caches)
+    Entries exist once a forward has run (their settings: dtype, format, scaling, backend, come
+    from it); before that there are none and this does nothing. Returns how many entries were
+    re-quantized."""
+    caches = [cache for m in modules for cache in m._caches]
+    return sum(cache.refresh() for cache in (*caches, compiled_weight_cache()))
 
 
 def quantize_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> RemovableHandle:
@@ -58,7 +62,7 @@ def quantize_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> R
     The step quantizes what it changed; the next forward/backward then hits both layouts (the same
     bytes as quantizing them there). Weights the step did not touch keep their entries. Memory: the
     cache's, one BF16-sized copy of the weights, held from the step onwards instead of from the
-    forward. Under ``torch.compile`` the modules bypass the cache and the hook does nothing.
+    forward. Under ``torch.compile`` the same holds for the compiled cache.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -1,0 +1,70 @@
+"""``mm_2d3d_cached_weight``: a compiled graph's grouped GEMM on a weight quantized once per change.
+
+Under ``torch.compile`` an FP8 copy of a weight cannot be a value of the graph that outlives one
+call: Inductor owns every buffer an op returns and reuses its memory once the graph is done with
+it. So the cache lookup and the GEMM are one opaque op, and the FP8 copy never leaves it. The op
+takes the parameter itself (at run time the real tensor, whose identity and version counter tell
+an optimizer step apart, exactly as in eager mode), serves both layouts from the process-wide
+:func:`compiled_weight_cache` (quantizing on a miss, with the settings of the eager cache), and runs
+``mm_2d3d`` on the forward layout (``dgrad=False``) or the dgrad layout (``dgrad=True``).
+
+A weight stored transposed (Llama 4's ``(E, K, N)``) is passed as the parameter with
+``transposed=True``, never as a view: a view reaches an Inductor graph's ops as a new alias whose
+version counter does not follow the parameter's.
+
+The cache is read and filled only on a CUDA device's default stream (and on the CPU): elsewhere
+the op quantizes anew and stores nothing. Inductor's CUDA graphs (``mode="reduce-overhead"``) warm
+up and capture on a stream of their own, with every allocation in their private memory pool, whose
+blocks they hand out again; a captured graph quantizes on every replay, as in eager. :func:`moe_fp8.optim.quantize_after_step` refreshes
+this cache's stale entries too.
+"""
+
+# No ``from __future__ import annotations``: torch.library infers the op's schema from the annotations.
+import torch
+from torch import Tensor
+
+from ..kernel_backend import eager_or_custom_op
+from . import library as lib
+from .weight_cache import Fp8WeightCache
+
+__all__ = ["compiled_weight_cache", "mm_2d3d_cached_weight"]
+
+_CACHE = Fp8WeightCache()
+
+
+def compiled_weight_cache() -> Fp8WeightCache:
+    """The ``Fp8WeightCache`` every compiled graph's cached GEMMs read (one per process)."""
+    return _CACHE
+
+
+def _mm_2d3d_cached_weight(backend: str, a: Tensor, scale_a: Tensor, param: Tensor, transposed: bool, offs: Tensor,
+                           out_dtype: torch.dtype, dgrad: bool, scaling: str, fmt: str, pow2: bool,
+                           fused: bool) -> Tensor:
+    w = param.transpose(1, 2) if transposed else param
+    if _off_default_stream(w):
+        q_fwd, s_fwd, q_bwd, s_bwd = lib.quantize_weight(w.detach(), scaling, fmt, pow2, fused)
+    else:
+        q_fwd, s_fwd, q_bwd, s_bwd = _CACHE.get(
+            w, (scaling, fmt, pow2, fused), lambda t: lib.quantize_weight(t, scaling, fmt, pow2, fused)
+        )
+    q, s = (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
+    return lib.mm_2d3d(backend, a, scale_a, q, s, offs, out_dtype)
+
+
+def _off_default_stream(w: Tensor) -> bool:
+    return w.is_cuda and torch.cuda.current_stream(w.device) != torch.cuda.default_stream(w.device)
+
+
+_op = torch.library.custom_op("moe_fp8::gg_mm_2d3d_cached_weight", _mm_2d3d_cached_weight, mutates_args=())
+
+
+@_op.register_fake
+def _(backend, a, scale_a, param, transposed, offs, out_dtype, dgrad, scaling, fmt, pow2, fused):
+    E, N, K = (param.shape[0], param.shape[2], param.shape[1]) if transposed else param.shape
+    return a.new_empty(a.shape[0], K if dgrad else N, dtype=out_dtype)
+
+
+mm_2d3d_cached_weight = eager_or_custom_op(_op, _mm_2d3d_cached_weight)
+mm_2d3d_cached_weight.__doc__ = """``(M, N)`` forward (``a (M, K)`` FP8 rows) or ``(M, K)`` dgrad (``a (M, N)``)
+grouped GEMM with ``param``'s FP8 copy from :func:`compiled_weight_cache`; ``param`` is ``(E, N, K)``
+(``(E, K, N)`` with ``transposed``) in the activations' dtype. The custom op under torch.compile."""
