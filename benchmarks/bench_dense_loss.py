@@ -103,7 +103,8 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
         row = dict(variant=variant, **{f"loss_{a + 1}_{b}": statistics.fmean(losses[a:b]) for a, b in WINDOWS
-                                        if b <= args.steps})
+                                        if b <= args.steps},
+                   curve=[round(statistics.fmean(losses[i:i + 10]), 4) for i in range(0, len(losses), 10)])
         rows.append(row)
         print(json.dumps(row), flush=True)
     ref = rows[0]
