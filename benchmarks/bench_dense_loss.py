@@ -1,6 +1,7 @@
 """Which FP8 dense linears move the loss: the whole-model step's eager training (4 decoder layers, 8 x
 1024 tokens, AdamW, 150 steps) of one model, HF BF16 against ``hf.convert`` with its defaults, with
-groups of dense linears left in BF16 by ``filter_fn``, with other dense recipes, and with TorchAO's
+groups of dense linears left in BF16 by ``filter_fn``, with other dense recipes (power-of-two scales,
+as TorchAO's rowwise recipe rounds them, among them), and with TorchAO's
 rowwise ``Float8Linear`` on exactly the linears the defaults convert (our FP8 experts; needs
 ``torchao``), plus the library's BF16 path (the spread that summation order alone gives). Prints the mean loss of steps 41-50, 91-100 and 141-150
 per variant and writes ``dense_loss_<model>[_<name>].json`` / ``.md`` to ``--out``. Loss spread
@@ -24,6 +25,7 @@ from moe_fp8 import hf
 from moe_fp8.bench import models as m
 from moe_fp8.bench.report import run_env, write_report
 from moe_fp8.layers import FP8Linear
+from moe_fp8.quant.recipes import get_recipe
 
 #: variant -> (hf.convert keyword arguments, names of dense linears kept in BF16)
 ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "k_proj", "v_proj", "o_proj")
@@ -36,6 +38,7 @@ VARIANTS = {
     "ours_fp8_no_fp8_dense_mlp": (dict(recipe="rowwise"), MLP),
     "ours_fp8_dense_gw_hp": (dict(recipe="rowwise", dense_recipe="rowwise_gw_hp"), ()),
     "ours_fp8_dense_tensorwise": (dict(recipe="rowwise", dense_recipe="tensorwise"), ()),
+    "ours_fp8_dense_pow2": (dict(recipe="rowwise", dense_recipe=get_recipe("rowwise", pow2_scales=True)), ()),
     "torchao_dense_same_linears": (dict(recipe="rowwise", dense=False), ()),
 }
 WINDOWS = ((40, 50), (90, 100), (140, 150))

@@ -202,6 +202,8 @@ def test_compiled_module_quantizes_once_per_step(weight_quantizations, in_out_la
         _assert_same(got, _step(plain, opts[1], xs, dy))
     assert all(len(c) == 0 for c in hooked.experts._caches)
     assert len(cache.keys(hooked.experts._weights()[0])) == 1
+    weight_bytes = sum(p.numel() for p in hooked.experts.parameters())  # one FP8 byte per element and layout
+    assert 2 * weight_bytes < hooked.experts.weight_cache_nbytes < 2 * weight_bytes * 1.1
     for m in (hooked, plain):
         with torch.no_grad():
             m.experts.down_proj.mul_(-0.5)  # after the hook: its entry is stale

@@ -220,6 +220,12 @@ class Fp8WeightCache:
         """Device bytes held by the cached FP8 copies and their scales."""
         return sum(t.numel() * t.element_size() for e in self._entries.values() for t in e.value)
 
+    def nbytes_of(self, tensors: list[torch.Tensor]) -> int:
+        """Device bytes held by the entries of ``tensors`` (of them or of any view of them)."""
+        ids = {id(t) for t in tensors}
+        return sum(t.numel() * t.element_size() for slot, e in self._entries.items()
+                   if slot[0] in ids and e.ref() is not None and id(e.ref()) == slot[0] for t in e.value)
+
     def __len__(self) -> int:
         return len(self._entries)
 

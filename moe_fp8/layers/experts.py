@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..checks import check_multiple_of, check_tensor
-from ..grouped_gemm import Fp8WeightCache, QuantizedExpertWeight, fp8_grouped_mm, select_backend
+from ..grouped_gemm import Fp8WeightCache, QuantizedExpertWeight, compiled_weight_cache, fp8_grouped_mm, select_backend
 from ..quant import formats, quantize_rowwise
 from ..quant.recipes import get_recipe
 from ..quant.swiglu import SwiGLUQuantize
@@ -105,9 +105,13 @@ class FP8GroupedExperts(nn.Module):
 
     @property
     def weight_cache_nbytes(self) -> int:
-        """Device bytes held by the FP8 weight cache now (0 without one): memory on top of the
-        parameters, about one BF16-sized copy of the weights once filled."""
-        return sum(c.nbytes for c in self._caches) if self._caches is not None else 0
+        """Device bytes held by the FP8 weight cache now (0 without one), the compiled cache's entries
+        of these weights included: memory on top of the parameters, about one BF16-sized copy of the
+        weights once filled."""
+        if self._caches is None:
+            return 0
+        weights = [_local(p) for p in (self.gate_up_proj, self.down_proj)]
+        return sum(c.nbytes for c in self._caches) + compiled_weight_cache().nbytes_of(weights)
 
     @property
     def cache_weights(self) -> bool:
