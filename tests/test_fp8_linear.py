@@ -9,6 +9,7 @@ from torch import nn
 from moe_fp8 import FP8Linear, convert_to_fp8
 from moe_fp8.layers.fp8_linear import fp8_linear
 from moe_fp8.layers.scaled_mm import cpu_kernel_takes_row_scales
+from moe_fp8.quant.recipes import get_recipe
 from moe_fp8.quant.reference import quantize_rowwise
 from moe_fp8.testing import sqnr
 
@@ -86,6 +87,24 @@ def test_backward_equals_scaled_mm_of_reference_quantization(recipe, M):
     want_gx, want_gw = _spec_grads(x, w, dy, recipe)
     assert torch.equal(gx, want_gx)
     assert torch.equal(gw, want_gw)
+
+
+@pytest.mark.parametrize("fast_accum_grads", [True, False])
+def test_fast_accum_of_the_gradient_gemms(monkeypatch, fast_accum_grads):
+    """The forward GEMM always asks ``torch._scaled_mm`` for fast accumulation; dgrad and wgrad as the
+    recipe's ``fast_accum_grads`` says (tensorwise: ``torch._scaled_mm`` on every CPU torch)."""
+    asked = []
+    real = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs["use_fast_accum"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    recipe = get_recipe("tensorwise").replace(fast_accum_grads=fast_accum_grads)
+    x, w, b, dy = _data()
+    _grads(lambda x, w, b: fp8_linear(x, w, b, recipe=recipe), x, w, b, dy)
+    assert asked == [True, fast_accum_grads, fast_accum_grads]
 
 
 def test_bf16_recipe_is_plain_linear():

@@ -88,7 +88,7 @@ class _FP8LinearFn(torch.autograd.Function):
             g_q, g_s = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N), or tensorwise
         if need_dx:
             wt_q, wt_s = _quantize_t(weight, recipe, fmt)  # per input column of W (over N)
-            grad_x = scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype)
+            grad_x = scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype, recipe.fast_accum_grads)
         if need_dw:
             if recipe.fp8_wgrad:
                 if tensorwise_wgrad:  # one scale either way: transpose the codes made for dgrad
@@ -96,7 +96,7 @@ class _FP8LinearFn(torch.autograd.Function):
                 else:
                     gt_q, gt_s = _quantize_t(grad_out, recipe, grad_fmt)  # (N, M_pad)
                 xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
-                grad_w = scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype)
+                grad_w = scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype, recipe.fast_accum_grads)
             elif x.shape[0] == 0:  # an empty reduction: zeros by construction, not from the library
                 grad_w = torch.zeros_like(weight)
             else:

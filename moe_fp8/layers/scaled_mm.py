@@ -36,9 +36,10 @@ def cpu_kernel_takes_row_scales() -> bool:
 
 
 def scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q_t: torch.Tensor, b_s_t: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = True) -> torch.Tensor:
     """``a (M, K) @ b (K, N)`` in ``out_dtype``, where ``a_q (M, K)`` and ``b_q_t (N, K)`` (``b.T``) are
     FP8 row-major with scales ``a_s (M, 1)`` / ``b_s_t (N, 1)``, or ``()`` each (tensorwise).
+    ``fast_accum``: ``torch._scaled_mm``'s ``use_fast_accum`` (Hopper; other kernels ignore it).
 
     The FP8 GEMM writes bf16 (the only output every rowwise backend takes), then casts. An empty
     reduction (``K = 0``) gives zeros here, not from the library (torch 2.13's CPU kernel returns
@@ -50,5 +51,5 @@ def scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q_t: torch.Tensor, b_s_t: 
     if a_q.device.type == "cpu" and b_s_t.dim() != 0 and not cpu_kernel_takes_row_scales():
         out = ((a_q.float() * a_s) @ (b_q_t.float() * b_s_t).t()).to(torch.bfloat16)
     else:
-        out = torch._scaled_mm(a_q, b_q_t.t(), a_s, b_scale, out_dtype=torch.bfloat16, use_fast_accum=True)
+        out = torch._scaled_mm(a_q, b_q_t.t(), a_s, b_scale, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
     return same_or_cast(out, out_dtype)  # the forward's return: no alias (see autograd_outputs)

@@ -34,6 +34,9 @@ class Float8Recipe:
             format of the platform for gradients too.
         block_size: block edge of the ``blockwise`` recipe (1 x block for activations,
             block x block for weights).
+        fast_accum_grads: dense layers (``FP8Linear``) on CUDA run their dgrad and wgrad GEMMs
+            with ``use_fast_accum`` (Hopper's FP8 accumulation without the periodic promotion to
+            fp32), as their forward always does; ``False`` promotes in both (TorchAO's choice).
     """
 
     name: str
@@ -42,6 +45,7 @@ class Float8Recipe:
     pow2_scales: bool = False
     grad_format: str | None = None
     block_size: int = 128
+    fast_accum_grads: bool = True
 
     @property
     def is_fp8(self) -> bool:
