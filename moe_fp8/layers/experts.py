@@ -48,8 +48,10 @@ class FP8GroupedExperts(nn.Module):
             gradient-accumulation micro-batches; keyed on the parameters and invalidated by their
             version counters, never stale). fp32 parameters cast to bf16 (under autocast) hit
             too: the cast happens with the quantization, on a miss only. Costs one BF16-sized
-            copy of the weights; off under ``torch.compile`` and while a CUDA graph is captured
-            (a captured step quantizes the weights on every replay, so it sees weight updates).
+            copy of the weights. Under ``torch.compile`` the GEMMs read the process-wide compiled
+            cache (weights in the activations' dtype only); off while a CUDA graph is captured or
+            replayed (a captured step quantizes the weights on every replay, so it sees weight
+            updates) and for weights FSDP gathers without ``parallelize``'s keys.
         fp8_saved_input: the first GEMM keeps its input's rowwise FP8 rows for the backward, not
             the BF16 rows (recipes with row scales): the BF16 permuted rows are then never written
             (without input scales), and the saved activation is half the bytes. The gate/up weight
