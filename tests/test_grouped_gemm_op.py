@@ -13,7 +13,8 @@ import torch
 
 import moe_fp8
 from moe_fp8 import Fp8WeightCache, fp8_grouped_mm
-from moe_fp8.grouped_gemm import autograd, emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d, quant_seam
+from moe_fp8.grouped_gemm import (autograd, compiled_cache, emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d, library,
+                                  quant_seam)
 from moe_fp8.quant import E4M3FN, quantize_expert_colwise, quantize_group_colwise, quantize_rowwise
 from moe_fp8.testing import OFFSET_KINDS, random_offsets, sqnr
 
@@ -218,6 +219,35 @@ def test_weight_cache_hits_and_matches_uncached():
     assert cache.misses == 2 and len(cache) == 2  # separate entry per quantization settings
     E, N, K = w.shape  # rowwise: two fp8 layouts + (E, N), (E, K) scales; tensorwise: two + (E,) twice
     assert cache.nbytes == (2 * E * N * K + 4 * E * (N + K)) + (2 * E * N * K + 4 * 2 * E)
+
+
+@pytest.mark.parametrize("recipe", [pytest.param("rowwise", marks=needs_interpreter), "tensorwise"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cached_weight_gemm_off_the_default_stream(monkeypatch, recipe, transposed):
+    """The compiled graph's cached GEMM op off a CUDA device's default stream (where CUDA graphs
+    run): each GEMM quantizes only the layout it reads, stores nothing, and gives the bytes of the
+    GEMM on the cached layouts."""
+    backend = "triton" if recipe == "rowwise" else "emulated"
+    x, w, g, offs = make_inputs(48, 32, 48, 3, 45, "skewed", seed=14)
+    param = w.detach().transpose(1, 2).contiguous() if transposed else w.detach()
+    rec = moe_fp8.quant.get_recipe(recipe)
+    quantized = dict(fwd=quant_seam.quantize_activation(x, rec.scaling, E4M3FN, False, True),
+                     dgrad=quant_seam.quantize_activation(g, rec.scaling, E4M3FN, False, True))
+    args = lambda dgrad: (backend, *quantized["dgrad" if dgrad else "fwd"], param, transposed, offs,  # noqa: E731
+                          torch.bfloat16, dgrad, rec.scaling, "e4m3fn", False, True)
+    cache = compiled_cache.compiled_weight_cache()
+    want = [compiled_cache.mm_2d3d_cached_weight(*args(dgrad)) for dgrad in (False, True)]
+    entries = len(cache)
+    calls = []
+    for name in ("quantize_weight", "quantize_weight_forward_layout", "quantize_weight_dgrad_layout"):
+        real = getattr(library, name)
+        monkeypatch.setattr(library, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    monkeypatch.setattr(compiled_cache, "_off_default_stream", lambda w: True)
+    cache.invalidate()
+    got = [compiled_cache.mm_2d3d_cached_weight(*args(dgrad)) for dgrad in (False, True)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and entries > 0 and len(cache) == 0
+    assert calls == (["quantize_weight_forward_layout", "quantize_weight_dgrad_layout"] if recipe == "rowwise"
+                     else ["quantize_weight"] * 2)
 
 
 def _saved_for_backward(fn) -> list[tuple[tuple, torch.dtype]]:

@@ -13,10 +13,11 @@ A weight stored transposed (Llama 4's ``(E, K, N)``) is passed as the parameter 
 version counter does not follow the parameter's.
 
 The cache is read and filled only on a CUDA device's default stream (and on the CPU): elsewhere
-the op quantizes anew and stores nothing. Inductor's CUDA graphs (``mode="reduce-overhead"``) warm
-up and capture on a stream of their own, with every allocation in their private memory pool, whose
-blocks they hand out again; a captured graph quantizes on every replay, as in eager. :func:`moe_fp8.optim.quantize_after_step` refreshes
-this cache's stale entries too.
+the op quantizes the one layout its GEMM reads and stores nothing (the bytes of that half of
+``quantize_weight``). Inductor's CUDA graphs (``mode="reduce-overhead"``) warm up and capture on a
+stream of their own, with every allocation in their private memory pool, whose blocks they hand
+out again; a captured graph quantizes on every replay, as without a cache.
+:func:`moe_fp8.optim.quantize_after_step` refreshes this cache's stale entries too.
 """
 
 # No ``from __future__ import annotations``: torch.library infers the op's schema from the annotations.
@@ -27,7 +28,7 @@ from ..kernel_backend import eager_or_custom_op
 from . import library as lib
 from .weight_cache import Fp8WeightCache
 
-__all__ = ["compiled_weight_cache", "mm_2d3d_cached_weight"]
+__all__ = ["cached_weight_layouts", "compiled_weight_cache", "mm_2d3d_cached_weight"]
 
 _CACHE = Fp8WeightCache()
 
@@ -37,21 +38,38 @@ def compiled_weight_cache() -> Fp8WeightCache:
     return _CACHE
 
 
+def cached_weight_layouts(cache: Fp8WeightCache, w: Tensor, scaling: str, fmt: str, pow2: bool,
+                          fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``quantize_weight``'s ``(q_fwd, s_fwd, q_bwd, s_bwd)`` of ``w (E, N, K)`` from ``cache``,
+    keyed on these settings (quantized on a miss)."""
+    return cache.get(w, (scaling, fmt, pow2, fused), lambda t: lib.quantize_weight(t, scaling, fmt, pow2, fused))
+
+
+def _one_layout(w: Tensor, dgrad: bool, scaling: str, fmt: str, pow2: bool, fused: bool) -> tuple[Tensor, Tensor]:
+    """The layout one GEMM reads, quantized for this call alone: the same bytes as that half of
+    ``quantize_weight`` (rowwise: the dgrad layout's column amax is exact in any order)."""
+    if scaling != "rowwise":
+        q_fwd, s_fwd, q_bwd, s_bwd = lib.quantize_weight(w, scaling, fmt, pow2, fused)
+        return (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
+    if dgrad:
+        return lib.quantize_weight_dgrad_layout(w, w.abs().amax(dim=1).float(), fmt, pow2, fused)
+    return lib.quantize_weight_forward_layout(w, fmt, pow2, fused)[:2]
+
+
 def _mm_2d3d_cached_weight(backend: str, a: Tensor, scale_a: Tensor, param: Tensor, transposed: bool, offs: Tensor,
                            out_dtype: torch.dtype, dgrad: bool, scaling: str, fmt: str, pow2: bool,
                            fused: bool) -> Tensor:
     w = param.transpose(1, 2) if transposed else param
     if _off_default_stream(w):
-        q_fwd, s_fwd, q_bwd, s_bwd = lib.quantize_weight(w.detach(), scaling, fmt, pow2, fused)
+        q, s = _one_layout(w.detach(), dgrad, scaling, fmt, pow2, fused)
     else:
-        q_fwd, s_fwd, q_bwd, s_bwd = _CACHE.get(
-            w, (scaling, fmt, pow2, fused), lambda t: lib.quantize_weight(t, scaling, fmt, pow2, fused)
-        )
-    q, s = (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
+        q_fwd, s_fwd, q_bwd, s_bwd = cached_weight_layouts(_CACHE, w, scaling, fmt, pow2, fused)
+        q, s = (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
     return lib.mm_2d3d(backend, a, scale_a, q, s, offs, out_dtype)
 
 
 def _off_default_stream(w: Tensor) -> bool:
+    """Whether ``w`` is on a CUDA device whose current stream is not its default one."""
     return w.is_cuda and torch.cuda.current_stream(w.device) != torch.cuda.default_stream(w.device)
 
 

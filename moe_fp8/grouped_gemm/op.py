@@ -9,9 +9,9 @@ import torch
 from ..checks import check_multiple_of, check_offsets, check_offsets_values, check_same_device, check_tensor
 from ..quant.formats import resolve_format
 from ..quant.recipes import Float8Recipe, get_recipe
-from . import library as lib
 from .autograd import FP8GroupedMM
 from .backends import select_backend
+from .compiled_cache import cached_weight_layouts
 from .quantized_weight import QuantizedExpertWeight
 from .weight_cache import Fp8WeightCache
 
@@ -132,10 +132,7 @@ def fp8_grouped_mm(
     if weight_cache is not None and rec.is_fp8 and weight_cache.bypassed(w):
         w = weight_cache.values(w)  # a CUDA graph is being captured: as without a cache
     elif weight_cache is not None and rec.is_fp8:
-        key = (rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
-        w_quant = weight_cache.get(
-            w, key, lambda t: lib.quantize_weight(t, rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
-        )
+        w_quant = cached_weight_layouts(weight_cache, w, rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
     if x_fp8 is not None:
         _check_x_fp8(x_fp8, rec, fmt, x)
     elif save_x_fp8:

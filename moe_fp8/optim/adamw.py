@@ -3,7 +3,8 @@
 The expert weights of ``FP8GroupedExperts`` (``nn.Linear`` layout, contiguous, a recipe with row
 scales) take :func:`.adamw_quantize.adamw_quantize`: the update and the forward-layout FP8 copy in
 one pass, the dgrad layout from one more read, stored in the module's weight cache (the compiled
-cache, after a compiled forward) under the settings the last forward used (an entry exists once a forward ran; before, the update alone).
+cache, after a compiled forward) under the settings the last forward used (an entry exists once a
+forward ran; before, the update alone).
 Every other parameter takes ``torch.optim.AdamW`` itself, and after the step every other stale
 cache entry is re-quantized (:func:`.after_step.refresh_weight_caches`).
 
