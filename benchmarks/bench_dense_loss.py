@@ -1,12 +1,12 @@
 """Which FP8 dense linears move the loss: the whole-model step's eager training (4 decoder layers, 8 x
 1024 tokens, AdamW, 150 steps) of one model, HF BF16 against ``hf.convert`` with its defaults, with
-groups of dense linears left in BF16 by ``filter_fn``, with other dense recipes (power-of-two scales
-and dgrad / wgrad without fast accumulation, as TorchAO's rowwise recipe has them, among them), and
-with TorchAO's
-rowwise ``Float8Linear`` on exactly the linears the defaults convert (our FP8 experts; needs
-``torchao``), plus the library's BF16 path (the spread that summation order alone gives). Prints the mean loss of steps 41-50, 91-100 and 141-150
-per variant and writes ``dense_loss_<model>[_<name>].json`` / ``.md`` to ``--out``. Loss spread
-between two runs of one variant on the GPU: about 2% (its kernels are not deterministic).
+groups of dense linears left in BF16 by ``filter_fn``, with other dense recipes (scales not rounded to
+powers of two; dgrad / wgrad without fast accumulation, as TorchAO's rowwise recipe has them), with
+TorchAO's rowwise ``Float8Linear`` on exactly the linears the defaults convert (our FP8 experts; needs
+``torchao``), and the library's BF16 path (the spread that summation order alone gives). Prints the
+mean loss of steps 41-50, 91-100 and 141-150 per variant and writes
+``dense_loss_<model>[_<name>].json`` / ``.md`` to ``--out``. Loss spread between two runs of one
+variant on the GPU: about 2% (its kernels are not deterministic).
 
     python benchmarks/bench_dense_loss.py --model dsv3 --out benchmarks/results
 """
@@ -39,7 +39,8 @@ VARIANTS = {
     "ours_fp8_no_fp8_dense_mlp": (dict(recipe="rowwise"), MLP),
     "ours_fp8_dense_gw_hp": (dict(recipe="rowwise", dense_recipe="rowwise_gw_hp"), ()),
     "ours_fp8_dense_tensorwise": (dict(recipe="rowwise", dense_recipe="tensorwise"), ()),
-    "ours_fp8_dense_pow2": (dict(recipe="rowwise", dense_recipe=get_recipe("rowwise", pow2_scales=True)), ()),
+    "ours_fp8_no_pow2": (dict(recipe=get_recipe("rowwise", pow2_scales=False)), ()),
+    "ours_fp8_dense_no_pow2": (dict(recipe="rowwise", dense_recipe=get_recipe("rowwise", pow2_scales=False)), ()),
     "ours_fp8_dense_precise_grads": (dict(recipe="rowwise", dense_recipe=get_recipe("rowwise").replace(
         fast_accum_grads=False)), ()),
     "torchao_dense_same_linears": (dict(recipe="rowwise", dense=False), ()),

@@ -85,8 +85,9 @@ def test_recipes():
     assert set(RECIPES) == {"rowwise", "rowwise_gw_hp", "tensorwise", "blockwise", "bf16"}
     assert get_recipe("rowwise").fp8_wgrad and not get_recipe("rowwise_gw_hp").fp8_wgrad
     assert not get_recipe("bf16").is_fp8
-    assert get_recipe("rowwise", pow2_scales=True).pow2_scales
-    assert not RECIPES["rowwise"].pow2_scales  # the override does not mutate the table
+    assert all(RECIPES[name].pow2_scales for name in ("rowwise", "rowwise_gw_hp", "tensorwise"))
+    assert not get_recipe("rowwise", pow2_scales=False).pow2_scales
+    assert RECIPES["rowwise"].pow2_scales  # the override does not mutate the table
     custom = Float8Recipe("mine", "rowwise", fp8_wgrad=True, grad_format="e5m2")
     assert get_recipe(custom) is custom
     with pytest.raises(ValueError, match="recipe: expected one of"):
