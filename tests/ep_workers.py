@@ -295,8 +295,12 @@ def check_hf_model(group, world: int, rank: int, dispatch: str) -> None:
     for n, p in ep.named_parameters():
         if ".experts." in n:
             lo, hi = rank * p.shape[0], (rank + 1) * p.shape[0]
-            torch.testing.assert_close(p.grad.float(), grads[n].grad[lo:hi].float(), rtol=5e-2, atol=5e-2,
-                                       msg=lambda m: f"{tag}: {n}: {m}")
+            # norm-relative, about 3x the largest error measured (2.8%): the per-rank bf16 partial sums
+            # upstream flip FP8 roundings of the weight gradient's operands. An expert gradient scaled by
+            # the ep size or missing a rank's tokens is 30% off or more.
+            got, want = p.grad.float(), grads[n].grad[lo:hi].float()
+            err = float((got - want).norm() / want.norm())
+            assert err <= 0.1, f"{tag}: {n}: off by {err:.3g} in norm (bound 0.1)"
     for bad in (ep, torch.nn.Linear(4, 4)):
         try:
             shard_experts(bad, group)

@@ -52,8 +52,9 @@ _ROW_SCALES_KERNEL = pytest.mark.skipif(not cpu_kernel_takes_row_scales(),
 @_ROW_SCALES_KERNEL
 def test_forward_equals_scaled_mm_of_reference_quantization():
     x, w, _, _ = _data()
-    xq, xs = quantize_rowwise(x)
-    wq, ws = quantize_rowwise(w)
+    pow2 = get_recipe("rowwise").pow2_scales
+    xq, xs = quantize_rowwise(x, pow2=pow2)
+    wq, ws = quantize_rowwise(w, pow2=pow2)
     ref = torch._scaled_mm(xq, wq.t(), xs[:, None], ws[None, :], out_dtype=torch.bfloat16, use_fast_accum=True)
     assert torch.equal(fp8_linear(x, w, recipe="rowwise"), ref)
 
@@ -63,10 +64,12 @@ def _spec_grads(x, w, dy, recipe):
     reference quantizer in the layout ``torch._scaled_mm`` takes (token rows zero-padded to 16)."""
     from moe_fp8.quant import reference as ref
 
+    pow2 = get_recipe(recipe).pow2_scales
+
     def q(t):  # rows of a 2-D tensor, row-major result and a (rows, 1) or () scale
         if recipe == "tensorwise":
-            return ref.quantize_tensorwise(t.contiguous())
-        qt, st = ref.quantize_rowwise(t.contiguous())
+            return ref.quantize_tensorwise(t.contiguous(), pow2=pow2)
+        qt, st = ref.quantize_rowwise(t.contiguous(), pow2=pow2)
         return qt, st[:, None]
 
     def mm(a, b_t):  # a (M, K) @ b (K, N), b_t = b.T quantized (N, K)

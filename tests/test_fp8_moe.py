@@ -127,8 +127,10 @@ def _ideal_rowwise_fp8(moe: FP8MoE, x: torch.Tensor) -> torch.Tensor:
     the recipe can do (no accumulation-order or bf16 rounding error)."""
     from moe_fp8.quant import reference as ref
 
+    pow2 = moe.experts.recipe.pow2_scales
+
     def dq(t):
-        q, scale = ref.quantize_rowwise(t.float().reshape(-1, t.shape[-1]), "e4m3fn")
+        q, scale = ref.quantize_rowwise(t.float().reshape(-1, t.shape[-1]), "e4m3fn", pow2=pow2)
         return (q.double() * scale.double()[:, None]).reshape(t.shape)
 
     r = moe.router(x)

@@ -16,6 +16,7 @@ from moe_fp8 import Fp8WeightCache, fp8_grouped_mm
 from moe_fp8.grouped_gemm import (autograd, compiled_cache, emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d, library,
                                   quant_seam)
 from moe_fp8.quant import E4M3FN, quantize_expert_colwise, quantize_group_colwise, quantize_rowwise
+from moe_fp8.quant.recipes import get_recipe
 from moe_fp8.testing import OFFSET_KINDS, random_offsets, sqnr
 
 FP8_RECIPES = ("rowwise", "rowwise_gw_hp", "tensorwise", "blockwise")
@@ -80,16 +81,17 @@ def test_sqnr_against_fp64(recipe, kind):
     assert torch.all(y[250:] == 0) and torch.all(dx[250:] == 0)
 
 
-def test_rowwise_gradients_equal_reference_pipeline():
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2_scales", "exact_scales"])
+def test_rowwise_gradients_equal_reference_pipeline(pow2):
     """The autograd op runs exactly: quantize (reference) -> emulated GEMM, in all three GEMMs."""
     x, w, g, offs = make_inputs(80, 64, 32, 4, 75, "skewed", seed=3)
-    y, dx, dw = run(x, w, g, offs, recipe="rowwise", backend="emulated")
-    xq, xs = quantize_rowwise(x.detach(), E4M3FN)
-    wq, ws = quantize_expert_colwise(w.detach(), E4M3FN)
-    wtq, wts = quantize_expert_colwise(w.detach(), E4M3FN, transposed=True)
-    gq, gs = quantize_rowwise(g, E4M3FN)
-    gcq, gcs = quantize_group_colwise(g, offs, E4M3FN)
-    xcq, xcs = quantize_group_colwise(x.detach(), offs, E4M3FN)
+    y, dx, dw = run(x, w, g, offs, recipe=get_recipe("rowwise", pow2_scales=pow2), backend="emulated")
+    xq, xs = quantize_rowwise(x.detach(), E4M3FN, pow2=pow2)
+    wq, ws = quantize_expert_colwise(w.detach(), E4M3FN, pow2=pow2)
+    wtq, wts = quantize_expert_colwise(w.detach(), E4M3FN, pow2=pow2, transposed=True)
+    gq, gs = quantize_rowwise(g, E4M3FN, pow2=pow2)
+    gcq, gcs = quantize_group_colwise(g, offs, E4M3FN, pow2=pow2)
+    xcq, xcs = quantize_group_colwise(x.detach(), offs, E4M3FN, pow2=pow2)
     assert torch.equal(y, emulated_grouped_mm_2d3d(xq, xs, wq, ws, offs))
     assert torch.equal(dx, emulated_grouped_mm_2d3d(gq, gs, wtq, wts, offs))
     assert torch.equal(dw, emulated_grouped_mm_2d2d(gcq, gcs, xcq, xcs, offs))
