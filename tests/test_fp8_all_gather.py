@@ -17,15 +17,20 @@ from moe_fp8.grouped_gemm import QuantizedExpertWeight, WeightOperands
 from moe_fp8.grouped_gemm import library as lib
 from moe_fp8.parallel import parallelize
 from moe_fp8.parallel.fp8_all_gather import check_experts, gathered_bytes
+from moe_fp8.quant.recipes import get_recipe
 from moe_fp8.testing import random_offsets
 
+#: one worker runs the module: its tests share one process group (a module fixture)
+pytestmark = pytest.mark.xdist_group("fp8_all_gather")
+
 E, N, K, M = 4, 32, 48, 40
+POW2 = get_recipe("rowwise").pow2_scales  # the operands of the GEMMs' own recipe
 
 
 def _operands(w_gemm: torch.Tensor) -> tuple[tuple, tuple]:
     """The forward and dgrad layouts of ``w_gemm (E, N, K)``, quantized as the FP8 all-gather does."""
-    q_fwd, s_fwd, col_amax = lib.quantize_weight_forward_layout(w_gemm, "e4m3fn", False, False)
-    return (q_fwd, s_fwd), lib.quantize_weight_dgrad_layout(w_gemm, col_amax, "e4m3fn", False, False)
+    q_fwd, s_fwd, col_amax = lib.quantize_weight_forward_layout(w_gemm, "e4m3fn", POW2, False)
+    return (q_fwd, s_fwd), lib.quantize_weight_dgrad_layout(w_gemm, col_amax, "e4m3fn", POW2, False)
 
 
 @pytest.mark.parametrize("in_out", [False, True], ids=["nn_linear", "in_out_layout"])
@@ -45,7 +50,7 @@ def test_quantized_weight_is_the_gemm_of_its_weights(in_out):
     want = (y, *torch.autograd.grad(y, (x, param), g))
 
     forward, dgrad = _operands(gemm_weight(param.detach()))
-    operands = WeightOperands(torch.float32, "e4m3fn", False, forward=forward)
+    operands = WeightOperands(torch.float32, "e4m3fn", POW2, forward=forward)
     weight = QuantizedExpertWeight(operands, param.shape, param.stride(), param.dtype, param.device,
                                    gemm_orientation=not in_out, requires_grad=True)
     y = fp8_grouped_mm(x, gemm_weight(weight), offs, backend="emulated")
@@ -58,7 +63,7 @@ def test_quantized_weight_is_the_gemm_of_its_weights(in_out):
 def test_quantized_weight_errors_and_no_rows():
     w = torch.randn(E, N, K)
     forward, _ = _operands(w)
-    operands = WeightOperands(torch.float32, "e4m3fn", False, forward=forward)
+    operands = WeightOperands(torch.float32, "e4m3fn", POW2, forward=forward)
     weight = QuantizedExpertWeight(operands, w.shape, w.stride(), w.dtype, w.device, True, requires_grad=True)
     x, offs = torch.randn(M, K, requires_grad=True), torch.tensor([10, 20, 30, M], dtype=torch.int32)
     assert "layouts held=['forward']" in repr(weight)

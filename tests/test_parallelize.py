@@ -18,6 +18,9 @@ import fsdp_workers
 from rank_spawn import spawn
 from moe_fp8.parallel import ParallelLayout, parallelize
 
+#: one worker runs the module: its tests share the 4-rank spawn's checkpoint (a module fixture)
+pytestmark = [pytest.mark.xdist_group("parallelize"), pytest.mark.slow]
+
 
 def _spawn(scenario: str, world: int, tmp: str) -> None:
     spawn("fsdp_workers", world, world, os.path.join(tmp, f"init_{scenario}"), scenario, tmp)
