@@ -5,7 +5,8 @@ kernel module is imported, so a plain `pytest` works on a CPU machine. Markers:
 
 * ``gpu``: needs CUDA; skipped without it (run `pytest -m gpu` on the H200).
 * ``interpreter``: runs Triton kernels on CPU tensors; skipped unless TRITON_INTERPRET=1.
-* ``slow``: tens of CPU-seconds; collected first, so that ``make test``'s pytest-xdist workers
+* ``slow(seconds)``: a test of several seconds (its time alone on one core, for scheduling only);
+  the slow tests are collected first, longest first, so that ``make test``'s pytest-xdist workers
   (``--dist loadgroup``: one test at a time to whichever worker is free) start the long tests
   early and end together. A module whose module-scoped fixture is costly keeps its tests on one
   worker with ``pytest.mark.xdist_group``.
@@ -60,8 +61,13 @@ def pytest_configure(config):
         memoize_builtin_lookup()
 
 
+def _seconds(item: pytest.Item) -> float:
+    mark = item.get_closest_marker("slow")
+    return mark.args[0] if mark else 0.0
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: the rest keep their order
+    items.sort(key=_seconds, reverse=True)  # stable: the tests not marked slow keep their order
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the H200)")
     skip_interp = pytest.mark.skip(reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
     for item in items:

@@ -32,6 +32,7 @@ def test_benchmark_compiles(script):
     py_compile.compile(str(script), doraise=True)
 
 
+@pytest.mark.slow(12)
 @pytest.mark.interpreter
 def test_bench_entry_point_quick(tmp_path):
     """The quantization, grouped-GEMM and dense kinds (the layer and training kinds take minutes in the
@@ -80,6 +81,7 @@ def test_bench_headline_and_tables():
     assert "4.00x" in text and text.splitlines()[2].split()[-1] == "-"
 
 
+@pytest.mark.slow(10)
 @pytest.mark.interpreter
 def test_sm90_resources_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--smoke", "--out", str(tmp_path)]
@@ -139,6 +141,7 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
         models.collect("cpu", models=["llama3_8b"], layers=0)
 
 
+@pytest.mark.slow(11)
 def test_bench_whole_model_isolated_variant_cpu(torch_references):
     """A variant run in its own process (TorchAO's MoE path there, since a device assert ends the CUDA
     context) returns the same kind of result, and a child that fails returns its cause as the error."""

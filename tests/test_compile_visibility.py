@@ -66,6 +66,7 @@ def _compiled_vs_eager(module, x, dy):
 _CACHED_GEMM = "moe_fp8.gg_mm_2d3d_cached_weight.default"
 
 
+@pytest.mark.slow(10)
 @pytest.mark.interpreter
 def test_fp8_moe_graph_holds_the_triton_kernels():
     """Forward+backward of FP8MoE (Triton grouped GEMM backend, rowwise, no weight cache) compiled:
@@ -100,6 +101,7 @@ def _part_of_a_filled_buffer(node) -> bool:
     return base is not None and (val.storage_offset() != 0 or val.numel() < base.numel())
 
 
+@pytest.mark.slow(10)
 @pytest.mark.interpreter
 def test_traced_kernels_take_whole_filled_buffers():
     """No traced launch takes part of a zeroed buffer (the colwise kernel's amaxes and counters):
@@ -175,6 +177,7 @@ def _converted_layer(name: str, recipe: str, backend: str, device="cpu"):
     return _Layer(model)
 
 
+@pytest.mark.slow(9)
 @pytest.mark.interpreter
 @pytest.mark.parametrize("name, recipe", [("qwen3_moe", "rowwise"), ("deepseek_v3", "bf16")])
 def test_hf_decoder_layer_compiles_with_the_triton_kernels(name, recipe):

@@ -41,6 +41,7 @@ def test_example_own_model():
     assert 0.9 < ratio < 1.1
 
 
+@pytest.mark.slow(6)
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers (pip install -e '.[hf]')")
 def test_example_hf_convert_train():
     out = _run(["examples/hf_convert_train.py"])
@@ -50,6 +51,7 @@ def test_example_hf_convert_train():
     assert len(losses) == 5 and losses[-1] < losses[0]
 
 
+@pytest.mark.slow(8)
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers (pip install -e '.[hf]')")
 def test_demo_end_to_end(tmp_path):
     plot = tmp_path / "curves.png"
@@ -90,6 +92,7 @@ def test_demo_gpu_small(tmp_path):
     assert "FP8 dense: all" in out  # the GPU default
 
 
+@pytest.mark.slow(7)
 @pytest.mark.parametrize("flags", [["--dispatch", "fp8"], ["--dispatch", "bf16", "--sync-free"]])
 def test_example_expert_parallel_two_processes(flags):
     """``torchrun --nproc-per-node 2 examples/expert_parallel.py --cpu``: gloo, two ranks, training steps."""
@@ -100,6 +103,7 @@ def test_example_expert_parallel_two_processes(flags):
     assert "2 experts per rank" in out
 
 
+@pytest.mark.slow(24)
 def test_example_train_distributed(tmp_path):
     """``torchrun --nproc-per-node 4 examples/train_distributed.py --cpu``: 4 steps of 2 micro-batches
     on (dp_shard 2, ep 2) with a checkpoint after step 2, then steps 3 and 4 resumed from it by 2

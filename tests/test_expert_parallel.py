@@ -22,6 +22,7 @@ from moe_fp8.parallel import expert_parallel_moe
 WORLD = 4
 
 
+@pytest.mark.slow(12)
 def test_expert_parallel_gloo_2_3_4_ranks(tmp_path):
     spawn("ep_workers", WORLD, WORLD, str(tmp_path / "init"))
 

@@ -30,6 +30,7 @@ def _count(recipe: str):
     return n
 
 
+@pytest.mark.slow(8)
 @pytest.mark.parametrize("recipe", sorted(EXPECTED))
 def test_launch_count_of_a_forward_backward(recipe):
     n = _count(recipe)

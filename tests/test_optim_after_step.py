@@ -178,6 +178,7 @@ def test_bad_arguments():
     handle.remove()
 
 
+@pytest.mark.slow(5)
 @pytest.mark.interpreter
 @pytest.mark.parametrize("in_out_layout", [False, True])
 def test_compiled_module_quantizes_once_per_step(weight_quantizations, in_out_layout):

@@ -228,6 +228,7 @@ def test_group_colwise_no_groups_cpu():
     assert_same(qa, (a.float() * 0).to(torch.float8_e4m3fn), "qa")  # every row outside every group
 
 
+@pytest.mark.slow(12)
 @pytest.mark.interpreter
 @settings(max_examples=15, deadline=None)
 @given(

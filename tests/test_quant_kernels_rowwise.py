@@ -130,6 +130,7 @@ def test_expert_colwise_strided_and_empty_cpu():
         _check_expert(torch.randn(shape).bfloat16(), False, E4M3FN)
 
 
+@pytest.mark.slow(15)
 @pytest.mark.interpreter
 def test_expert_dual_long_rows_cpu():
     """K > 16384: the dual takes the column-wise kernel for the dgrad layout; the one-read op refuses."""
@@ -140,6 +141,7 @@ def test_expert_dual_long_rows_cpu():
         triton_quantize_expert_rowwise_with_amax(w, E4M3FN)
 
 
+@pytest.mark.slow(7)
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fused", [True, False], ids=["kernels", "reference"])
 @pytest.mark.parametrize("K", [40, 16400], ids=["one_read", "long_rows"])
@@ -231,6 +233,7 @@ def test_expert_colwise_t_half_tiles_cpu(N, block_r, chunk):
     assert_same(s, rs, "scale")
 
 
+@pytest.mark.slow(11)
 @pytest.mark.interpreter
 @settings(max_examples=25, deadline=None)
 @given(E=st.integers(1, 4), N=st.integers(0, 80), K=st.integers(1, 40), chunk=st.sampled_from([16, 32, 64]),

@@ -90,6 +90,7 @@ def test_plan_matches_reference_and_invariants(kind, E, k, P, monkeypatch):
     check_plan_invariants(DispatchPlan(*ref, k, P), ids, E, P)
 
 
+@pytest.mark.slow(6)
 @pytest.mark.parametrize("P", [1, 16])
 def test_plan_many_experts_not_a_power_of_two(monkeypatch, P):
     """E = 600: one-hot tiles of 16 pairs x 1024 lanes (424 of them masked), several chunks, the

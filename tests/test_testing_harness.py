@@ -175,6 +175,7 @@ def exits_on_a_leading_empty_group(x, w, offs):
     return loop_grouped_mm(x, w, offs)
 
 
+@pytest.mark.slow(9)
 def test_worker_survives_a_dead_process_and_goes_on():
     empty_first, balanced = (next(c for c in QUICK_2D3D if c.name == n) for n in ("empty_first", "balanced"))
     adapter = GroupedMMAdapter("exits", "bf16", exits_on_a_leading_empty_group)
@@ -210,6 +211,7 @@ def test_cases_are_tiny_and_cover_the_hazards():
         grouped_mm_cases(forms=("3d3d",))
 
 
+@pytest.mark.slow(27)
 @pytest.mark.interpreter
 def test_cli_quick_cpu(tmp_path):
     """The CLI on the Triton backend (interpreter; the emulated one runs in-process above): every
