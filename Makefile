@@ -30,11 +30,12 @@ demo: $(STAMP)
 # CPU tests in two pytest-xdist workers per core (many tests wait on the processes they start: the
 # multi-rank and example tests); Triton kernels run in the interpreter. GPU tests (-m gpu) skip
 # without CUDA. MALLOC_PERTURB_ makes glibc fill every fresh CPU allocation with 0x5A bytes, so an
-# output a kernel leaves unwritten holds garbage, never zeros by luck. Tests go one at a time to
-# whichever worker is free, the ones marked slow first (tests/conftest.py).
+# output a kernel leaves unwritten holds garbage, never zeros by luck. Test files go whole to
+# whichever worker is free (a file's tests share their compiled graphs and fixtures), the files of
+# the tests marked slow first (tests/conftest.py).
 TEST_WORKERS ?= $(shell $(PY) -c "import os; print(2 * len(os.sched_getaffinity(0)))")
 test: $(STAMP)
-	MALLOC_PERTURB_=165 TRITON_INTERPRET=1 $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+	MALLOC_PERTURB_=165 TRITON_INTERPRET=1 $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
 	  --no-loadscope-reorder tests
 
 # Every Triton kernel compiled offline for sm_90a, gfx942 and gfx950 (no GPU needed); fails on a
