@@ -5,11 +5,10 @@ kernel module is imported, so a plain `pytest` works on a CPU machine. Markers:
 
 * ``gpu``: needs CUDA; skipped without it (run `pytest -m gpu` on the H200).
 * ``interpreter``: runs Triton kernels on CPU tensors; skipped unless TRITON_INTERPRET=1.
-* ``slow(seconds)``: a test of several seconds (its time alone on one core, for scheduling only);
-  the slow tests are collected first, longest first, so that ``make test``'s pytest-xdist workers
-  (``--dist loadgroup``: one test at a time to whichever worker is free) start the long tests
-  early and end together. A module whose module-scoped fixture is costly keeps its tests on one
-  worker with ``pytest.mark.xdist_group``.
+* ``slow(seconds)``: a test of several seconds (its time alone on one core, for scheduling only).
+  The slow tests are collected first, longest first; ``make test`` hands whole files to free
+  pytest-xdist workers in the order of their first test (``--dist loadfile
+  --no-loadscope-reorder``), so the long files start early and the workers end together.
 """
 
 import os

@@ -20,9 +20,6 @@ from moe_fp8.parallel.fp8_all_gather import check_experts, gathered_bytes
 from moe_fp8.quant.recipes import get_recipe
 from moe_fp8.testing import random_offsets
 
-#: one worker runs the module: its tests share one process group (a module fixture)
-pytestmark = pytest.mark.xdist_group("fp8_all_gather")
-
 E, N, K, M = 4, 32, 48, 40
 POW2 = get_recipe("rowwise").pow2_scales  # the operands of the GEMMs' own recipe
 

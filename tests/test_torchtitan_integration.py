@@ -27,9 +27,6 @@ from moe_fp8 import kernel_backend
 from moe_fp8.integrations import torchtitan as tti
 from moe_fp8.testing import sqnr
 
-#: one worker runs the module: its tests share the reference model's gradients (a module fixture)
-pytestmark = pytest.mark.xdist_group("torchtitan")
-
 try:
     from torchtitan.config.manager import ConfigManager, custom_registry
     from torchtitan.config.override import OverrideConfig, apply_overrides
