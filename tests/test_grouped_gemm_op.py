@@ -13,8 +13,7 @@ import torch
 
 import moe_fp8
 from moe_fp8 import Fp8WeightCache, fp8_grouped_mm
-from moe_fp8.grouped_gemm import (autograd, compiled_cache, emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d, library,
-                                  quant_seam)
+from moe_fp8.grouped_gemm import autograd, compiled_cache, emulated_grouped_mm_2d2d, emulated_grouped_mm_2d3d, quant_seam
 from moe_fp8.quant import E4M3FN, quantize_expert_colwise, quantize_group_colwise, quantize_rowwise
 from moe_fp8.quant.recipes import get_recipe
 from moe_fp8.testing import OFFSET_KINDS, random_offsets, sqnr
@@ -241,15 +240,16 @@ def test_cached_weight_gemm_off_the_default_stream(monkeypatch, recipe, transpos
     want = [compiled_cache.mm_2d3d_cached_weight(*args(dgrad)) for dgrad in (False, True)]
     entries = len(cache)
     calls = []
-    for name in ("quantize_weight", "quantize_weight_forward_layout", "quantize_weight_dgrad_layout"):
-        real = getattr(library, name)
-        monkeypatch.setattr(library, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    real_layout, real_both = quant_seam.quantize_weight_layout, quant_seam.quantize_weight
+    monkeypatch.setattr(quant_seam, "quantize_weight_layout",
+                        lambda *a: calls.append(("layout", "dgrad" if a[-1] else "fwd")) or real_layout(*a))
+    monkeypatch.setattr(quant_seam, "quantize_weight", lambda *a: calls.append("both") or real_both(*a))
     monkeypatch.setattr(compiled_cache, "_off_default_stream", lambda w: True)
     cache.invalidate()
     got = [compiled_cache.mm_2d3d_cached_weight(*args(dgrad)) for dgrad in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and entries > 0 and len(cache) == 0
-    assert calls == (["quantize_weight_forward_layout", "quantize_weight_dgrad_layout"] if recipe == "rowwise"
-                     else ["quantize_weight"] * 2)
+    assert calls == ([("layout", "fwd"), ("layout", "dgrad")] if recipe == "rowwise"
+                     else [("layout", "fwd"), "both", ("layout", "dgrad"), "both"])
 
 
 def _saved_for_backward(fn) -> list[tuple[tuple, torch.dtype]]:

@@ -25,7 +25,9 @@ import torch
 from torch import Tensor
 
 from ..kernel_backend import eager_or_custom_op
+from ..quant.formats import resolve_format
 from . import library as lib
+from . import quant_seam
 from .weight_cache import Fp8WeightCache
 
 __all__ = ["cached_weight_layouts", "compiled_weight_cache", "mm_2d3d_cached_weight"]
@@ -45,23 +47,12 @@ def cached_weight_layouts(cache: Fp8WeightCache, w: Tensor, scaling: str, fmt: s
     return cache.get(w, (scaling, fmt, pow2, fused), lambda t: lib.quantize_weight(t, scaling, fmt, pow2, fused))
 
 
-def _one_layout(w: Tensor, dgrad: bool, scaling: str, fmt: str, pow2: bool, fused: bool) -> tuple[Tensor, Tensor]:
-    """The layout one GEMM reads, quantized for this call alone: the same bytes as that half of
-    ``quantize_weight`` (rowwise: the dgrad layout's column amax is exact in any order)."""
-    if scaling != "rowwise":
-        q_fwd, s_fwd, q_bwd, s_bwd = lib.quantize_weight(w, scaling, fmt, pow2, fused)
-        return (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
-    if dgrad:
-        return lib.quantize_weight_dgrad_layout(w, w.abs().amax(dim=1).float(), fmt, pow2, fused)
-    return lib.quantize_weight_forward_layout(w, fmt, pow2, fused)[:2]
-
-
 def _mm_2d3d_cached_weight(backend: str, a: Tensor, scale_a: Tensor, param: Tensor, transposed: bool, offs: Tensor,
                            out_dtype: torch.dtype, dgrad: bool, scaling: str, fmt: str, pow2: bool,
                            fused: bool) -> Tensor:
     w = param.transpose(1, 2) if transposed else param
     if _off_default_stream(w):
-        q, s = _one_layout(w.detach(), dgrad, scaling, fmt, pow2, fused)
+        q, s = quant_seam.quantize_weight_layout(w.detach(), scaling, resolve_format(fmt), pow2, fused, dgrad)
     else:
         q_fwd, s_fwd, q_bwd, s_bwd = cached_weight_layouts(_CACHE, w, scaling, fmt, pow2, fused)
         q, s = (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)

@@ -27,6 +27,7 @@ __all__ = [
     "group_amax",
     "quantize_weight",
     "quantize_weight_dgrad_layout",
+    "quantize_weight_layout",
     "quantize_weight_forward_layout",
     "quantize_wgrad_operands",
     "wgrad_operand_layout",
@@ -120,6 +121,20 @@ def quantize_weight(
     else:
         q_fwd, s_fwd = ref.quantize_blockwise(w, fmt, block=(BLOCK, BLOCK), pow2=pow2)
     return q_fwd, s_fwd, _transposed_copy(q_fwd, k), _transposed_copy(s_fwd, k)
+
+
+def quantize_weight_layout(
+    w: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool, fused: bool, dgrad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layout of :func:`quantize_weight`, the same bytes: ``(q_fwd, s_fwd)``, or with ``dgrad``
+    ``(q_bwd, s_bwd)``. Rowwise quantizes that layout alone (one launch, its own amax); the other
+    scalings derive the dgrad layout from the forward one, so both are made."""
+    if scaling != "rowwise":
+        q_fwd, s_fwd, q_bwd, s_bwd = quantize_weight(w, scaling, fmt, pow2, fused)
+        return (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
+    if _kernels(w, fused):
+        return kernels.triton_quantize_expert_colwise(w, fmt, pow2, transposed=dgrad)
+    return ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=dgrad)
 
 
 def quantize_weight_forward_layout(
