@@ -5,8 +5,10 @@ powers of two; dgrad / wgrad without fast accumulation, as TorchAO's rowwise rec
 TorchAO's rowwise ``Float8Linear`` on exactly the linears the defaults convert (our FP8 experts; needs
 ``torchao``), and the library's BF16 path (the spread that summation order alone gives). Prints the
 mean loss of steps 41-50, 91-100 and 141-150 per variant and writes
-``dense_loss_<model>[_<name>].json`` / ``.md`` to ``--out``. Loss spread between two runs of one
-variant on the GPU: about 2% (its kernels are not deterministic).
+``dense_loss_<model>[_<name>].json`` / ``.md`` to ``--out``. Loss spread between two runs of HF BF16
+on the GPU: about 2% (its kernels are not deterministic). ``--seeds N`` repeats every variant on N
+models and data orders (seeds 0..N-1) and reports each variant's gap to HF BF16 of the same seed,
+its mean over the seeds and the standard error of that mean.
 
     python benchmarks/bench_dense_loss.py --model dsv3 --out benchmarks/results
 """
@@ -96,35 +98,52 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--name", help="suffix of the result files")
+    ap.add_argument("--seeds", type=int, default=1, help="models and data orders per variant (seeds 0..N-1)")
     args = ap.parse_args()
+    if args.variants[0] != "hf_bf16":
+        ap.error("the first variant is the reference of the gaps: hf_bf16")
     spec = m._spec(args.model, "cuda", args.layers)
     batch, seq = m._shapes("cuda")
-    base = m.build(spec, seq, "cuda")
     train_data = m._corpus("cuda", args.steps, 1)
     lr = min(3e-3, 1.2 / spec.hidden)
     rows = []
-    for variant in args.variants:
-        model = variant_model(base, variant)
-        data = (b.to("cuda") for b in m.batches(train_data, batch, seq, seed=0))
-        losses = train(model, data, args.steps, lr)
-        del model
-        torch.cuda.empty_cache()
-        row = dict(variant=variant, **{f"loss_{a + 1}_{b}": statistics.fmean(losses[a:b]) for a, b in WINDOWS
-                                        if b <= args.steps},
-                   curve=[round(statistics.fmean(losses[i:i + 10]), 4) for i in range(0, len(losses), 10)])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    ref = rows[0]
-    keys = [k for k in ref if k.startswith("loss_")]
-    body = ["| variant | " + " | ".join(f"mean loss, steps {k[5:].replace('_', '-')}" for k in keys)
-            + " | gap at the last |", "|---|" + "---:|" * (len(keys) + 1)]
-    for r in rows:
-        gap = (r[keys[-1]] / ref[keys[-1]] - 1) * 100
-        body.append(f"| {r['variant']} | " + " | ".join(f"{r[k]:.4f}" for k in keys) + f" | {gap:+.2f}% |")
+    for seed in range(args.seeds):
+        base = m.build(spec, seq, "cuda", seed=seed)
+        for variant in args.variants:
+            model = variant_model(base, variant)
+            data = (b.to("cuda") for b in m.batches(train_data, batch, seq, seed=seed))
+            losses = train(model, data, args.steps, lr)
+            del model
+            torch.cuda.empty_cache()
+            row = dict(variant=variant, seed=seed,
+                       **{f"loss_{a + 1}_{b}": statistics.fmean(losses[a:b]) for a, b in WINDOWS if b <= args.steps},
+                       curve=[round(statistics.fmean(losses[i:i + 10]), 4) for i in range(0, len(losses), 10)])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del base
+    body = report_table(rows, args.seeds)
     write_report(args.out, f"dense_loss_{args.model}" + (f"_{args.name}" if args.name else ""), run_env("cuda"), rows,
                  f"Loss of FP8 dense linears: `python benchmarks/bench_dense_loss.py --model {args.model}`",
-                 f"{args.layers} decoder layers, {args.steps} eager steps of {batch} x {seq} tokens", body)
+                 f"{args.layers} decoder layers, {args.steps} eager steps of {batch} x {seq} tokens, "
+                 f"{args.seeds} seed(s)", body)
     print("\n".join(body))
+
+
+def report_table(rows: list[dict], seeds: int) -> list[str]:
+    """Markdown rows: per variant the mean loss of each window over the seeds, and the gap of the last
+    window to HF BF16 of the same seed (mean over the seeds, with its standard error for 2+ seeds)."""
+    keys = [k for k in rows[0] if k.startswith("loss_")]
+    last = keys[-1]
+    ref = {r["seed"]: r[last] for r in rows if r["variant"] == "hf_bf16"}
+    body = ["| variant | " + " | ".join(f"mean loss, steps {k[5:].replace('_', '-')}" for k in keys)
+            + " | gap at the last, per seed | mean gap |", "|---|" + "---:|" * (len(keys) + 2)]
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
+        gaps = [(r[last] / ref[r["seed"]] - 1) * 100 for r in mine]
+        spread = f" ± {statistics.stdev(gaps) / len(gaps) ** 0.5:.2f}" if seeds > 1 else ""
+        body.append(f"| {variant} | " + " | ".join(f"{statistics.fmean(r[k] for r in mine):.4f}" for k in keys)
+                    + " | " + ", ".join(f"{g:+.2f}%" for g in gaps) + f" | {statistics.fmean(gaps):+.2f}%{spread} |")
+    return body
 
 if __name__ == "__main__":
     main()
