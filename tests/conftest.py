@@ -29,6 +29,11 @@ if not torch.cuda.is_available():
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
+# The processes the tests start (CLIs, benchmark scripts) get the interpreter shortcuts too.
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interpreter_site")
+if INTERPRETING and _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
+
 
 def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
     """Why Triton's interpreter cannot run our kernels with these versions, or ``None``.
@@ -55,9 +60,9 @@ def pytest_configure(config):
         problem = interpreter_numpy_problem(triton.__version__, numpy.__version__)
         if problem:
             raise pytest.UsageError(problem)
-        from interpreter_builtins import memoize_builtin_lookup
+        from interpreter_builtins import install
 
-        memoize_builtin_lookup()
+        install()
 
 
 def _seconds(item: pytest.Item) -> float:
@@ -82,3 +87,17 @@ def torch_references(monkeypatch):
     their own tests run in the interpreter): for tests of what is built around the kernels (whole
     models, benchmark plumbing), which the interpreter would make minutes long."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def long_rows(monkeypatch) -> int:
+    """A row length that takes the long-row paths (``K`` above ``MAX_SINGLE_PASS_K``: the two-pass
+    rowwise kernel, no one-read column amax) at interpreter sizes: the limit lowered to 256 and the
+    two-pass step to 128, so rows of 304 elements (a multiple of 16, as GEMM operands need) loop
+    three times with a partial last step, as rows of 16400 do at the real limits (which the GPU
+    tests keep)."""
+    from moe_fp8.quant.kernels import rowwise
+
+    monkeypatch.setattr(rowwise, "MAX_SINGLE_PASS_K", 256)
+    monkeypatch.setattr(rowwise, "TWO_PASS_BLOCK_K", 128)
+    return 304

@@ -193,18 +193,19 @@ def test_tensorwise_gradients_alone_equal_the_pair(backend):
 
 
 @needs_interpreter
-def test_long_rows_take_no_group_amax(monkeypatch):
-    """Rows longer than the one-read kernels hold (K > 16384), both gradients wanted: the forward
-    asks no per-group amax of x's row quantization (its fallback would be another pass, and a host
-    sync on the GPU), so the wgrad's dual reduces both. (The forward alone: the interpreter's GEMMs
-    over K = 16400 are slow.)"""
+def test_long_rows_take_no_group_amax(monkeypatch, long_rows):
+    """Rows longer than the one-read kernels hold, both gradients wanted: the forward asks no
+    per-group amax of x's row quantization (its fallback would be another pass, and a host sync on
+    the GPU), so the wgrad's dual reduces both."""
     calls = []
     real = quant_seam.quantize_activation_group_amax
     monkeypatch.setattr(quant_seam, "quantize_activation_group_amax", lambda *a: calls.append(1) or real(*a))
-    x, w, _, offs = make_inputs(16, 16400, 16, 2, 14, "skewed", seed=13)
-    y = fp8_grouped_mm(x, w, offs, backend="triton")
+    x, w, g, offs = make_inputs(16, long_rows, 16, 2, 14, "skewed", seed=13)
+    got = run(x, w, g, offs, backend="triton")
     assert not calls
-    assert sqnr(y, fp8_grouped_mm(x.detach(), w.detach(), offs, backend="emulated")) > 40
+    want = run(x, w, g, offs, backend="emulated")
+    for a, b, what in zip(got, want, ("y", "dx", "dw")):
+        assert sqnr(a, b) > 40, what
 
 
 # ----------------------------------------------------------------------------- weight cache

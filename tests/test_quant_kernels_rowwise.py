@@ -14,7 +14,7 @@ from moe_fp8.grouped_gemm import quant_seam
 from moe_fp8.quant import reference as ref
 from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.kernels.colwise import colwise_config, launch_expert_colwise_t
-from moe_fp8.quant.kernels.rowwise import col_amax_fits, launch_expert_rowwise_col_amax, launch_rowwise
+from moe_fp8.quant.kernels.rowwise import col_amax_fits, launch_expert_rowwise_col_amax, launch_rowwise, rowwise_config
 from moe_fp8.quant.ops import (
     triton_quantize_expert_colwise,
     triton_quantize_expert_colwise_dual,
@@ -68,7 +68,7 @@ def _check_expert_split(w, pow2, fmt):
 
 # ------------------------------------------------------------------------------ CPU (interpreter)
 
-ROW_SHAPES = [(1, 1), (7, 200), (33, 130), (3, 16400)]  # K = 16400 > 16384 takes the two-pass path
+ROW_SHAPES = [(1, 1), (7, 200), (33, 130)]
 
 
 @pytest.mark.interpreter
@@ -77,6 +77,15 @@ ROW_SHAPES = [(1, 1), (7, 200), (33, 130), (3, 16400)]  # K = 16400 > 16384 take
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
 def test_rowwise_cpu(shape, pow2, fmt):
     _check_rowwise(hard_input(shape, seed=shape[0] + shape[1]), pow2, fmt)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_rowwise_long_rows_cpu(long_rows, pow2, fmt):
+    """Rows longer than the one-pass limit: the two-pass kernel chosen by the config."""
+    assert not rowwise_config(3, long_rows)["SINGLE_PASS"]
+    _check_rowwise(hard_input((3, long_rows), seed=long_rows), pow2, fmt)
 
 
 @pytest.mark.interpreter
@@ -130,25 +139,25 @@ def test_expert_colwise_strided_and_empty_cpu():
         _check_expert(torch.randn(shape).bfloat16(), False, E4M3FN)
 
 
-@pytest.mark.slow(15)
 @pytest.mark.interpreter
-def test_expert_dual_long_rows_cpu():
-    """K > 16384: the dual takes the column-wise kernel for the dgrad layout; the one-read op refuses."""
-    w = hard_input((2, 3, 16400), seed=5)
-    assert not col_amax_fits(16400)
+def test_expert_dual_long_rows_cpu(long_rows):
+    """Rows longer than the one-read limit: the dual takes the column-wise kernel for the dgrad
+    layout; the one-read op refuses."""
+    w = hard_input((2, 3, long_rows), seed=5)
+    assert not col_amax_fits(long_rows)
     _check_expert(w, False, E4M3FN)
-    with pytest.raises(ValueError, match="16384"):
+    with pytest.raises(ValueError, match="do not fit"):
         triton_quantize_expert_rowwise_with_amax(w, E4M3FN)
 
 
-@pytest.mark.slow(7)
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fused", [True, False], ids=["kernels", "reference"])
-@pytest.mark.parametrize("K", [40, 16400], ids=["one_read", "long_rows"])
-def test_uncached_weight_layouts_cpu(K, fused):
+@pytest.mark.parametrize("long", [False, True], ids=["one_read", "long_rows"])
+def test_uncached_weight_layouts_cpu(request, long, fused):
     """What ``fp8_grouped_mm`` runs without a weight cache: the forward layout with the dgrad
     layout's amax, then the dgrad layout from it; equal to the reference's two layouts on every
     path (kernels with whole rows in registers, kernels with long rows plus a torch amax, reference)."""
+    K = request.getfixturevalue("long_rows") if long else 40
     w = hard_input((2, 24, K), seed=K)
     q, s, col_amax = quant_seam.quantize_weight_forward_layout(w, E4M3FN, True, fused)
     rq, rs = ref.quantize_expert_colwise(w, E4M3FN, pow2=True)
@@ -269,6 +278,14 @@ def test_expert_colwise_gpu(shape):
     w = hard_input(shape, seed=2, device="cuda")
     _check_expert(w, True, E4M3FN)
     _check_expert(w[:, :, : shape[2] // 2], False, E4M3FN)  # strided rows
+
+
+@pytest.mark.gpu
+def test_expert_dual_long_rows_gpu():
+    """At the real limits: rows of 16400 elements take the column-wise dgrad kernel in the dual."""
+    w = hard_input((2, 64, 16400), seed=5, device="cuda")
+    assert not col_amax_fits(16400)
+    _check_expert(w, True, E4M3FN)
 
 
 @pytest.mark.gpu

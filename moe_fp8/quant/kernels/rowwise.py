@@ -36,8 +36,10 @@ __all__ = [
     "launch_group_rowwise_amax",
 ]
 
-# Largest row held in registers in one piece; longer rows loop over K twice.
+# Largest row held in registers in one piece; longer rows loop over K twice, TWO_PASS_BLOCK_K
+# elements per loop step.
 MAX_SINGLE_PASS_K = 16384
+TWO_PASS_BLOCK_K = 2048
 # Elements per program tile (rows x padded K) and per loop step of the two-pass path. Measured on
 # one H200 (2026-11): 4096 with 4 warps ties 8192 with 8 warps on K = 7168 and beats it on K = 5120.
 TILE_ELEMENTS = 4096
@@ -287,7 +289,7 @@ def rowwise_config(M: int, K: int, tile: int = TILE_ELEMENTS, num_warps: int | N
         block_k, single = padded_k, True
         block_m = max(1, min(tile // block_k, next_power_of_2(M)))
     else:
-        block_k, single, block_m = 2048, False, max(1, tile // 2048)
+        block_k, single, block_m = TWO_PASS_BLOCK_K, False, max(1, tile // TWO_PASS_BLOCK_K)
     warps = num_warps or (8 if block_m * block_k > 8192 else 4)
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, SINGLE_PASS=single, num_warps=warps)
 
