@@ -52,6 +52,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         if rank == 0:
             print(f"step {step}: loss {loss.item():.5f} (rank 0's tokens), {E // world} experts per rank")
+    dist.barrier()  # no rank closes its connections while another still receives its last messages
     dist.destroy_process_group()
 
 

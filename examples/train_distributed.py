@@ -205,6 +205,7 @@ def main() -> None:
                 print(f"saved {args.save} after step {step}")
     if rank == 0 and tokens:
         print(f"{tokens / seconds:.0f} tokens/s (global, steps after the first)")
+    dist.barrier()  # no rank closes its connections while another still receives its last messages
     dist.destroy_process_group()
 
 
