@@ -104,37 +104,48 @@ def quantize_weight(
         ``(E, ceil(N/128), ceil(K/128))`` and its transpose (128 x 128 blocks: transposing
         commutes with quantizing).
     """
-    k = _kernels(w, fused)
     if scaling == "rowwise":
-        if k:
+        if _kernels(w, fused):
             return kernels.triton_quantize_expert_colwise_dual(w, fmt, pow2)
         return (*ref.quantize_expert_colwise(w, fmt, pow2=pow2),
                 *ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True))
-    if scaling == "tensorwise":
-        if k:
-            q_fwd, s_fwd = kernels.triton_quantize_expert_tensorwise(w, fmt, pow2)
-        else:
-            q_fwd, s_fwd = ref.quantize_expert_tensorwise(w, fmt, pow2=pow2)
-        return q_fwd, s_fwd, _transposed_copy(q_fwd, k), s_fwd.clone()
-    if k:
-        q_fwd, s_fwd = kernels.triton_quantize_blockwise(w, fmt, (BLOCK, BLOCK), pow2)
-    else:
-        q_fwd, s_fwd = ref.quantize_blockwise(w, fmt, block=(BLOCK, BLOCK), pow2=pow2)
-    return q_fwd, s_fwd, _transposed_copy(q_fwd, k), _transposed_copy(s_fwd, k)
+    q_fwd, s_fwd = _forward_layout(w, scaling, fmt, pow2, fused)
+    return q_fwd, s_fwd, *_dgrad_from_forward(q_fwd, s_fwd, scaling, _kernels(w, fused))
 
 
 def quantize_weight_layout(
     w: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool, fused: bool, dgrad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layout of :func:`quantize_weight`, the same bytes: ``(q_fwd, s_fwd)``, or with ``dgrad``
-    ``(q_bwd, s_bwd)``. Rowwise quantizes that layout alone (one launch, its own amax); the other
-    scalings derive the dgrad layout from the forward one, so both are made."""
-    if scaling != "rowwise":
-        q_fwd, s_fwd, q_bwd, s_bwd = quantize_weight(w, scaling, fmt, pow2, fused)
-        return (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
-    if _kernels(w, fused):
-        return kernels.triton_quantize_expert_colwise(w, fmt, pow2, transposed=dgrad)
-    return ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=dgrad)
+    ``(q_bwd, s_bwd)``. Rowwise quantizes that layout alone (one launch, its own amax); tensorwise
+    and blockwise quantize the forward layout and, for ``dgrad``, transpose it."""
+    if scaling == "rowwise":
+        if _kernels(w, fused):
+            return kernels.triton_quantize_expert_colwise(w, fmt, pow2, transposed=dgrad)
+        return ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=dgrad)
+    q_fwd, s_fwd = _forward_layout(w, scaling, fmt, pow2, fused)
+    return _dgrad_from_forward(q_fwd, s_fwd, scaling, _kernels(w, fused)) if dgrad else (q_fwd, s_fwd)
+
+
+def _forward_layout(w: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool,
+                    fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensorwise or blockwise (128 x 128) forward layout of ``w (E, N, K)``: ``q (E, N, K)``, ``s``."""
+    k = _kernels(w, fused)
+    if scaling == "tensorwise":
+        if k:
+            return kernels.triton_quantize_expert_tensorwise(w, fmt, pow2)
+        return ref.quantize_expert_tensorwise(w, fmt, pow2=pow2)
+    if k:
+        return kernels.triton_quantize_blockwise(w, fmt, (BLOCK, BLOCK), pow2)
+    return ref.quantize_blockwise(w, fmt, block=(BLOCK, BLOCK), pow2=pow2)
+
+
+def _dgrad_from_forward(q_fwd: torch.Tensor, s_fwd: torch.Tensor, scaling: str,
+                        kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dgrad layout of a tensorwise or blockwise forward layout: its transposes (one scale per
+    expert, or per 128 x 128 block: transposing commutes with quantizing)."""
+    s_bwd = s_fwd.clone() if scaling == "tensorwise" else _transposed_copy(s_fwd, kernel)
+    return _transposed_copy(q_fwd, kernel), s_bwd
 
 
 def quantize_weight_forward_layout(
