@@ -1,4 +1,4 @@
-"""Two shortcuts in the Triton interpreter's re-patching of ``triton.language``, for the test session.
+"""Three shortcuts in the Triton interpreter, for the test session.
 
 Before every kernel launch and every call of a ``@triton.jit`` helper, the interpreter patches the
 language's builtins (``_patch_lang(fn)``), finding them anew with ``inspect.getmembers`` over
@@ -34,19 +34,27 @@ def install() -> None:
     cache_numpy_dtypes()
 
 
-def memoize_builtin_lookup() -> bool:
-    """Install the memoized lookup; False where this Triton's interpreter differs."""
+def _replaceable(name: str, params: list[str], mark: str):
+    """``(triton.language, the interpreter module, its function name)`` where that function exists
+    with these parameters and is not replaced yet (no ``mark`` attribute); else ``None``."""
     try:
         import triton.language as tl
         import triton.runtime.interpreter as interpreter
     except ImportError:
+        return None
+    fn = getattr(interpreter, name, None)
+    if fn is None or getattr(fn, mark, False) or list(inspect.signature(fn).parameters) != params:
+        return None
+    return tl, interpreter, fn
+
+
+def memoize_builtin_lookup() -> bool:
+    """Install the memoized lookup; False where this Triton's interpreter differs."""
+    found = _replaceable("_patch_builtin", ["pkg", "builder", "scope"], "memoized")
+    patch_attr = found and getattr(found[1], "_patch_attr", None)
+    if not patch_attr:
         return False
-    patch_builtin = getattr(interpreter, "_patch_builtin", None)
-    patch_attr = getattr(interpreter, "_patch_attr", None)
-    if patch_builtin is None or patch_attr is None or getattr(patch_builtin, "memoized", False):
-        return False
-    if list(inspect.signature(patch_builtin).parameters) != ["pkg", "builder", "scope"]:
-        return False
+    tl, interpreter, _ = found
     builtins: dict[int, list] = {}
 
     def memoized_patch_builtin(pkg, builder, scope):
@@ -63,17 +71,11 @@ def memoize_builtin_lookup() -> bool:
 
 def skip_repatching_in_helpers() -> bool:
     """Install the helper-call shortcut; False where this Triton's interpreter differs."""
-    try:
-        import triton.language as tl
-        import triton.runtime.interpreter as interpreter
-    except ImportError:
+    found = _replaceable("_patch_lang", ["fn"], "skips_helpers")
+    helper_call = found and getattr(getattr(found[1], "InterpretedFunction", None), "__call__", None)
+    if not helper_call:
         return False
-    patch_lang = getattr(interpreter, "_patch_lang", None)
-    helper_call = getattr(getattr(interpreter, "InterpretedFunction", None), "__call__", None)
-    if patch_lang is None or helper_call is None or getattr(patch_lang, "skips_helpers", False):
-        return False
-    if list(inspect.signature(patch_lang).parameters) != ["fn"]:
-        return False
+    tl, interpreter, patch_lang = found
     helper_code = helper_call.__code__
     patched: set[int] = set()  # ids of the language modules patched since the last restore
     seen_by: dict[int, tuple[object, set[int]]] = {}  # id(fn) -> (fn, ids of the language modules it sees)
@@ -109,16 +111,10 @@ def skip_repatching_in_helpers() -> bool:
 
 def cache_numpy_dtypes() -> bool:
     """Install the cached dtype lookup; False where this Triton's interpreter differs."""
-    try:
-        import triton.language as tl
-        import triton.runtime.interpreter as interpreter
-    except ImportError:
+    found = _replaceable("_get_np_dtype", ["tt_dtype"], "cached")
+    if not found:
         return False
-    get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
-    if get_np_dtype is None or getattr(get_np_dtype, "cached", False):
-        return False
-    if list(inspect.signature(get_np_dtype).parameters) != ["tt_dtype"]:
-        return False
+    tl, interpreter, get_np_dtype = found
     by_element: dict = {}
 
     def cached_np_dtype(tt_dtype):
