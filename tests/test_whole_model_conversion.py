@@ -14,6 +14,7 @@ from test_hf_convert import V4_BLOCKS, _first, _random  # noqa: E402
 
 from moe_fp8 import MIN_DENSE_SIZE, FP8GroupedExperts, FP8Linear, FP8MoE, convert_to_fp8, hf  # noqa: E402
 from moe_fp8 import kernel_backend  # noqa: E402
+from moe_fp8.layers.hf_blocks import FP8HFMoEBlock  # noqa: E402
 from moe_fp8.layers import conversion_report as cr  # noqa: E402
 from moe_fp8.testing import sqnr  # noqa: E402
 from moe_fp8.testing.allocator import dirty_allocator  # noqa: E402
@@ -122,11 +123,11 @@ def test_families_whole_model(family, layout, monkeypatch):
 
 
 def test_default_size_rules_keep_small_layers():
-    """With the default rules a tiny model is left exactly as it was (same modules, same logits),
-    and the report says why for every expert block and linear."""
+    """With the default rules and ``small_experts="keep"`` a tiny model is left exactly as it was
+    (same modules, same logits), and the report says why for every expert block and linear."""
     original = _model("deepseek_v3", "v5")
     ids = _ids()
-    model = hf.convert(copy.deepcopy(original))
+    model = hf.convert(copy.deepcopy(original), small_experts="keep")
     report = model.fp8_conversion_report
     assert report.min_dense_size == MIN_DENSE_SIZE == 1536 and report.min_expert_size == hf.MIN_EXPERT_SIZE == 1024
     assert "min_dense_size 1536, min_expert_size 1024" in str(report)
@@ -157,7 +158,7 @@ def test_expert_size_rule_boundary(family, layout):
     assert converted.fp8_conversion_report.counts()[cr.FP8_EXPERTS] >= 1
     model = _model(family, layout)
     blocks = [(n, m, m.experts) for n, m in model.named_modules() if type(m).__name__ in hf.SUPPORTED_BLOCKS]
-    hf.convert(model, min_dense_size=0, min_expert_size=small + 1)
+    hf.convert(model, min_dense_size=0, min_expert_size=small + 1, small_experts="keep")
     report = model.fp8_conversion_report
     assert not any(isinstance(m, FP8GroupedExperts) for m in model.modules())
     kept = [e for e in report.entries if e.reason == cr.BELOW_MIN_EXPERT_SIZE]
@@ -169,13 +170,54 @@ def test_expert_size_rule_boundary(family, layout):
     assert any(isinstance(m, FP8Linear) for m in model.modules())  # the dense rules still apply
     bf16 = hf.convert(_model(family, layout), recipe="bf16", min_expert_size=small + 1)  # the rule is FP8's
     assert bf16.fp8_conversion_report.counts()[cr.BF16_EXPERTS] == len(blocks)
+    assert not any("below" in e.detail for e in bf16.fp8_conversion_report.entries)
+
+
+@pytest.mark.parametrize("layout", ["v5", "v4"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_small_experts_run_the_bf16_grouped_path(family, layout):
+    """By default experts below ``min_expert_size`` run on the library's BF16 grouped path (no FP8,
+    no weight cache), the report says why, the dense rules still apply, and with its dense linears
+    put back the model computes exactly what ``recipe="bf16"`` (the same experts, asked for) does."""
+    small = min(H, I)
+    original = _model(family, layout)
+    model = hf.convert(copy.deepcopy(original), min_dense_size=0, min_expert_size=small + 1)
+    report = model.fp8_conversion_report
+    experts = [m for m in model.modules() if isinstance(m, FP8GroupedExperts)]
+    entries = [e for e in report.entries if e.became == cr.BF16_EXPERTS]
+    assert experts and len(entries) == len(experts) and report.counts().get(cr.FP8_EXPERTS, 0) == 0
+    assert all(m.recipe.name == "bf16" and not m.cache_weights for m in experts)
+    assert all(e.detail.endswith(f"H={H} I={I}, bf16 (below min_expert_size: min(H, I) < {small + 1})") and not e.fp8
+               for e in entries)
+    assert any(isinstance(m, FP8Linear) for m in model.modules())
+    bf16 = hf.convert(copy.deepcopy(original), recipe="bf16")  # the same experts, asked for by recipe
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(_logits_without_dense_fp8(model, bf16, ids), bf16(ids).logits)
+
+
+def _logits_without_dense_fp8(model: nn.Module, reference: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits with each ``FP8Linear`` swapped for ``reference``'s linear of the same name."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, FP8Linear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, reference.get_submodule(name))
+    return model(ids).logits
+
+
+def test_small_experts_is_checked():
+    with pytest.raises(ValueError, match=r"small_experts: expected one of \('bf16', 'keep'\), got 'fp8'"):
+        hf.convert(_model("qwen3_moe", "v5"), small_experts="fp8")
 
 
 def test_expert_size_rule_on_a_bare_block():
     block = _random(V4_BLOCKS["qwen3_moe"]())
-    assert hf.convert(block) is block and isinstance(block.experts, nn.ModuleList)
+    assert hf.convert(block, small_experts="keep") is block and isinstance(block.experts, nn.ModuleList)
     assert block.fp8_conversion_report.counts() == {cr.KEPT: 2, f"kept: {cr.BELOW_MIN_EXPERT_SIZE}": 1,
                                                     f"kept: {cr.ROUTER}": 1}
+    new = hf.convert(_random(V4_BLOCKS["qwen3_moe"]()))
+    assert isinstance(new, FP8HFMoEBlock) and new.experts.recipe.name == "bf16"
+    assert new.fp8_conversion_report.counts()[cr.BF16_EXPERTS] == 1
 
 
 class _Plain(nn.Module):

@@ -16,7 +16,9 @@ stays its dense layer).
 Variants: ``hf_bf16`` (unconverted), ``ours_bf16`` (experts on the library's BF16 grouped path),
 ``ours_fp8_experts`` (FP8 experts in every MoE block whatever their size, dense linears as built),
 ``ours_fp8`` (``moe_fp8.hf.convert`` with its defaults, ``rowwise``: FP8 experts and dense linears
-where the size rules say FP8 pays, the rest as built; ``cache_weights=False``), ``ours_fp8_cached`` and
+where the size rules say FP8 pays, experts below them on the BF16 grouped path, the rest as built;
+``cache_weights=False``), ``ours_fp8_small_kept`` (the same, but experts below the size rule left as
+built: ``small_experts="keep"``), ``ours_fp8_cached`` and
 ``ours_fp8_experts_cached`` (the same with the expert weights' FP8 cache on: quantized once per
 optimizer step, eager or compiled; one more BF16-sized copy of them held), ``torchao_rowwise`` and
 ``torchao_rowwise_gw_hp`` (TorchAO's ``convert_to_float8_training`` on the dense linears, its own
@@ -55,16 +57,17 @@ from ..layers.hf_convert import MIN_EXPERT_SIZE
 from . import torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
-VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_experts_cached", "ours_fp8_cached",
-            "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
+VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_experts_cached",
+            "ours_fp8_cached", "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: variants that change MoE experts only (skipped for a dense model) and TorchAO's (GPU only)
-EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_experts_cached", "torchao_moe")
+EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours_fp8_experts_cached", "torchao_moe")
 TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs (the others in eager only), and those trained for ``loss_steps``
 MODE_VARIANTS = {"eager": VARIANTS,
-                 "compiled": ("hf_bf16", "ours_fp8", "ours_fp8_experts", "ours_fp8_cached", "ours_fp8_experts_cached",
-                              "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
-                 "reduce-overhead": ("hf_bf16", "ours_fp8")}
+                 "compiled": ("hf_bf16", "ours_bf16", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_experts",
+                              "ours_fp8_cached", "ours_fp8_experts_cached", "torchao_rowwise", "torchao_rowwise_gw_hp",
+                              "torchao_moe"),
+                 "reduce-overhead": ("hf_bf16", "ours_bf16", "ours_fp8", "ours_fp8_small_kept")}
 LOSS_VARIANTS = ("hf_bf16", "ours_fp8_experts", "ours_fp8")
 
 
@@ -158,7 +161,8 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
                    min_expert_size=0)
     elif variant.startswith("ours_fp8"):
         hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached"),
-                   min_dense_size=min_dense_size, min_expert_size=min_expert_size)
+                   min_dense_size=min_dense_size, min_expert_size=min_expert_size,
+                   small_experts="keep" if variant == "ours_fp8_small_kept" else "bf16")
     elif variant in TORCHAO_VARIANTS:
         recipe = "rowwise_with_gw_hp" if variant == "torchao_rowwise_gw_hp" else "rowwise"
         torchao_models.convert(model, recipe, experts=variant == "torchao_moe")

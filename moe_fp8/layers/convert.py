@@ -87,14 +87,15 @@ def check_size(name: str, value) -> None:
 
 def convert_linears(model: nn.Module, report: ConversionReport, *, recipe, filter_fn: FilterFn | None,
                     min_dense_size: int, fmt=None, keep_reason: str | None = None,
-                    kept_experts: dict[int, str] | None = None) -> nn.Module:
+                    small_experts: dict[int, tuple[str, str]] | None = None) -> nn.Module:
     """Walk ``model``: record experts, routers, embeddings and linears in ``report``, swap the linears
-    that pass every rule (none when ``keep_reason`` is given: all are kept for that reason). Modules
-    whose ``id`` is in ``kept_experts`` (MoE experts left as they were, mapped to a detail) are
-    recorded as kept ``below min_expert_size`` and not entered. Returns ``model``, or its
+    that pass every rule (none when ``keep_reason`` is given: all are kept for that reason).
+    ``small_experts`` maps the ``id`` of experts below ``min_expert_size`` to ``(action, detail)``:
+    ``"keep"`` (left as they were: recorded as kept ``below min_expert_size``, not entered) or
+    ``"bf16"`` (on the BF16 grouped path: the detail says why). Returns ``model``, or its
     replacement when ``model`` itself is a converted ``nn.Linear``."""
     ctx = dict(report=report, recipe=recipe, filter_fn=filter_fn, min_size=min_dense_size, fmt=fmt,
-               keep_reason=keep_reason, seen=set(), kept_experts=kept_experts or {},
+               keep_reason=keep_reason, seen=set(), small_experts=small_experts or {},
                tied={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)})
     new = _visit(None, "", model, "", ctx)
     return model if new is None else new
@@ -106,12 +107,13 @@ def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Modu
         return None
     ctx["seen"].add(id(module))
     report = ctx["report"]
+    action, small = ctx["small_experts"].get(id(module), (None, ""))
     if isinstance(module, FP8GroupedExperts):
         became = FP8_EXPERTS if module.recipe.is_fp8 else BF16_EXPERTS
         detail = f"E={module.num_experts} H={module.hidden_size} I={module.expert_hidden_size}, {module.recipe.name}"
-        report.add(fqn, module, became, detail=detail)
-    elif id(module) in ctx["kept_experts"]:
-        detail = ctx["kept_experts"][id(module)]
+        report.add(fqn, module, became, detail=f"{detail} ({BELOW_MIN_EXPERT_SIZE}: {small})" if small else detail)
+    elif action == "keep":
+        detail = small
         report.add(fqn, module, KEPT, BELOW_MIN_EXPERT_SIZE, detail)
         log.info("%s stays as it was (%s): %s", fqn or "<model>", BELOW_MIN_EXPERT_SIZE, detail)
     elif isinstance(module, nn.Embedding):

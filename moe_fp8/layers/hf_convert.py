@@ -22,6 +22,7 @@ computes the fixed forward, so on those versions its output differs from the unc
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,17 +35,19 @@ from .experts import FP8GroupedExperts
 from .fp8_linear import DENSE_RECIPES, FP8Linear, _check_dense_recipe
 from .hf_blocks import FP8HFMoEBlock, FP8Llama4TextMoe
 
-__all__ = ["MIN_EXPERT_SIZE", "SUPPORTED_BLOCKS", "convert"]
+__all__ = ["MIN_EXPERT_SIZE", "SMALL_EXPERTS", "SUPPORTED_BLOCKS", "convert"]
 
 MIN_EXPERT_SIZE = 1024
+#: what ``convert`` does with experts below ``min_expert_size``: the library's BF16 grouped path, or nothing
+SMALL_EXPERTS = ("bf16", "keep")
 SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE", "Llama4TextMoe")
 _CONVERTED = (FP8GroupedExperts, FP8Linear, FP8HFMoEBlock, FP8Llama4TextMoe)
 
 
 def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_recipe=None,
             filter_fn: Callable[[nn.Module, str], bool] | None = None, min_dense_size: int = MIN_DENSE_SIZE,
-            min_expert_size: int = MIN_EXPERT_SIZE, backend: str | None = None, fmt=None,
-            cache_weights: bool = True) -> nn.Module:
+            min_expert_size: int = MIN_EXPERT_SIZE, small_experts: str = "bf16", backend: str | None = None,
+            fmt=None, cache_weights: bool = True) -> nn.Module:
     """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
     return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it
     became and why anything was kept; ``print`` it for a table). A model without MoE blocks (Llama,
@@ -55,7 +58,9 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       A/B runs, and the dense linears are left untouched), ``backend`` / ``fmt`` / ``cache_weights``
       as ``FP8GroupedExperts`` takes them. With an FP8 recipe, a block whose experts have
       ``min(hidden, expert hidden) < min_expert_size`` (default ``MIN_EXPERT_SIZE`` = 1024, from the
-      whole-model step on one H200; 0 converts every size) is left exactly as it was, and reported.
+      whole-model step on one H200; 0 converts every size) runs on the library's BF16 grouped path
+      instead (``small_experts="bf16"``: same weights, no FP8), or is left exactly as it was
+      (``small_experts="keep"``); the report says which, and why.
     * Dense linears (attention and MLA projections, dense MLPs, shared experts), when ``dense``:
       ``FP8Linear`` with ``dense_recipe`` (default: ``recipe``; required for ``"blockwise"``),
       sharing the parameters. Routers, embeddings and ``lm_head`` stay as they are; so do layers
@@ -74,23 +79,24 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     """
     check_conversion_args(model, filter_fn, min_dense_size)
     check_size("min_expert_size", min_expert_size)
+    if small_experts not in SMALL_EXPERTS:
+        raise ValueError(f"small_experts: expected one of {SMALL_EXPERTS}, got {small_experts!r}")
     if not isinstance(dense, bool):
         raise TypeError(f"dense: expected a bool, got {type(dense).__name__}")
     expert_recipe = get_recipe(recipe)
     linear_recipe = _dense_recipe(expert_recipe, dense_recipe, dense)
     _refuse_converted(model)
     opts = dict(recipe=expert_recipe, backend=backend, fmt=fmt, cache_weights=cache_weights)
-    min_size = min_expert_size if expert_recipe.is_fp8 else 0
-    kept: dict[int, str] = {}
-    root = _convert_block(model, opts, min_size, kept)
+    rule = _SizeRule(min_expert_size if expert_recipe.is_fp8 else 0, small_experts)
+    root = _convert_block(model, opts, rule)
     if root is not None:  # a bare block: converted in place, its replacement, or itself when kept
         model, blocks = root, 1
     else:
-        blocks = _convert_blocks(model, opts, min_size, kept)
+        blocks = _convert_blocks(model, opts, rule)
     report = ConversionReport(expert_recipe.name, min_dense_size, min_expert_size, moe_blocks=blocks)
     keep = DENSE_OFF if not dense else BF16_RECIPE if not expert_recipe.is_fp8 else None
     model = convert_linears(model, report, recipe=linear_recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
-                            fmt=fmt, keep_reason=keep, kept_experts=kept)
+                            fmt=fmt, keep_reason=keep, small_experts=rule.small)
     if blocks == 0 and FP8_LINEAR not in report.counts():  # nothing was changed
         raise ValueError(f"model: nothing to convert: no MoE block found (supported: {', '.join(SUPPORTED_BLOCKS)}) "
                          f"and no linear passed the dense rules; per module, what kept it:\n{report.table()}")
@@ -116,13 +122,23 @@ def _refuse_converted(model: nn.Module) -> None:
                              "a model is converted once: convert a fresh copy")
 
 
-def _convert_blocks(model: nn.Module, opts: dict, min_size: int, kept: dict[int, str]) -> int:
+@dataclass
+class _SizeRule:
+    """The expert size rule: blocks with ``min(H, I) < min_size`` get ``action`` (``SMALL_EXPERTS``);
+    ``small`` maps the ``id`` of each such block's experts (after conversion) to ``(action, detail)``."""
+
+    min_size: int
+    action: str
+    small: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+
+def _convert_blocks(model: nn.Module, opts: dict, rule: _SizeRule) -> int:
     """Convert every supported MoE block below ``model``; return how many there were. Raises when
     there were none but a block with ``experts`` of an unsupported class was found."""
     blocks = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            new = _convert_block(child, opts, min_size, kept)
+            new = _convert_block(child, opts, rule)
             if new is not None:
                 setattr(parent, name, new)
                 blocks += 1
@@ -133,16 +149,28 @@ def _convert_blocks(model: nn.Module, opts: dict, min_size: int, kept: dict[int,
     return blocks
 
 
-def _convert_block(block: nn.Module, opts: dict, min_size: int, kept: dict[int, str]) -> nn.Module | None:
-    """The converted block (``block`` itself when converted in place or kept by the size rule, its
-    experts then recorded in ``kept``), or ``None`` when ``block`` is not a supported MoE block."""
+def _convert_block(block: nn.Module, opts: dict, rule: _SizeRule) -> nn.Module | None:
+    """The converted block (``block`` itself when converted in place or kept by the size rule), or
+    ``None`` when ``block`` is not a supported MoE block. Experts below the size rule are recorded in
+    ``rule.small``."""
     kind = type(block).__name__
     if kind not in SUPPORTED_BLOCKS:
         return None
     E, H, I = _expert_dims(block.experts, in_out=kind == "Llama4TextMoe")
-    if min(H, I) < min_size:
-        kept[id(block.experts)] = f"E={E} H={H} I={I}: min(H, I) < {min_size}"
+    if min(H, I) >= rule.min_size:
+        return _replace_experts(block, kind, opts)
+    why = f"min(H, I) < {rule.min_size}"
+    if rule.action == "keep":
+        rule.small[id(block.experts)] = (rule.action, f"E={E} H={H} I={I}: {why}")
         return block
+    new = _replace_experts(block, kind, {**opts, "recipe": get_recipe("bf16"), "cache_weights": False})
+    rule.small[id(new.experts)] = (rule.action, why)
+    return new
+
+
+def _replace_experts(block: nn.Module, kind: str, opts: dict) -> nn.Module:
+    """``block`` with its experts on ``FP8GroupedExperts`` built from ``opts`` (in place for 5.x
+    blocks, a replacement block otherwise)."""
     if kind == "Llama4TextMoe":
         return _llama4(block, opts)
     if isinstance(block.experts, nn.ModuleList):
