@@ -123,14 +123,15 @@ def test_families_whole_model(family, layout, monkeypatch):
 
 
 def test_default_size_rules_keep_small_layers():
-    """With the default rules and ``small_experts="keep"`` a tiny model is left exactly as it was
-    (same modules, same logits), and the report says why for every expert block and linear."""
+    """With the default rules a tiny model is left exactly as it was (same modules, same logits),
+    and the report says why for every expert block and linear."""
     original = _model("deepseek_v3", "v5")
     ids = _ids()
-    model = hf.convert(copy.deepcopy(original), small_experts="keep")
+    model = hf.convert(copy.deepcopy(original))
     report = model.fp8_conversion_report
     assert report.min_dense_size == MIN_DENSE_SIZE == 1536 and report.min_expert_size == hf.MIN_EXPERT_SIZE == 1024
-    assert "min_dense_size 1536, min_expert_size 1024" in str(report)
+    assert report.min_bf16_expert_size == hf.MIN_BF16_EXPERT_SIZE == 512
+    assert "min_dense_size 1536, min_expert_size 1024, min_bf16_expert_size 512" in str(report)
     assert not any(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in model.modules())
     assert [type(m) for m in model.modules()] == [type(m) for m in original.modules()]
     assert torch.equal(model(ids).logits, original(ids).logits)
@@ -139,7 +140,7 @@ def test_default_size_rules_keep_small_layers():
     assert "min(in, out) < 1536" in dense[0].detail
     (experts,) = [e for e in report.entries if e.reason == cr.BELOW_MIN_EXPERT_SIZE]
     assert experts.fqn == "model.layers.1.mlp.experts" and experts.became == cr.KEPT and not experts.fp8
-    assert experts.detail == f"E=8 H={H} I={I}: min(H, I) < 1024"
+    assert experts.detail == f"E=8 H={H} I={I}: min(H, I) < 512 (min_bf16_expert_size)"
     assert report.fp8_params == 0 and report.matmul_params > experts.numel > 0
     # the rule's boundary, on a plain module: min(in, out) >= min_dense_size converts
     plain = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 496), nn.Linear(496, 512))
@@ -158,7 +159,7 @@ def test_expert_size_rule_boundary(family, layout):
     assert converted.fp8_conversion_report.counts()[cr.FP8_EXPERTS] >= 1
     model = _model(family, layout)
     blocks = [(n, m, m.experts) for n, m in model.named_modules() if type(m).__name__ in hf.SUPPORTED_BLOCKS]
-    hf.convert(model, min_dense_size=0, min_expert_size=small + 1, small_experts="keep")
+    hf.convert(model, min_dense_size=0, min_expert_size=small + 1, min_bf16_expert_size=small + 1)
     report = model.fp8_conversion_report
     assert not any(isinstance(m, FP8GroupedExperts) for m in model.modules())
     kept = [e for e in report.entries if e.reason == cr.BELOW_MIN_EXPERT_SIZE]
@@ -176,12 +177,18 @@ def test_expert_size_rule_boundary(family, layout):
 @pytest.mark.parametrize("layout", ["v5", "v4"])
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_small_experts_run_the_bf16_grouped_path(family, layout):
-    """By default experts below ``min_expert_size`` run on the library's BF16 grouped path (no FP8,
-    no weight cache), the report says why, the dense rules still apply, and with its dense linears
-    put back the model computes exactly what ``recipe="bf16"`` (the same experts, asked for) does."""
+    """Experts below ``min_expert_size`` but not below ``min_bf16_expert_size`` run on the library's
+    BF16 grouped path (no FP8, no weight cache), the report says why, the dense rules still apply,
+    and with its dense linears put back the model computes exactly what ``recipe="bf16"`` (the same
+    experts, asked for) does. One below ``min_bf16_expert_size`` as well: the block stays as built."""
     small = min(H, I)
     original = _model(family, layout)
-    model = hf.convert(copy.deepcopy(original), min_dense_size=0, min_expert_size=small + 1)
+    kept = hf.convert(copy.deepcopy(original), dense=False, min_expert_size=small + 2, min_bf16_expert_size=small + 1)
+    (entry,) = {e.detail for e in kept.fp8_conversion_report.entries if e.reason == cr.BELOW_MIN_EXPERT_SIZE}
+    assert entry.endswith(f"H={H} I={I}: min(H, I) < {small + 1} (min_bf16_expert_size)")
+    assert not any(isinstance(m, FP8GroupedExperts) for m in kept.modules())
+    model = hf.convert(copy.deepcopy(original), min_dense_size=0, min_expert_size=small + 1,
+                       min_bf16_expert_size=small)
     report = model.fp8_conversion_report
     experts = [m for m in model.modules() if isinstance(m, FP8GroupedExperts)]
     entries = [e for e in report.entries if e.became == cr.BF16_EXPERTS]
@@ -205,17 +212,19 @@ def _logits_without_dense_fp8(model: nn.Module, reference: nn.Module, ids: torch
     return model(ids).logits
 
 
-def test_small_experts_is_checked():
-    with pytest.raises(ValueError, match=r"small_experts: expected one of \('bf16', 'keep'\), got 'fp8'"):
-        hf.convert(_model("qwen3_moe", "v5"), small_experts="fp8")
+def test_min_bf16_expert_size_is_checked():
+    with pytest.raises(ValueError, match="min_bf16_expert_size: expected >= 0, got -1"):
+        hf.convert(_model("qwen3_moe", "v5"), min_bf16_expert_size=-1)
+    with pytest.raises(TypeError, match="min_bf16_expert_size: expected an int, got str"):
+        hf.convert(_model("qwen3_moe", "v5"), min_bf16_expert_size="bf16")
 
 
 def test_expert_size_rule_on_a_bare_block():
     block = _random(V4_BLOCKS["qwen3_moe"]())
-    assert hf.convert(block, small_experts="keep") is block and isinstance(block.experts, nn.ModuleList)
+    assert hf.convert(block) is block and isinstance(block.experts, nn.ModuleList)
     assert block.fp8_conversion_report.counts() == {cr.KEPT: 2, f"kept: {cr.BELOW_MIN_EXPERT_SIZE}": 1,
                                                     f"kept: {cr.ROUTER}": 1}
-    new = hf.convert(_random(V4_BLOCKS["qwen3_moe"]()))
+    new = hf.convert(_random(V4_BLOCKS["qwen3_moe"]()), min_bf16_expert_size=0)
     assert isinstance(new, FP8HFMoEBlock) and new.experts.recipe.name == "bf16"
     assert new.fp8_conversion_report.counts()[cr.BF16_EXPERTS] == 1
 

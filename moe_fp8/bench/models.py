@@ -18,7 +18,7 @@ Variants: ``hf_bf16`` (unconverted), ``ours_bf16`` (experts on the library's BF1
 ``ours_fp8`` (``moe_fp8.hf.convert`` with its defaults, ``rowwise``: FP8 experts and dense linears
 where the size rules say FP8 pays, experts below them on the BF16 grouped path, the rest as built;
 ``cache_weights=False``), ``ours_fp8_small_kept`` (the same, but experts below the size rule left as
-built: ``small_experts="keep"``), ``ours_fp8_cached`` and
+built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_cached`` and
 ``ours_fp8_experts_cached`` (the same with the expert weights' FP8 cache on: quantized once per
 optimizer step, eager or compiled; one more BF16-sized copy of them held), ``torchao_rowwise`` and
 ``torchao_rowwise_gw_hp`` (TorchAO's ``convert_to_float8_training`` on the dense linears, its own
@@ -53,7 +53,7 @@ from torch import nn
 
 from ..demo.corpus import VOCAB, batches, load_split
 from ..layers.convert import MIN_DENSE_SIZE
-from ..layers.hf_convert import MIN_EXPERT_SIZE
+from ..layers.hf_convert import MIN_BF16_EXPERT_SIZE, MIN_EXPERT_SIZE
 from . import torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
@@ -162,7 +162,7 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
     elif variant.startswith("ours_fp8"):
         hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached"),
                    min_dense_size=min_dense_size, min_expert_size=min_expert_size,
-                   small_experts="keep" if variant == "ours_fp8_small_kept" else "bf16")
+                   min_bf16_expert_size=min_expert_size if variant == "ours_fp8_small_kept" else MIN_BF16_EXPERT_SIZE)
     elif variant in TORCHAO_VARIANTS:
         recipe = "rowwise_with_gw_hp" if variant == "torchao_rowwise_gw_hp" else "rowwise"
         torchao_models.convert(model, recipe, experts=variant == "torchao_moe")

@@ -50,13 +50,14 @@ class ModuleConversion:
 @dataclass
 class ConversionReport:
     """The entries of one conversion (model order), with the settings that decided them, and the
-    number of supported MoE blocks found (``min_expert_size`` and ``moe_blocks`` are ``None`` for
-    ``convert_to_fp8``, which leaves MoE blocks alone; ``moe_blocks == 0``: a dense model, whose
-    linears alone were converted)."""
+    number of supported MoE blocks found (``min_expert_size``, ``min_bf16_expert_size`` and
+    ``moe_blocks`` are ``None`` for ``convert_to_fp8``, which leaves MoE blocks alone;
+    ``moe_blocks == 0``: a dense model, whose linears alone were converted)."""
 
     recipe: str
     min_dense_size: int
     min_expert_size: int | None = None
+    min_bf16_expert_size: int | None = None
     entries: list[ModuleConversion] = field(default_factory=list)
     moe_blocks: int | None = None
 
@@ -121,7 +122,7 @@ class ConversionReport:
                            if not k.startswith("kept: "))
         sizes = f"min_dense_size {self.min_dense_size}"
         if self.min_expert_size is not None:
-            sizes += f", min_expert_size {self.min_expert_size}"
+            sizes += f", min_expert_size {self.min_expert_size}, min_bf16_expert_size {self.min_bf16_expert_size}"
         no_moe = ["no MoE block found (a dense model): the dense rules alone applied"] if self.moe_blocks == 0 else []
         return "\n".join([
             f"moe_fp8 conversion (recipe {self.recipe}, {sizes}): {counts}",

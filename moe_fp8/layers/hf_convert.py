@@ -35,19 +35,18 @@ from .experts import FP8GroupedExperts
 from .fp8_linear import DENSE_RECIPES, FP8Linear, _check_dense_recipe
 from .hf_blocks import FP8HFMoEBlock, FP8Llama4TextMoe
 
-__all__ = ["MIN_EXPERT_SIZE", "SMALL_EXPERTS", "SUPPORTED_BLOCKS", "convert"]
+__all__ = ["MIN_BF16_EXPERT_SIZE", "MIN_EXPERT_SIZE", "SUPPORTED_BLOCKS", "convert"]
 
 MIN_EXPERT_SIZE = 1024
-#: what ``convert`` does with experts below ``min_expert_size``: the library's BF16 grouped path, or nothing
-SMALL_EXPERTS = ("bf16", "keep")
+MIN_BF16_EXPERT_SIZE = 512
 SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE", "Llama4TextMoe")
 _CONVERTED = (FP8GroupedExperts, FP8Linear, FP8HFMoEBlock, FP8Llama4TextMoe)
 
 
 def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_recipe=None,
             filter_fn: Callable[[nn.Module, str], bool] | None = None, min_dense_size: int = MIN_DENSE_SIZE,
-            min_expert_size: int = MIN_EXPERT_SIZE, small_experts: str = "bf16", backend: str | None = None,
-            fmt=None, cache_weights: bool = True) -> nn.Module:
+            min_expert_size: int = MIN_EXPERT_SIZE, min_bf16_expert_size: int = MIN_BF16_EXPERT_SIZE,
+            backend: str | None = None, fmt=None, cache_weights: bool = True) -> nn.Module:
     """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
     return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it
     became and why anything was kept; ``print`` it for a table). A model without MoE blocks (Llama,
@@ -59,8 +58,10 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       as ``FP8GroupedExperts`` takes them. With an FP8 recipe, a block whose experts have
       ``min(hidden, expert hidden) < min_expert_size`` (default ``MIN_EXPERT_SIZE`` = 1024, from the
       whole-model step on one H200; 0 converts every size) runs on the library's BF16 grouped path
-      instead (``small_experts="bf16"``: same weights, no FP8), or is left exactly as it was
-      (``small_experts="keep"``); the report says which, and why.
+      instead (same weights, no FP8) when ``min(H, I) >= min_bf16_expert_size`` (default
+      ``MIN_BF16_EXPERT_SIZE`` = 512, where that path beat HF's own in every mode measured), and
+      is left exactly as it was below that (``min_bf16_expert_size=min_expert_size`` leaves every
+      such block as built); the report says which, and why.
     * Dense linears (attention and MLA projections, dense MLPs, shared experts), when ``dense``:
       ``FP8Linear`` with ``dense_recipe`` (default: ``recipe``; required for ``"blockwise"``),
       sharing the parameters. Routers, embeddings and ``lm_head`` stay as they are; so do layers
@@ -79,21 +80,21 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     """
     check_conversion_args(model, filter_fn, min_dense_size)
     check_size("min_expert_size", min_expert_size)
-    if small_experts not in SMALL_EXPERTS:
-        raise ValueError(f"small_experts: expected one of {SMALL_EXPERTS}, got {small_experts!r}")
+    check_size("min_bf16_expert_size", min_bf16_expert_size)
     if not isinstance(dense, bool):
         raise TypeError(f"dense: expected a bool, got {type(dense).__name__}")
     expert_recipe = get_recipe(recipe)
     linear_recipe = _dense_recipe(expert_recipe, dense_recipe, dense)
     _refuse_converted(model)
     opts = dict(recipe=expert_recipe, backend=backend, fmt=fmt, cache_weights=cache_weights)
-    rule = _SizeRule(min_expert_size if expert_recipe.is_fp8 else 0, small_experts)
+    rule = _SizeRule(min_expert_size if expert_recipe.is_fp8 else 0, min_bf16_expert_size)
     root = _convert_block(model, opts, rule)
     if root is not None:  # a bare block: converted in place, its replacement, or itself when kept
         model, blocks = root, 1
     else:
         blocks = _convert_blocks(model, opts, rule)
-    report = ConversionReport(expert_recipe.name, min_dense_size, min_expert_size, moe_blocks=blocks)
+    report = ConversionReport(expert_recipe.name, min_dense_size, min_expert_size, min_bf16_expert_size,
+                              moe_blocks=blocks)
     keep = DENSE_OFF if not dense else BF16_RECIPE if not expert_recipe.is_fp8 else None
     model = convert_linears(model, report, recipe=linear_recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
                             fmt=fmt, keep_reason=keep, small_experts=rule.small)
@@ -124,11 +125,12 @@ def _refuse_converted(model: nn.Module) -> None:
 
 @dataclass
 class _SizeRule:
-    """The expert size rule: blocks with ``min(H, I) < min_size`` get ``action`` (``SMALL_EXPERTS``);
-    ``small`` maps the ``id`` of each such block's experts (after conversion) to ``(action, detail)``."""
+    """The expert size rules: blocks with ``min(H, I) < min_size`` run the BF16 grouped path when
+    ``min(H, I) >= min_bf16_size``, else stay as built; ``small`` maps the ``id`` of each such
+    block's experts (after conversion) to ``("bf16" | "keep", detail)``."""
 
     min_size: int
-    action: str
+    min_bf16_size: int
     small: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
@@ -159,12 +161,13 @@ def _convert_block(block: nn.Module, opts: dict, rule: _SizeRule) -> nn.Module |
     E, H, I = _expert_dims(block.experts, in_out=kind == "Llama4TextMoe")
     if min(H, I) >= rule.min_size:
         return _replace_experts(block, kind, opts)
-    why = f"min(H, I) < {rule.min_size}"
-    if rule.action == "keep":
-        rule.small[id(block.experts)] = (rule.action, f"E={E} H={H} I={I}: {why}")
+    if min(H, I) < rule.min_bf16_size:
+        why = (f"min(H, I) < {rule.min_size}" if rule.min_bf16_size >= rule.min_size
+               else f"min(H, I) < {rule.min_bf16_size} (min_bf16_expert_size)")
+        rule.small[id(block.experts)] = ("keep", f"E={E} H={H} I={I}: {why}")
         return block
     new = _replace_experts(block, kind, {**opts, "recipe": get_recipe("bf16"), "cache_weights": False})
-    rule.small[id(new.experts)] = (rule.action, why)
+    rule.small[id(new.experts)] = ("bf16", f"min(H, I) < {rule.min_size}")
     return new
 
 
