@@ -135,6 +135,9 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
         assert r["layers"] == 3
     assert 4.0 < by_variant["ours_fp8"]["final_loss"] < 6.5 and abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
     assert models.build(models._spec("llama3_8b", "cpu", 3), 32, "cpu").config.num_hidden_layers == 3
+    moe = models._spec("qwen3_h1024", "cpu", None)  # named variants run in any mode; the defaults per mode
+    assert models._variants_of(moe, "reduce-overhead", True, ["ours_bf16", "hf_bf16"]) == ["ours_bf16", "hf_bf16"]
+    assert models._variants_of(moe, "reduce-overhead", True, None) == list(models.MODE_VARIANTS["reduce-overhead"])
     with pytest.raises(ValueError, match="variants: unknown"):
         models.collect("cpu", models=["llama3_8b"], variants=["torchao"])
     with pytest.raises(ValueError, match="layers: expected >= 1"):
