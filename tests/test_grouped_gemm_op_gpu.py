@@ -108,12 +108,23 @@ def test_rowwise_against_fp64(backend, large_case):
     assert sqnr(ref, y) >= 28 and sqnr(rdx, dx) >= 28 and sqnr(rdw, dw) >= 25
 
 
-def test_bf16_recipe_matches_torch(large_case):
-    x, w, g, offs = large_case
-    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    y2 = fp8_grouped_mm(x, w, offs, recipe="bf16")
-    used = LARGE["used"]
+@pytest.mark.parametrize("case", ["large", "odd"])
+def test_bf16_recipe_matches_torch(case, large_case, odd_case):
+    """The bf16 recipe on skewed groups of any size (no padding) gives torch's own ``_grouped_mm``
+    forward and autograd gradients bit for bit, and its gradients match fp64."""
+    (x, w, g, offs), used = (large_case, LARGE["used"]) if case == "large" else (odd_case, ODD["used"])
+    xt, wt = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = torch._grouped_mm(xt, wt.transpose(-2, -1), offs=offs)
+    dx, dw = torch.autograd.grad(y, (xt, wt), g)
+    xo, wo = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y2 = fp8_grouped_mm(xo, wo, offs, recipe="bf16", backend="cuda")
+    dx2, dw2 = torch.autograd.grad(y2, (xo, wo), g)
     assert torch.equal(y[:used], y2[:used]) and torch.all(y2[used:] == 0)
+    assert torch.equal(dx[:used], dx2[:used]) and torch.equal(dw, dw2)
+    x64, w64 = x.detach().double(), w.detach().double()
+    bounds = [0, *offs.tolist()]
+    rdw = torch.stack([g[s:e].double().T @ x64[s:e] for s, e in zip(bounds[:-1], bounds[1:])])
+    assert sqnr(rdw, dw2) >= 40 and w64.shape == dw2.shape
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

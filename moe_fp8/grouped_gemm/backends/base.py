@@ -28,7 +28,6 @@ import warnings
 import torch
 
 from ...quant.formats import Float8Format, detect_format
-from ..padding import gather_rows_padded, padded_offsets, padded_rows
 from ..tail import zero_empty_groups, zero_rows_past_end
 
 __all__ = ["GroupedGemmBackend", "warn_rocm_bf16_host_loop"]
@@ -97,16 +96,12 @@ class GroupedGemmBackend:
         return zero_rows_past_end(out, offs)
 
     def bf16_mm_2d2d(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """``out[g] = a_g^T @ b_g`` for ``a (M, N)``, ``b (M, K)``; ``(E, N, K)``.
+        """``out[g] = a_g^T @ b_g`` for row-major ``a (M, N)``, ``b (M, K)``; ``(E, N, K)``.
 
-        On the GPU, PyTorch's kernel needs groups of a multiple of 8 rows: the rows are copied
-        into 16-row-aligned groups first (on device, static size, one Triton launch per operand).
+        Groups of any size, unpadded: with both operands row-major a group starts a whole row
+        further on (16-byte aligned for N, K multiples of 8), the call PyTorch's own autograd makes
+        for the weight gradient of ``torch._grouped_mm``. (FP8 2D x 2D GEMMs take column-major
+        operands, whose groups must start on 16-row boundaries: ``padding.py``.)
         """
         warn_rocm_bf16_host_loop(a.device)
-        if a.is_cuda:
-            p_offs = padded_offsets(offs)
-            rows = padded_rows(a.shape[0], offs.numel())
-            a = gather_rows_padded(a, offs, p_offs, rows)
-            b = gather_rows_padded(b, offs, p_offs, rows)
-            offs = p_offs
-        return zero_empty_groups(torch._grouped_mm(a.t(), b, offs=offs), offs)
+        return zero_empty_groups(torch._grouped_mm(a.contiguous().t(), b.contiguous(), offs=offs), offs)
