@@ -36,6 +36,24 @@ def layer_grads(layer, x: torch.Tensor, dy: torch.Tensor):
     out.backward(dy)
     return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
 
+def replay_on_new_input(layer, static_x: torch.Tensor) -> torch.Tensor:
+    """Capture ``layer``'s no-grad forward on ``static_x`` in a CUDA graph (after a warm-up on a
+    side stream), refill ``static_x`` with new random values and replay; returns the graph's output."""
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(static_x)
+        static_x.copy_(torch.randn_like(static_x))
+        graph.replay()
+        torch.cuda.synchronize()
+    return static_out
+
+
 def _dirty_allocator() -> None:
     """Fill and free a large block so that an uninitialised result cannot pass as zeros."""
     junk = torch.full((1 << 20,), float("nan"))
