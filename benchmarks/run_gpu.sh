@@ -38,7 +38,7 @@ run() {  # run LIMIT_SECONDS LOG command...
 case $stage in
   tests)   run 570 gpu_tests.log python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 ;;
   ep)      run 300 expert_parallel_tests.log python3 -m pytest -q -m gpu tests/test_expert_parallel_gpu.py \
-             tests/test_multi_gpu_expert_parallel.py -p no:cacheprovider
+             tests/test_multi_gpu.py -p no:cacheprovider
            run 300 expert_parallel.log python3 -m moe_fp8.bench.expert_parallel --out "$out" ;;
   harness) run 300 harness.log python3 -m moe_fp8.testing --device cuda --jobs 6 --timeout 90 \
              --impl torch --impl torch_scaled --impl torchao --impl moe_fp8:cuda_auto --impl moe_fp8:cuda \

@@ -42,7 +42,8 @@ from moe_fp8.routing import RouterConfig
 from moe_fp8.testing import TinyMoELM, lm_loss
 
 TIMEOUT = datetime.timedelta(seconds=120)
-BACKEND = "emulated"
+#: where the models train and which grouped GEMM they use (``multi_gpu_workers`` sets "cuda" and None)
+DEVICE, BACKEND = "cpu", "emulated"
 LR, EPS = 1e-3, 1e-3
 PER_RANK, SEQ, VOCAB = 2, 9, 64
 #: norm-relative error bounds of a gradient and of a parameter's total update, per recipe
@@ -54,7 +55,7 @@ WRAPPED = "_checkpoint_wrapped_module."
 
 def tiny_lm(recipe: str, router: RouterConfig | None = None) -> torch.nn.Module:
     torch.manual_seed(0)
-    return TinyMoELM(VOCAB, 32, 32, 2, router=router, recipe=recipe, backend=BACKEND)
+    return TinyMoELM(VOCAB, 32, 32, 2, router=router, recipe=recipe, backend=BACKEND, device=DEVICE)
 
 
 def hf_model(family: str, convert: bool = True) -> torch.nn.Module:
@@ -74,6 +75,7 @@ def hf_model(family: str, convert: bool = True) -> torch.nn.Module:
                                             qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
                                             rope_scaling=None, **common)
         model = transformers.DeepseekV3ForCausalLM(cfg)
+    model = model.to(DEVICE)
     return hf.convert(model, backend=BACKEND, min_expert_size=0, min_dense_size=0) if convert else model
 
 
@@ -84,7 +86,7 @@ def batches(dp: int, steps: int, accumulate: int, seed: int = 1) -> torch.Tensor
 
 
 def logits_of(model, ids):
-    out = model(ids)
+    out = model(ids.to(DEVICE))
     return out.logits if hasattr(out, "logits") else out
 
 
@@ -103,7 +105,7 @@ def gradients(model, micro_batches: torch.Tensor, parallel: bool = False) -> dic
     for a in range(accumulate):
         if parallel:
             model.set_requires_gradient_sync(a == accumulate - 1)
-        ids = micro_batches[a]
+        ids = micro_batches[a].to(DEVICE)
         (lm_loss(logits_of(model, ids), ids) / accumulate).backward()
     return {_name(n): _full(p.grad).clone() for n, p in model.named_parameters()}
 
@@ -174,7 +176,7 @@ def run_case(tag: str, build, recipe: str, mesh_shape: tuple, names: tuple, *, d
              accumulate=1, prepare=None, save_to: str | None = None, **options) -> None:
     """Train ``build()`` on the mesh and alone; compare every step's gradients and the updates;
     save the parallel model to ``save_to`` (see :func:`save_whole`)."""
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    mesh = init_device_mesh(DEVICE, mesh_shape, mesh_dim_names=names)
     rank, dp = dist.get_rank(), dist.get_world_size()
     full = build()
     if prepare is not None:

@@ -1,6 +1,6 @@
-"""Scenarios of the multi-GPU expert-parallel test: one rank per GPU (NCCL), or per process on CPU (gloo).
+"""Scenarios of the multi-GPU tests: one rank per GPU (NCCL), or per process on CPU (gloo).
 
-Every rank builds the same ``FP8MoE`` (same seed) and the same global batch, keeps its own tokens,
+``layer``: every rank builds the same ``FP8MoE`` (same seed) and the same global batch, keeps its own tokens,
 and compares the expert-parallel layer (``expert_parallel_from``) against the full layer on one
 device on every token, the single-GPU result: output and input gradient of its tokens, its
 experts' weight gradients, and the router's and shared expert's gradients summed over the ranks.
@@ -10,6 +10,11 @@ the order of fp32 sums) may differ: values are compared by SQNR, not bit for bit
 Scenarios: BF16 and FP8 dispatch; tokens spread evenly, unevenly, and none on rank 0; routing
 uniform and skewed (most tokens to the last rank's experts); the sync-free dispatch where every
 rank has the same token count; and (GPU) the sync-free layer's forward replayed from a CUDA graph.
+
+``models``: ``parallelize`` (FSDP2 + expert parallelism) on ``(dp_shard, ep)`` meshes of the world
+size, each rank training on its slice of the global batch, against one process on the whole
+batch: ``fsdp_workers.run_case`` (its bounds and checks) with the models on the GPU and the
+default grouped GEMM backend.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+import fsdp_workers
 from ep_workers import layer_grads, replay_on_new_input
 from moe_fp8 import FP8MoE
 from moe_fp8.parallel import expert_parallel_from
@@ -102,13 +108,7 @@ def check_graph_replay(group, world: int, device: torch.device, dispatch: str) -
     assert torch.equal(static_out, eager), f"world={world} {dispatch}: graph replay != eager"
 
 
-def worker(rank: int, world: int, init_file: str) -> None:
-    gpu = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
-    if gpu:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=TIMEOUT, **({"device_id": device} if gpu else {}))
+def layer(world: int, rank: int, device: torch.device) -> None:
     group = dist.group.WORLD
     for dispatch in ("bf16", "fp8"):
         for name, ts in token_counts(world).items():
@@ -116,7 +116,36 @@ def worker(rank: int, world: int, init_file: str) -> None:
                 check_layer(group, world, rank, device, dispatch, False, skewed, name, ts)
             if len(set(ts)) == 1:  # the sync-free dispatch takes the same T on every rank
                 check_layer(group, world, rank, device, dispatch, True, True, name, ts)
-        if gpu:
+        if device.type == "cuda":
             check_graph_replay(group, world, device, dispatch)
+
+
+def models(world: int, rank: int, device: torch.device) -> None:
+    """Pure FSDP, pure expert parallelism (FP8 and BF16 dispatch, sync-free) and both, where the
+    world size splits; the scenarios and bounds of the CPU test, which its tiny models meet."""
+    fsdp_workers.DEVICE, fsdp_workers.BACKEND = device.type, None
+    names, tiny, dsv3 = ("dp_shard", "ep"), fsdp_workers.tiny_lm, fsdp_workers.hf_model
+    run = fsdp_workers.run_case
+    run(f"tiny rowwise {world}x1 accumulate=2", lambda: tiny("rowwise"), "rowwise", (world, 1), names, steps=3,
+        accumulate=2)
+    run(f"tiny rowwise 1x{world} fp8-dispatch", lambda: tiny("rowwise"), "rowwise", (1, world), names, dispatch="fp8",
+        steps=3)
+    run(f"tiny bf16 1x{world} sync-free", lambda: tiny("bf16"), "bf16", (1, world), names, steps=2, sync_free=True)
+    shape = (2, world // 2) if world % 2 == 0 and world >= 4 else (1, world)
+    run(f"deepseek_v3 rowwise {shape[0]}x{shape[1]} bf16-dispatch", lambda: dsv3("deepseek_v3"), "rowwise", shape,
+        names, steps=2)
+
+
+SCENARIOS = {"layer": layer, "models": models}
+
+
+def worker(rank: int, world: int, init_file: str, scenario: str) -> None:
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=TIMEOUT, **({"device_id": device} if gpu else {}))
+    SCENARIOS[scenario](world, rank, device)
     dist.barrier()
     dist.destroy_process_group()
