@@ -79,3 +79,25 @@ def test_benchmark_quick_on_cpu(tmp_path):
                                           "EP, bf16 dispatch, sync-free", "EP, fp8 dispatch, sync-free"]
     assert all(r["equal_to_plain"] for r in rows)
     assert (tmp_path / "expert_parallel.md").stat().st_size > 0
+
+
+def test_scaling_benchmark_quick_on_two_cpu_ranks(tmp_path):
+    """``torchrun --nproc-per-node 2 -m moe_fp8.bench.ep_scaling --quick`` runs end to end on gloo: every
+    layer timed, the dispatch's bytes to the other rank counted (FP8 rows about half of BF16's, the
+    sync-free dispatch sends every token), the all-to-all alone timed."""
+    root = Path(__file__).resolve().parent.parent
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "moe_fp8.bench.ep_scaling", "--quick", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    rows = {r["layer"]: r for r in json.loads((tmp_path / "ep_scaling_dsv3_w2.json").read_text())["rows"]}
+    assert list(rows) == ["one GPU, all experts", "one GPU, all experts, bf16 recipe", "EP, bf16 recipe",
+                          "EP, bf16 dispatch", "EP, fp8 dispatch", "EP, bf16 dispatch, sync-free",
+                          "EP, fp8 dispatch, sync-free", "all-to-all alone"]
+    assert all(r["step_ms"] > 0 for r in rows.values())
+    H, K, T = 64, 2, 64  # the --quick shapes
+    bf16, fp8 = rows["EP, bf16 dispatch"]["sent_bytes"], rows["EP, fp8 dispatch"]["sent_bytes"]
+    assert bf16 > 0 and fp8 * dispatch_bytes_per_row(H, "bf16", top_k=K) == bf16 * dispatch_bytes_per_row(H, "fp8", top_k=K)
+    assert rows["EP, fp8 dispatch, sync-free"]["sent_bytes"] == T * dispatch_bytes_per_row(H, "fp8", top_k=K)
