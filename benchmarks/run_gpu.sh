@@ -2,7 +2,7 @@
 # The H200 runs, in stages that each fit a 10-minute slot, results to one folder.
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
-#   STAGE: tests | ep | epscale (every GPU: torchrun, moe_fp8.bench.ep_scaling) | parallel | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
+#   STAGE: tests | ep | epscale | parscale (every GPU, torchrun: moe_fp8.bench.ep_scaling / parallel_step) | parallel | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
 #   python -m moe_fp8.bench presets) | whole MODEL... (the whole-model step of the named models against HF
 #   BF16 and TorchAO, eager and compiled: bench_whole_<first model>.json/.md) | job ACCUMULATE MODEL...
 #   (the whole-model step with 4 decoder layers and ACCUMULATE micro-batches per optimizer step;
@@ -14,7 +14,7 @@
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang ends the stage instead of the run.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|ep|epscale|parallel|harness|demo|weightquant|models|dsv3|qwen3|llama4|whole|job [OUT] [ARGS...]}
+stage=${1:?usage: run_gpu.sh tests|ep|epscale|parscale|parallel|harness|demo|weightquant|models|dsv3|qwen3|llama4|whole|job [OUT] [ARGS...]}
 out=${2:-benchmarks/results}
 shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
@@ -50,6 +50,9 @@ case $stage in
              run 290 "ep_scaling_${model}_w$gpus.log" torchrun --standalone --nproc-per-node "$gpus" \
                -m moe_fp8.bench.ep_scaling --model "$model" --out "$out"
            done ;;
+  parscale) gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+           run 590 "parallel_step_dsv3_w$gpus.log" torchrun --standalone --nproc-per-node "$gpus" \
+             -m moe_fp8.bench.parallel_step --model dsv3 --layers 4 --recipes fp8 bf16 --variants fsdp --out "$out" ;;
   parallel) run 300 gpu_tests_parallelize.log python3 -m pytest -q -s -m gpu tests/test_parallelize_gpu.py -p no:cacheprovider
            run 300 parallel_step.log python3 -m moe_fp8.bench.parallel_step --out "$out" ;;
   demo)    run 420 demo.log python3 -m moe_fp8.demo --plot "$out/demo_loss.png" ;;

@@ -65,15 +65,22 @@ def test_bytes_per_row():
         dispatch_bytes_per_row(H, "fp4")
 
 
-def test_benchmark_quick_on_cpu(tmp_path):
-    """``python -m moe_fp8.bench.expert_parallel --quick`` runs end to end (gloo, world size 1; routing
-    kernels' torch references) and its EP layers equal the plain layer."""
+def _run_module(module: str, *args: str, ranks: int | None = None) -> None:
+    """``python -m module args`` (under ``torchrun --nproc-per-node ranks`` when given) on CPU kernels'
+    torch references, from the repository root; fails the test with its output on a non-zero exit."""
     root = Path(__file__).resolve().parent.parent
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "moe_fp8.bench.expert_parallel", "--quick", "--out", str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks else []
+    run = subprocess.run([sys.executable, *launcher, "-m", module, *args], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+
+
+def test_benchmark_quick_on_cpu(tmp_path):
+    """``python -m moe_fp8.bench.expert_parallel --quick`` runs end to end (gloo, world size 1; routing
+    kernels' torch references) and its EP layers equal the plain layer."""
+    _run_module("moe_fp8.bench.expert_parallel", "--quick", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "expert_parallel.json").read_text())["rows"]
     assert [r["layer"] for r in rows] == ["FP8MoE", "FP8MoE, fp8_saved_input", "EP, bf16 dispatch", "EP, fp8 dispatch",
                                           "EP, bf16 dispatch, sync-free", "EP, fp8 dispatch, sync-free"]
@@ -85,13 +92,7 @@ def test_scaling_benchmark_quick_on_two_cpu_ranks(tmp_path):
     """``torchrun --nproc-per-node 2 -m moe_fp8.bench.ep_scaling --quick`` runs end to end on gloo: every
     layer timed, the dispatch's bytes to the other rank counted (FP8 rows about half of BF16's, the
     sync-free dispatch sends every token), the all-to-all alone timed."""
-    root = Path(__file__).resolve().parent.parent
-    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "moe_fp8.bench.ep_scaling", "--quick", "--out", str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    _run_module("moe_fp8.bench.ep_scaling", "--quick", "--out", str(tmp_path), ranks=2)
     rows = {r["layer"]: r for r in json.loads((tmp_path / "ep_scaling_dsv3_w2.json").read_text())["rows"]}
     assert list(rows) == ["one GPU, all experts", "one GPU, all experts, bf16 recipe", "EP, bf16 recipe",
                           "EP, bf16 dispatch", "EP, fp8 dispatch", "EP, bf16 dispatch, sync-free",
@@ -101,3 +102,17 @@ def test_scaling_benchmark_quick_on_two_cpu_ranks(tmp_path):
     bf16, fp8 = rows["EP, bf16 dispatch"]["sent_bytes"], rows["EP, fp8 dispatch"]["sent_bytes"]
     assert bf16 > 0 and fp8 * dispatch_bytes_per_row(H, "bf16", top_k=K) == bf16 * dispatch_bytes_per_row(H, "fp8", top_k=K)
     assert rows["EP, fp8 dispatch, sync-free"]["sent_bytes"] == T * dispatch_bytes_per_row(H, "fp8", top_k=K)
+
+
+def test_parallel_step_benchmark_quick_on_two_cpu_ranks(tmp_path):
+    """``torchrun --nproc-per-node 2 -m moe_fp8.bench.parallel_step --quick``: the weak-scaling step of
+    the CPU stand-in DeepSeek-V3 on a 1 x 2 mesh, both recipes (FP8 dispatch for the fp8 one), writes
+    its report; with the same weights and batches the variants' first losses agree."""
+    _run_module("moe_fp8.bench.parallel_step", "--quick", "--recipes", "fp8", "bf16", "--dispatch", "fp8",
+                "--out", str(tmp_path), ranks=2)
+    rows = json.loads((tmp_path / "parallel_step_dsv3_w2_ep2.json").read_text())["rows"]
+    assert [(r["recipe"], r["variant"]) for r in rows] == [(rc, v) for rc in ("fp8", "bf16") for v in ("fsdp", "fsdp+ac")]
+    for recipe in ("fp8", "bf16"):
+        first = [r["losses"] for r in rows if r["recipe"] == recipe]
+        assert first[0] == first[1] and all(4.0 < v < 7.0 for v in first[0])
+    assert all(r["step_ms"] > 0 and r["tokens_per_s_per_gpu"] > 0 for r in rows)

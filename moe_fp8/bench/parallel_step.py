@@ -1,14 +1,19 @@
-"""The whole-model training step of a parallelized model at world size 1: what FSDP2, activation
-checkpointing and per-block ``torch.compile`` cost and save on one GPU.
+"""The whole-model training step of a parallelized model: what FSDP2, expert parallelism,
+activation checkpointing and per-block ``torch.compile`` cost and save, on one GPU or on W.
 
-``python -m moe_fp8.bench.parallel_step [--model dsv3] [--out benchmarks/results]`` (one GPU, NCCL).
-The model (``moe_fp8.bench.models``: DeepSeek-V3 layer sizes by default, 8 x 1024 tokens) is
-converted by ``hf.convert`` with its defaults; variants: ``single`` (not parallelized),
-``fsdp`` (``parallelize`` on a 1 x 1 mesh), ``fsdp+ac`` (activation checkpointing of every decoder
-block), ``fsdp+compile`` and ``fsdp+ac+compile`` (each block compiled with ``fullgraph=True``).
-A step: forward, backward, AdamW. Median step time over the last ``timed`` of ``steps`` steps,
-peak memory (``max_memory_allocated``), and the losses of the first steps (same weights, same
-batches: the variants must agree).
+``python -m moe_fp8.bench.parallel_step [--model dsv3] [--out benchmarks/results]`` (one GPU, NCCL
+world size 1), or ``torchrun --standalone --nproc-per-node W -m moe_fp8.bench.parallel_step --ep E``
+(W GPUs, a ``(W / E, E)`` mesh of ``("dp_shard", "ep")``: weak scaling, every rank its own 8 x 1024
+tokens). The model (``moe_fp8.bench.models``: DeepSeek-V3 layer sizes by default, ``--layers``
+decoder layers) is converted by ``hf.convert`` with its defaults (``--recipes fp8``) or with the
+library's BF16 grouped experts and BF16 linears (``bf16``, the baseline that expert parallelism can
+shard); variants: ``single`` (not parallelized; world size 1 only), ``fsdp`` (``parallelize``),
+``fsdp+ac`` (activation checkpointing of every decoder block), ``fsdp+compile`` and
+``fsdp+ac+compile`` (each block compiled with ``fullgraph=True``). A step: forward, backward, AdamW.
+Median step time over the last ``timed`` of ``steps`` steps (the slowest rank's), tokens/s per GPU,
+peak memory (``max_memory_allocated``, the largest rank's), and rank 0's losses of the first steps
+(same weights, same batches: the variants must agree). ``--quick``: the CPU stand-in models on
+gloo ranks, a few short steps, to check the script.
 """
 
 from __future__ import annotations
@@ -30,18 +35,23 @@ from . import models
 from .report import run_env, write_report
 
 VARIANTS = ("single", "fsdp", "fsdp+ac", "fsdp+compile", "fsdp+ac+compile")
+RECIPES = {"fp8": "ours_fp8", "bf16": "ours_bf16"}
 
 
-def run_variant(base: torch.nn.Module, variant: str, batches: list[torch.Tensor], steps: int, timed: int) -> dict:
+def run_variant(base: torch.nn.Module, recipe: str, variant: str, batches: list[torch.Tensor], steps: int, timed: int,
+                mesh_shape: tuple[int, int], dispatch: str) -> dict:
     """Train a converted copy of ``base`` in ``variant``; step times, peak memory, losses."""
     torch._dynamo.reset()
-    model = models.convert(base, "ours_fp8", None)
+    cuda = batches[0].is_cuda
+    model = models.convert(base, RECIPES[recipe], None if cuda else "emulated", size_rules=cuda)
     if variant != "single":
-        mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp_shard", "ep"))
-        parallelize(model, mesh, activation_checkpoint="ac" in variant, compile="compile" in variant)
+        mesh = init_device_mesh(batches[0].device.type, mesh_shape, mesh_dim_names=("dp_shard", "ep"))
+        parallelize(model, mesh, dispatch=dispatch if recipe == "fp8" else "bf16", activation_checkpoint="ac" in variant,
+                    compile="compile" in variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for i in range(steps):
         batch = batches[i % len(batches)]
@@ -53,42 +63,96 @@ def run_variant(base: torch.nn.Module, variant: str, batches: list[torch.Tensor]
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # syncs
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     del model, opt
     gc.collect()
-    torch.cuda.empty_cache()
-    return dict(variant=variant, step_ms=statistics.median(times[-timed:]) * 1e3, peak_gib=peak,
+    if cuda:
+        torch.cuda.empty_cache()
+    step_ms = _largest(statistics.median(times[-timed:]) * 1e3, batches[0].device)
+    return dict(recipe=recipe, variant=variant, step_ms=step_ms, peak_gib=_largest(peak, batches[0].device),
+                tokens_per_s_per_gpu=batches[0][:, 1:].numel() / (step_ms / 1e3),
                 losses=[round(v, 4) for v in losses[:3]])
+
+
+def _largest(value: float, device: torch.device) -> float:
+    """``value``'s maximum over the ranks."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _init() -> tuple[int, int, torch.device, tempfile.TemporaryDirectory | None]:
+    """``(rank, world, device, temporary directory)``: the torchrun group, else one process."""
+    cuda = torch.cuda.is_available()
+    tmp = None
+    if "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
+    else:
+        rank, world, device = 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        tmp = tempfile.TemporaryDirectory()
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{os.path.join(tmp.name, 'pg')}",
+                                rank=0, world_size=1)
+    return rank, world, device, tmp
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dsv3", choices=sorted(models.MODELS))
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's own)")
+    ap.add_argument("--recipes", nargs="+", default=["fp8"], choices=sorted(RECIPES))
+    ap.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                    help="default: all at world size 1, all but single on more ranks")
+    ap.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the world size)")
+    ap.add_argument("--dispatch", default="bf16", choices=("bf16", "fp8"), help="of the fp8 recipe (bf16: always bf16)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--timed", type=int, default=6)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", "--smoke", action="store_true", help="CPU stand-in models, few short steps")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'pg')}", rank=0, world_size=1)
-        torch.cuda.set_device(0)
-        spec = models.MODELS[args.model]
-        base = models.build(spec, 1024, "cuda")
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        batches = [torch.randint(0, models.VOCAB, (8, 1025), device="cuda", generator=gen) for _ in range(4)]
+    rank, world, device, tmp = _init()
+    ep = world if args.ep is None else args.ep
+    if ep < 1 or world % ep:
+        raise SystemExit(f"--ep: expected a divisor of the world size {world}, got {ep}")
+    variants = args.variants or [v for v in VARIANTS if world == 1 or v != "single"]
+    if world > 1 and "single" in variants:
+        raise SystemExit("variant single: world size 1 only")
+    steps, timed, (batch, seq) = (3, 2, (2, 32)) if args.quick else (args.steps, args.timed, (8, 1024))
+    try:
+        spec = models._spec(args.model, device.type, args.layers)
+        base = models.build(spec, seq, device.type)
+        gen = torch.Generator(device=device).manual_seed(1 + rank)
+        batches = [torch.randint(0, models.VOCAB, (batch, seq + 1), device=device, generator=gen) for _ in range(4)]
         rows = []
-        for variant in args.variants:
-            row = run_variant(base, variant, batches, args.steps, args.timed)
-            rows.append(row)
-            print(f"{variant:18s} {row['step_ms']:8.1f} ms  peak {row['peak_gib']:6.2f} GiB  losses {row['losses']}",
-                  flush=True)
+        for recipe in args.recipes:
+            for variant in variants:
+                if args.quick and "compile" in variant:
+                    continue
+                row = run_variant(base, recipe, variant, batches, steps, timed, (world // ep, ep), args.dispatch)
+                rows.append(row)
+                if rank == 0:
+                    print(f"{recipe:5s} {variant:18s} {row['step_ms']:8.1f} ms  peak {row['peak_gib']:6.2f} GiB  "
+                          f"losses {row['losses']}", flush=True)
+    finally:
         dist.destroy_process_group()
-    env = run_env("cuda", model=args.model, tokens="8 x 1024")
-    body = ["| variant | step ms | peak GiB | first losses |", "|---|---:|---:|---|"]
-    body += [f"| {r['variant']} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | {r['losses']} |" for r in rows]
-    write_report(args.out, f"parallel_step_{args.model}_gpu", env, rows,
-                 f"Parallelized training step at world size 1 ({args.model})",
-                 f"median of the last {args.timed} of {args.steps} steps, NCCL world size 1", body)
+        if tmp is not None:
+            tmp.cleanup()
+    if rank != 0:
+        return
+    env = run_env(device.type, model=args.model, layers=spec.layers, tokens_per_rank=f"{batch} x {seq}",
+                  world_size=world, ep=ep, dispatch=args.dispatch)
+    body = ["| recipe | variant | step ms | tokens/s per GPU | peak GiB | first losses (rank 0) |",
+            "|---|---|---:|---:|---:|---|"]
+    body += [f"| {r['recipe']} | {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+             f"{r['peak_gib']:.2f} | {r['losses']} |" for r in rows]
+    stem = f"parallel_step_{args.model}_gpu" if world == 1 else f"parallel_step_{args.model}_w{world}_ep{ep}"
+    write_report(args.out, stem, env, rows, f"Parallelized training step, {world} rank(s), ep {ep} ({args.model})",
+                 f"median of the last {timed} of {steps} steps (slowest rank), {args.dispatch} dispatch", body)
 
 
 if __name__ == "__main__":

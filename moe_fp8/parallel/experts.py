@@ -90,8 +90,10 @@ class ExpertParallelExperts(FP8GroupedExperts):
             raise ValueError(f"dispatch: expected one of {DISPATCH_MODES}, got {dispatch!r}")
         super().__init__(num_experts // world, hidden_size, expert_hidden_size, **kw)
         if dispatch == "fp8" and self.recipe.scaling != "rowwise":
+            hint = (" (hf.convert runs experts below its min_expert_size on the bf16 recipe: use dispatch='bf16', "
+                    "or convert with min_expert_size=0)") if self.recipe.name == "bf16" else ""
             raise ValueError(f"dispatch: 'fp8' needs a recipe with row scales (rowwise, rowwise_gw_hp), "
-                             f"got recipe {self.recipe.name!r}")
+                             f"got recipe {self.recipe.name!r}{hint}")
         if dispatch == "fp8":  # the FP8 rows are all that arrives: the first GEMM saves them
             self.fp8_saved_input = True
         self.group, self.dispatch, self.checkpoint, self.sync_free = group, dispatch, checkpoint, sync_free
