@@ -113,13 +113,21 @@ def _all_to_all_ms(rows: int, H: int, device: torch.device, timer) -> float:
     return timer(lambda: dist.all_to_all_single(recv, send))
 
 
-def _copy_ms(nbytes: int, timer) -> float | None:
-    """GPU 0 -> GPU 1 copy of ``nbytes`` (rank 0 only, with two GPUs visible)."""
+def _copy_ms(nbytes: int) -> float | None:
+    """GPU 0 -> GPU 1 copy of ``nbytes``, wall clock with both devices synchronized (rank 0 only,
+    with two GPUs visible; the copy's stream is not the timer's device's)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
-    return timer(lambda: dst.copy_(src))
+
+    def run():
+        dst.copy_(src)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+
+    run()
+    return wall_median_ms(run, calls=20)
 
 
 def main() -> None:
@@ -172,7 +180,7 @@ def _bench(rank: int, world: int, device: torch.device, H: int, I: int, E: int, 
     dispatched = int(_slowest(bf16_sent // dispatch_bytes_per_row(H, "bf16", top_k=K), device))  # same on every rank
     a2a_ms = _slowest(_all_to_all_ms(dispatched, H, device, timer), device)
     a2a_bytes = max(world, dispatched // world * world) * H * 2
-    copy_ms = _copy_ms(a2a_bytes, timer) if rank == 0 else None
+    copy_ms = _copy_ms(a2a_bytes) if rank == 0 else None
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
