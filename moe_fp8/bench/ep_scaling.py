@@ -25,33 +25,13 @@ import torch
 import torch.distributed as dist
 
 from moe_fp8 import FP8MoE
+from moe_fp8.bench.ranks import init_ranks, max_over_ranks
 from moe_fp8.bench.report import run_env, write_report
-from moe_fp8.bench.timing import wall_median_ms
+from moe_fp8.bench.timing import fwd_bwd_step, layer_timer, wall_median_ms
 from moe_fp8.parallel import destination_plan, dispatch_bytes_per_row, expert_parallel_from
 
 MODELS = {"dsv3": (7168, 2048, 32, 8), "qwen3": (2048, 768, 128, 8)}
 ROUTING_KERNELS = ("plan", "permute", "combine", "destination")
-
-
-def _timer(cuda: bool, quick: bool):
-    if not cuda:
-        return lambda fn: wall_median_ms(fn, calls=2)
-    from triton.testing import do_bench  # noqa: PLC0415
-
-    return lambda fn: do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 200, return_mode="median")
-
-
-def _step(layer, x: torch.Tensor, dy: torch.Tensor):
-    def run():
-        x.grad = None
-        layer(x).backward(dy)
-    return run
-
-
-def _slowest(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _split_ms(run, cuda: bool) -> dict[str, float] | None:
@@ -137,16 +117,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--quick", "--smoke", action="store_true", help="tiny shapes, few repetitions (CPU too)")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
+    rank, world, device, close = init_ranks()
+    cuda = device.type == "cuda"
     try:
         H, I, E, K = MODELS[args.model] if not args.quick else (64, 32, 4 * world, 2)
         T = args.tokens if not args.quick else 64
-        rows, body = _bench(rank, world, device, H, I, E, K, T, _timer(cuda, args.quick), cuda)
+        rows, body = _bench(rank, world, device, H, I, E, K, T, layer_timer(cuda, args.quick), cuda)
         if rank == 0:
             env = run_env("cuda" if cuda else "cpu", model=args.model, hidden=H, expert_hidden=I, experts=E, top_k=K,
                           tokens_per_rank=T, world_size=world)
@@ -156,7 +132,7 @@ def main() -> None:
                          f"Expert-parallel FP8MoE on {world} GPUs", method, body)
             print("\n".join(body))
     finally:
-        dist.destroy_process_group()
+        close()
 
 
 def _bench(rank: int, world: int, device: torch.device, H: int, I: int, E: int, K: int, T: int, timer, cuda: bool):
@@ -166,9 +142,9 @@ def _bench(rank: int, world: int, device: torch.device, H: int, I: int, E: int, 
     dy = torch.randn(T, H, generator=gen).to(device, torch.bfloat16)
     rows = []
     for name, layer in layers.items():
-        run = _step(layer, x, dy)
+        run = fwd_bwd_step(layer, x, dy)
         run()  # compile, fill the caches
-        ms = _slowest(timer(run), device)
+        ms = max_over_ranks(timer(run), device)
         with torch.no_grad():
             sent = _sent_bytes(layer, x.detach(), rank, world, H, K)
         rows.append(dict(layer=name, step_ms=ms, split_ms=_split_ms(run, cuda), sent_bytes=sent))
@@ -177,8 +153,8 @@ def _bench(rank: int, world: int, device: torch.device, H: int, I: int, E: int, 
         ref = "one GPU, all experts, bf16 recipe" if "bf16 recipe" in r["layer"] else "one GPU, all experts"
         r["vs_one_gpu"] = base[ref] / r["step_ms"]
     bf16_sent = next(r["sent_bytes"] for r in rows if r["layer"] == "EP, bf16 dispatch")
-    dispatched = int(_slowest(bf16_sent // dispatch_bytes_per_row(H, "bf16", top_k=K), device))  # same on every rank
-    a2a_ms = _slowest(_all_to_all_ms(dispatched, H, device, timer), device)
+    dispatched = int(max_over_ranks(bf16_sent // dispatch_bytes_per_row(H, "bf16", top_k=K), device))  # same on every rank
+    a2a_ms = max_over_ranks(_all_to_all_ms(dispatched, H, device, timer), device)
     a2a_bytes = max(world, dispatched // world * world) * H * 2
     copy_ms = _copy_ms(a2a_bytes) if rank == 0 else None
 

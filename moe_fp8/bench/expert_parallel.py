@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -29,25 +27,11 @@ import torch
 import torch.distributed as dist
 from moe_fp8 import FP8MoE
 from moe_fp8.bench.report import run_env, write_report
-from moe_fp8.bench.timing import alternated_rounds, wall_median_ms
+from moe_fp8.bench.ranks import init_ranks
+from moe_fp8.bench.timing import alternated_rounds, fwd_bwd_step, layer_timer
 from moe_fp8.parallel import dispatch_bytes_per_row, expert_parallel_from
 
 OUT = Path("benchmarks") / "results"
-
-
-def _timer(device: str, quick: bool):
-    if device != "cuda":
-        return lambda fn: wall_median_ms(fn, calls=2)
-    from triton.testing import do_bench  # noqa: PLC0415
-
-    return lambda fn: do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 300, return_mode="median")
-
-
-def _step(layer, x, dy):
-    def run():
-        x.grad = None
-        layer(x).backward(dy)
-    return run
 
 
 def _forward(layer, x):
@@ -95,20 +79,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", "--smoke", action="store_true", help="tiny shapes, few repetitions (CPU too)")
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rank, world, dev, close = init_ranks()
+    device = dev.type
+    if world != 1:
+        close()
+        raise SystemExit("moe_fp8.bench.expert_parallel runs on one process (for W GPUs: moe_fp8.bench.ep_scaling)")
     H, I, E, K, T = (7168, 2048, 16, 8, args.tokens) if not (args.quick and device == "cpu") else (64, 32, 4, 2, 32)
     rounds = 2 if args.quick else args.rounds
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        if device == "cuda":
-            torch.cuda.set_device(0)
-            dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-        else:
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        try:
-            rows, body = _bench(device, H, I, E, K, T, rounds, args.quick)
-        finally:
-            dist.destroy_process_group()
+    try:
+        rows, body = _bench(device, H, I, E, K, T, rounds, args.quick)
+    finally:
+        close()
     env = run_env(device, hidden=H, expert_hidden=I, experts=E, top_k=K, tokens=T, world_size=1)
     method = (f"H={H}, I={I}, E={E}, top-{K}, T={T}, rowwise, NCCL world size 1, eager, "
               f"do_bench medians, median of {rounds} alternated rounds")
@@ -135,8 +116,8 @@ def _bench(device: str, H: int, I: int, E: int, K: int, T: int, rounds: int, qui
     outs = {name: layer(x).detach() for name, layer in layers.items()}
     equal = {name: bool(torch.equal(out, outs["FP8MoE"])) for name, out in outs.items()}
     del outs
-    timer = _timer(device, quick)
-    step_ms = alternated_rounds({n: _step(m, x, dy) for n, m in layers.items()}, rounds, timer)
+    timer = layer_timer(device == "cuda", quick)
+    step_ms = alternated_rounds({n: fwd_bwd_step(m, x, dy) for n, m in layers.items()}, rounds, timer)
     fwd_ms = alternated_rounds({n: _forward(m, x.detach()) for n, m in layers.items()}, rounds, timer)
     step = {n: statistics.median(v) for n, v in step_ms.items()}
     fwd = {n: statistics.median(v) for n, v in fwd_ms.items()}
@@ -149,7 +130,7 @@ def _bench(device: str, H: int, I: int, E: int, K: int, T: int, rounds: int, qui
             forward_ms=fwd[name], forward_overhead=fwd[name] / fwd[base] - 1,
             step_rounds_ms=step_ms[name], forward_rounds_ms=fwd_ms[name], equal_to_plain=equal[name],
             syncs_per_forward=_syncs_per_forward(layer, x.detach()),
-            peak_gib=_peak_gib(_step(layer, x, dy), device),
+            peak_gib=_peak_gib(fwd_bwd_step(layer, x, dy), device),
             wire_bytes_per_row=dispatch_bytes_per_row(H, dispatch, top_k=K) if dispatch else None,
         ))
     bf16, fp8 = dispatch_bytes_per_row(H, "bf16"), dispatch_bytes_per_row(H, "fp8")

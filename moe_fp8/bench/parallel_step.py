@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..parallel import parallelize
 from . import models
+from .ranks import init_ranks, max_over_ranks
 from .report import run_env, write_report
 
 VARIANTS = ("single", "fsdp", "fsdp+ac", "fsdp+compile", "fsdp+ac+compile")
@@ -68,37 +66,10 @@ def run_variant(base: torch.nn.Module, recipe: str, variant: str, batches: list[
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    step_ms = _largest(statistics.median(times[-timed:]) * 1e3, batches[0].device)
-    return dict(recipe=recipe, variant=variant, step_ms=step_ms, peak_gib=_largest(peak, batches[0].device),
+    step_ms = max_over_ranks(statistics.median(times[-timed:]) * 1e3, batches[0].device)
+    return dict(recipe=recipe, variant=variant, step_ms=step_ms, peak_gib=max_over_ranks(peak, batches[0].device),
                 tokens_per_s_per_gpu=batches[0][:, 1:].numel() / (step_ms / 1e3),
                 losses=[round(v, 4) for v in losses[:3]])
-
-
-def _largest(value: float, device: torch.device) -> float:
-    """``value``'s maximum over the ranks."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _init() -> tuple[int, int, torch.device, tempfile.TemporaryDirectory | None]:
-    """``(rank, world, device, temporary directory)``: the torchrun group, else one process."""
-    cuda = torch.cuda.is_available()
-    tmp = None
-    if "WORLD_SIZE" in os.environ:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
-    else:
-        rank, world, device = 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        tmp = tempfile.TemporaryDirectory()
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{os.path.join(tmp.name, 'pg')}",
-                                rank=0, world_size=1)
-    return rank, world, device, tmp
 
 
 def main() -> None:
@@ -115,7 +86,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", "--smoke", action="store_true", help="CPU stand-in models, few short steps")
     args = ap.parse_args()
-    rank, world, device, tmp = _init()
+    rank, world, device, close = init_ranks()
     ep = world if args.ep is None else args.ep
     if ep < 1 or world % ep:
         raise SystemExit(f"--ep: expected a divisor of the world size {world}, got {ep}")
@@ -139,9 +110,7 @@ def main() -> None:
                     print(f"{recipe:5s} {variant:18s} {row['step_ms']:8.1f} ms  peak {row['peak_gib']:6.2f} GiB  "
                           f"losses {row['losses']}", flush=True)
     finally:
-        dist.destroy_process_group()
-        if tmp is not None:
-            tmp.cleanup()
+        close()
     if rank != 0:
         return
     env = run_env(device.type, model=args.model, layers=spec.layers, tokens_per_rank=f"{batch} x {seq}",

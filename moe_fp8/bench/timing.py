@@ -20,6 +20,25 @@ def wall_median_ms(fn: Callable[[], object], calls: int = 3) -> float:
     return statistics.median(times)
 
 
+def layer_timer(cuda: bool, quick: bool) -> Callable[[Callable[[], object]], float]:
+    """``timer(fn) -> ms``: ``do_bench``'s median on the GPU (fewer repetitions when ``quick``), else
+    the wall clock of two calls (CPU smoke runs)."""
+    if not cuda:
+        return lambda fn: wall_median_ms(fn, calls=2)
+    from triton.testing import do_bench  # noqa: PLC0415
+
+    return lambda fn: do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 300, return_mode="median")
+
+
+def fwd_bwd_step(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                 dy: torch.Tensor) -> Callable[[], None]:
+    """A call of ``layer`` on ``x`` (which requires grad) and its backward from ``dy``."""
+    def run() -> None:
+        x.grad = None
+        layer(x).backward(dy)
+    return run
+
+
 def host_ms(fn: Callable[[], object], calls: int = 30) -> float:
     """Median host milliseconds to make one call of ``fn``, starting each from an idle device (so
     the launches never wait for queue space): the CPU cost of a sync-free call, not its GPU time."""

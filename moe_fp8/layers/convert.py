@@ -87,12 +87,12 @@ def check_size(name: str, value) -> None:
 
 def convert_linears(model: nn.Module, report: ConversionReport, *, recipe, filter_fn: FilterFn | None,
                     min_dense_size: int, fmt=None, keep_reason: str | None = None,
-                    small_experts: dict[int, tuple[str, str]] | None = None) -> nn.Module:
+                    small_experts: dict[int, str] | None = None) -> nn.Module:
     """Walk ``model``: record experts, routers, embeddings and linears in ``report``, swap the linears
     that pass every rule (none when ``keep_reason`` is given: all are kept for that reason).
-    ``small_experts`` maps the ``id`` of experts below ``min_expert_size`` to ``(action, detail)``:
-    ``"keep"`` (left as they were: recorded as kept ``below min_expert_size``, not entered) or
-    ``"bf16"`` (on the BF16 grouped path: the detail says why). Returns ``model``, or its
+    ``small_experts`` maps the ``id`` of experts below ``min_expert_size`` to the rule that applied:
+    the BF16 grouped experts made for them (the detail says why), or the experts left as they were
+    (recorded as kept ``below min_expert_size``, not entered). Returns ``model``, or its
     replacement when ``model`` itself is a converted ``nn.Linear``."""
     ctx = dict(report=report, recipe=recipe, filter_fn=filter_fn, min_size=min_dense_size, fmt=fmt,
                keep_reason=keep_reason, seen=set(), small_experts=small_experts or {},
@@ -107,15 +107,14 @@ def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Modu
         return None
     ctx["seen"].add(id(module))
     report = ctx["report"]
-    action, small = ctx["small_experts"].get(id(module), (None, ""))
+    small = ctx["small_experts"].get(id(module))
     if isinstance(module, FP8GroupedExperts):
         became = FP8_EXPERTS if module.recipe.is_fp8 else BF16_EXPERTS
         detail = f"E={module.num_experts} H={module.hidden_size} I={module.expert_hidden_size}, {module.recipe.name}"
         report.add(fqn, module, became, detail=f"{detail} ({BELOW_MIN_EXPERT_SIZE}: {small})" if small else detail)
-    elif action == "keep":
-        detail = small
-        report.add(fqn, module, KEPT, BELOW_MIN_EXPERT_SIZE, detail)
-        log.info("%s stays as it was (%s): %s", fqn or "<model>", BELOW_MIN_EXPERT_SIZE, detail)
+    elif small is not None:
+        report.add(fqn, module, KEPT, BELOW_MIN_EXPERT_SIZE, small)
+        log.info("%s stays as it was (%s): %s", fqn or "<model>", BELOW_MIN_EXPERT_SIZE, small)
     elif isinstance(module, nn.Embedding):
         report.add(fqn, module, KEPT, EMBEDDING, f"{module.num_embeddings}x{module.embedding_dim}")
     elif _is_router(parent, name, module):

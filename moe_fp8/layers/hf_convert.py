@@ -127,11 +127,11 @@ def _refuse_converted(model: nn.Module) -> None:
 class _SizeRule:
     """The expert size rules: blocks with ``min(H, I) < min_size`` run the BF16 grouped path when
     ``min(H, I) >= min_bf16_size``, else stay as built; ``small`` maps the ``id`` of each such
-    block's experts (after conversion) to ``("bf16" | "keep", detail)``."""
+    block's experts (after conversion) to the rule that applied."""
 
     min_size: int
     min_bf16_size: int
-    small: dict[int, tuple[str, str]] = field(default_factory=dict)
+    small: dict[int, str] = field(default_factory=dict)
 
 
 def _convert_blocks(model: nn.Module, opts: dict, rule: _SizeRule) -> int:
@@ -164,10 +164,10 @@ def _convert_block(block: nn.Module, opts: dict, rule: _SizeRule) -> nn.Module |
     if min(H, I) < rule.min_bf16_size:
         why = (f"min(H, I) < {rule.min_size}" if rule.min_bf16_size >= rule.min_size
                else f"min(H, I) < {rule.min_bf16_size} (min_bf16_expert_size)")
-        rule.small[id(block.experts)] = ("keep", f"E={E} H={H} I={I}: {why}")
+        rule.small[id(block.experts)] = f"E={E} H={H} I={I}: {why}"
         return block
     new = _replace_experts(block, kind, {**opts, "recipe": get_recipe("bf16"), "cache_weights": False})
-    rule.small[id(new.experts)] = ("bf16", f"min(H, I) < {rule.min_size}")
+    rule.small[id(new.experts)] = f"min(H, I) < {rule.min_size}"
     return new
 
 
