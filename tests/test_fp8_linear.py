@@ -1,5 +1,6 @@
 """FP8Linear / convert_to_fp8 against fp64 references and the BF16 layer."""
 
+import importlib
 import logging
 
 import pytest
@@ -59,17 +60,18 @@ def test_forward_equals_scaled_mm_of_reference_quantization():
     assert torch.equal(fp8_linear(x, w, recipe="rowwise"), ref)
 
 
-def _spec_grads(x, w, dy, recipe):
+def _spec_grads(x, w, dy, recipe, grad_fmt=None):
     """dgrad and wgrad exactly as the recipe defines them: each GEMM operand quantized with the
-    reference quantizer in the layout ``torch._scaled_mm`` takes (token rows zero-padded to 16)."""
+    reference quantizer in the layout ``torch._scaled_mm`` takes (token rows zero-padded to 16);
+    ``grad_fmt``: grad_out's format (default: the forward's)."""
     from moe_fp8.quant import reference as ref
 
     pow2 = get_recipe(recipe).pow2_scales
 
-    def q(t):  # rows of a 2-D tensor, row-major result and a (rows, 1) or () scale
+    def q(t, fmt=None):  # rows of a 2-D tensor, row-major result and a (rows, 1) or () scale
         if recipe == "tensorwise":
-            return ref.quantize_tensorwise(t.contiguous(), pow2=pow2)
-        qt, st = ref.quantize_rowwise(t.contiguous(), pow2=pow2)
+            return ref.quantize_tensorwise(t.contiguous(), fmt, pow2=pow2)
+        qt, st = ref.quantize_rowwise(t.contiguous(), fmt, pow2=pow2)
         return qt, st[:, None]
 
     def mm(a, b_t):  # a (M, K) @ b (K, N), b_t = b.T quantized (N, K)
@@ -79,7 +81,7 @@ def _spec_grads(x, w, dy, recipe):
 
     pad = -x.shape[0] % 16
     xp, dyp = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (x, dy))
-    return mm(q(dy), q(w.t())), mm(q(dyp.t()), q(xp.t()))
+    return mm(q(dy, grad_fmt), q(w.t())), mm(q(dyp.t(), grad_fmt), q(xp.t()))
 
 
 @pytest.mark.parametrize("recipe", [pytest.param("rowwise", marks=_ROW_SCALES_KERNEL), "tensorwise"])
@@ -90,6 +92,80 @@ def test_backward_equals_scaled_mm_of_reference_quantization(recipe, M):
     want_gx, want_gw = _spec_grads(x, w, dy, recipe)
     assert torch.equal(gx, want_gx)
     assert torch.equal(gw, want_gw)
+
+
+def _record_quantizers(monkeypatch) -> list[str]:
+    """The quantizers ``fp8_linear`` calls, in order: the one-read column-amax functions of
+    ``quant_seam`` (``wgrad_operands[amax]`` when both wgrad operands come with their amaxes) and
+    the standalone ``rowwise`` / ``colwise`` quantizers."""
+    module = importlib.import_module("moe_fp8.layers.fp8_linear")  # the package exports the function by that name
+    calls = []
+
+    def spy(owner, name, label):
+        real = getattr(owner, name)
+
+        def recording(*args, **kwargs):
+            both = kwargs.get("a_amax") is not None and kwargs.get("b_amax") is not None
+            calls.append(f"{label}[amax]" if label == "wgrad_operands" and both else label)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, recording)
+
+    for name, label in (("quantize_activation_group_amax", "rows+amax"), ("quantize_weight_forward_layout", "w+amax"),
+                        ("quantize_weight_dgrad_layout", "w_t from amax"), ("quantize_wgrad_operands", "wgrad_operands")):
+        spy(module.quant_seam, name, label)
+    spy(module, "quantize_rowwise", "rowwise")
+    spy(module, "quantize_expert_colwise", "colwise")
+    return calls
+
+
+_ONE_READ = ["rows+amax", "w+amax", "rows+amax", "w_t from amax", "wgrad_operands[amax]"]
+
+
+# Which quantizers run, and that the result is the recipe's exactly in every case: the column amaxes
+# taken from the row quantizations (the default), rows too long for the one-read kernels (K, then N;
+# the long_rows fixture lowers the limit to 256), a gradient format of its own, x without a gradient.
+@pytest.mark.parametrize("case, M, K, N, want", [
+    ("default", 37, 64, 48, _ONE_READ),
+    ("default", 48, 64, 48, _ONE_READ),
+    ("long K", 37, 304, 48, ["rowwise", "rowwise", "rowwise", "colwise", "colwise", "colwise"]),
+    ("long N", 37, 64, 304, ["rowwise", "w+amax", "rowwise", "w_t from amax", "colwise", "colwise"]),
+    ("e5m2 grads", 37, 64, 48, ["rowwise", "w+amax", "rowwise", "w_t from amax", "colwise", "colwise"]),
+    ("x frozen", 37, 64, 48, ["rowwise", "w+amax", "colwise", "colwise"]),
+])
+def test_rowwise_quantizers_and_bytes(monkeypatch, request, case, M, K, N, want):
+    if not cpu_kernel_takes_row_scales():
+        pytest.skip("this torch's CPU torch._scaled_mm takes per-tensor scales only")
+    if case.startswith("long"):
+        request.getfixturevalue("long_rows")
+    recipe = get_recipe("rowwise")
+    grad_fmt = None
+    if case == "e5m2 grads":
+        recipe, grad_fmt = recipe.replace(grad_format="e5m2"), "e5m2"
+    x, w, b, dy = _data(M=M, K=K, N=N, seed=M + K + N)
+    calls = _record_quantizers(monkeypatch)
+    x = x.requires_grad_(case != "x frozen")
+    w = w.clone().requires_grad_()
+    fp8_linear(x, w, recipe=recipe).backward(dy)
+    assert calls == want
+    want_gx, want_gw = _spec_grads(x.detach(), w.detach(), dy, "rowwise", grad_fmt)
+    assert torch.equal(w.grad, want_gw)
+    if case != "x frozen":
+        assert torch.equal(x.grad, want_gx)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise"])
+def test_empty_batch(recipe):
+    """No token rows: an empty output and input gradient, a zero weight gradient (never the memory a
+    GEMM with an empty reduction leaves)."""
+    torch.full((1 << 16,), float("nan")).sum()  # the allocator's next blocks held NaN
+    _, w, b, _ = _data(K=64, N=48)
+    x = torch.randn(0, 64, dtype=torch.bfloat16, requires_grad=True)
+    w.requires_grad_()
+    y = fp8_linear(x, w, b, recipe=recipe)
+    y.backward(torch.randn(0, 48, dtype=torch.bfloat16))
+    assert y.shape == (0, 48) and x.grad.shape == (0, 64)
+    assert torch.equal(w.grad, torch.zeros_like(w))
 
 
 @pytest.mark.parametrize("fast_accum_grads", [True, False])
@@ -189,6 +265,19 @@ def test_fp8_linear_gpu(recipe):
     cy, cgx, cgw, cgb = _grads(torch.compile(lambda x, w, b: fp8_linear(x, w, b, recipe=recipe), fullgraph=True),
                                x, w, b, dy)
     assert sqnr(y, cy) > 40 and sqnr(gx, cgx) > 40 and sqnr(gw, cgw) > 40  # Inductor's gradients, not only its output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, K, N", [(1000, 1024, 512), (1000, 16400, 512), (1000, 1024, 16400), (8192, 4096, 14336)])
+def test_rowwise_gradients_equal_the_recipe_gpu(M, K, N):
+    """On the GPU the dgrad and wgrad equal ``torch._scaled_mm`` of the reference quantizations bit
+    for bit: the column amaxes from the row quantizations (rows of 16384 or fewer elements) and
+    the column-wise kernels (longer rows: K, then N)."""
+    x, w, b, dy = (t.cuda() for t in _data(M=M, K=K, N=N))
+    _, gx, gw, _ = _grads(lambda x, w, b: fp8_linear(x, w, b, recipe="rowwise"), x, w, b, dy)
+    want_gx, want_gw = _spec_grads(x, w, dy, "rowwise")
+    assert torch.equal(gx, want_gx)
+    assert torch.equal(gw, want_gw)
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "rowwise_gw_hp"])

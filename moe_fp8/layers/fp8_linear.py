@@ -9,7 +9,14 @@ Recipes (see ``moe_fp8.quant.recipes``):
 * ``tensorwise``: one scale per tensor in all three GEMMs.
 
 The high-precision input and weight are saved for backward (like TorchAO's ``Float8Linear``); each
-operand is quantized in the layout its GEMM needs. ``torch._scaled_mm`` wants the first operand
+operand is quantized in the layout its GEMM needs. A per-column scale needs the column's amax
+before any byte is written, so the rowwise recipes take those amaxes from the row quantizations
+that read the same tensor anyway: the forward's quantization of W also reduces W's column amax
+(for the dgrad layout), and those of x (forward) and grad_out (dgrad) their column amaxes (for the
+wgrad operands, both written by one launch), as ``fp8_grouped_mm`` does for one group of rows.
+Rows longer than 16384 elements (``col_amax_fits``), a gradient format other than the forward's,
+an empty batch, or tensors Triton does not run on take the column-wise quantizer instead (same
+bytes). ``torch._scaled_mm`` wants the first operand
 row-major and the second column-major with every dimension a multiple of 16, except the first
 operand's rows: the token count, which wgrad contracts over, is zero-padded to a multiple of 16
 there (zero rows add nothing). Operands a GEMM takes transposed (``W.T`` for dgrad, ``grad_out.T``
@@ -26,7 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_multiple_of
+from ..grouped_gemm import quant_seam
+from ..kernel_backend import triton_runs_on
 from ..quant import formats, quantize_expert_colwise, quantize_rowwise, quantize_tensorwise
+from ..quant.kernels.rowwise import col_amax_fits
 from ..quant.recipes import Float8Recipe, get_recipe
 from .param_checks import check_parameters
 from .scaled_mm import scaled_mm
@@ -67,35 +77,80 @@ def _quantize_t(t: torch.Tensor, recipe: Float8Recipe, fmt) -> tuple[torch.Tenso
     return q[0], scale[0][:, None]
 
 
+def _one_group(rows: int, device: torch.device) -> torch.Tensor:
+    """``(1,)`` int32 end offset ``[rows]``: the token rows as the one group of the group-amax kernels."""
+    return torch.full((1,), rows, dtype=torch.int32, device=device)
+
+
+def _wgrad_from_amaxes(grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, g_amax: torch.Tensor,
+                       x_amax: torch.Tensor, fmt, pow2: bool):
+    """Both rowwise wgrad operands, written by one launch from their column amaxes ``(1, N)`` and
+    ``(1, K)``: ``grad_out.T (N, M_pad)`` and ``x.T (K, M_pad)`` row-major (token rows zero-padded
+    to 16) with scales ``(N, 1)`` and ``(K, 1)``."""
+    m = x.shape[0]
+    pad = -m % _ALIGN
+    p_offs, rows = (_one_group(m + pad, x.device), m + pad) if pad else (None, None)
+    qa, sa, qb, sb = quant_seam.quantize_wgrad_operands(grad_out, x, offs, fmt, pow2, True, padded_offs=p_offs,
+                                                        padded_rows=rows, a_amax=g_amax, b_amax=x_amax)
+    return qa.t(), sa[0][:, None], qb.t(), sb[0][:, None]
+
+
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe, fmt, grad_fmt):
-        x_q, x_s = _quantize(x, recipe, fmt)
-        w_q, w_s = _quantize(weight, recipe, fmt)
-        ctx.save_for_backward(x, weight)
+        # the one-read kernels where Triton runs (the reference quantizers give the same bytes)
+        rowwise, pow2 = recipe.scaling == "rowwise" and triton_runs_on(x), recipe.pow2_scales
+        (m, k), n = x.shape, weight.shape[0]
+        # the wgrad operands' column amaxes from the row quantizations of x and grad_out
+        act_amax = (rowwise and recipe.fp8_wgrad and grad_fmt == fmt and m > 0 and ctx.needs_input_grad[0]
+                    and ctx.needs_input_grad[1] and col_amax_fits(k) and col_amax_fits(n))
+        offs = x_amax = w_amax = None
+        if act_amax:
+            offs = _one_group(m, x.device)
+            x_q, x_s, x_amax = quant_seam.quantize_activation_group_amax(x, offs, fmt, pow2, True)
+            x_s = x_s[:, None]
+        else:
+            x_q, x_s = _quantize(x, recipe, fmt)
+        if rowwise and col_amax_fits(k):  # W's column amax for its dgrad layout, from the same read
+            w_q, w_s, w_amax = quant_seam.quantize_weight_forward_layout(weight[None], fmt, pow2, True)
+            w_q, w_s = w_q[0], w_s[0][:, None]
+        else:
+            w_q, w_s = _quantize(weight, recipe, fmt)
+        ctx.save_for_backward(x, weight, offs, x_amax, w_amax)
         ctx.recipe, ctx.fmt, ctx.grad_fmt = recipe, fmt, grad_fmt
         return scaled_mm(x_q, x_s, w_q, w_s, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, offs, x_amax, w_amax = ctx.saved_tensors
         recipe, fmt, grad_fmt = ctx.recipe, ctx.fmt, ctx.grad_fmt
+        pow2 = recipe.pow2_scales
         grad_out = grad_out.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         tensorwise_wgrad = need_dw and recipe.fp8_wgrad and recipe.scaling == "tensorwise"
         grad_x = grad_w = None
-        if need_dx or tensorwise_wgrad:
+        if x_amax is not None:  # per row of grad_out, and its column amax for the wgrad
+            g_q, g_s, g_amax = quant_seam.quantize_activation_group_amax(grad_out, offs, grad_fmt, pow2, True)
+            g_s = g_s[:, None]
+        elif need_dx or tensorwise_wgrad:
             g_q, g_s = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N), or tensorwise
         if need_dx:
-            wt_q, wt_s = _quantize_t(weight, recipe, fmt)  # per input column of W (over N)
+            if w_amax is not None:  # per input column of W (over N), scales from the forward's amax
+                wt_q, wt_s = quant_seam.quantize_weight_dgrad_layout(weight[None], w_amax, fmt, pow2, True)
+                wt_q, wt_s = wt_q[0], wt_s[0][:, None]
+            else:
+                wt_q, wt_s = _quantize_t(weight, recipe, fmt)  # per input column of W (over N)
             grad_x = scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype, recipe.fast_accum_grads)
         if need_dw:
             if recipe.fp8_wgrad:
                 if tensorwise_wgrad:  # one scale either way: transpose the codes made for dgrad
                     gt_q, gt_s = _transposed_padded(g_q), g_s  # (N, M_pad)
+                    xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
+                elif x_amax is not None:
+                    gt_q, gt_s, xt_q, xt_s = _wgrad_from_amaxes(grad_out, x, offs, g_amax, x_amax, fmt, pow2)
                 else:
                     gt_q, gt_s = _quantize_t(grad_out, recipe, grad_fmt)  # (N, M_pad)
-                xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
+                    xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
                 grad_w = scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype, recipe.fast_accum_grads)
             elif x.shape[0] == 0:  # an empty reduction: zeros by construction, not from the library
                 grad_w = torch.zeros_like(weight)
