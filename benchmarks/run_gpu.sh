@@ -8,16 +8,20 @@
 #   (the whole-model step with 4 decoder layers and ACCUMULATE micro-batches per optimizer step;
 #   modes from $MODES, default "eager compiled"; variants from $VARIANTS, default hf_bf16 ours_fp8
 #   ours_fp8_experts torchao_rowwise; eager loss steps from $STEPS, default 40; time limit $LIMIT,
-#   default 590 s: bench_job_acc<ACCUMULATE>_<first model><$SUFFIX>.json/.md)
+#   default 590 s: bench_job_acc<ACCUMULATE>_<first model><$SUFFIX>.json/.md) | ab BASE ARGS... (the
+#   `python -m moe_fp8.bench ARGS...` run twice, on the tree in the folder BASE (another commit, e.g.
+#   `git worktree add build/base COMMIT`, carried to the device) and on this one, named ARGS' --name
+#   with the suffixes _base and _head)
 #
 # OUT defaults to benchmarks/results. A TorchAO wheel in .whl/ (see BENCHMARKS.md) is installed
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang ends the stage instead of the run.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|ep|epscale|parscale|parallel|harness|demo|weightquant|models|dsv3|qwen3|llama4|whole|job [OUT] [ARGS...]}
+stage=${1:?usage: run_gpu.sh tests|ep|epscale|parscale|parallel|harness|demo|weightquant|models|dsv3|qwen3|llama4|whole|job|ab [OUT] [ARGS...]}
 out=${2:-benchmarks/results}
 shift $(( $# < 2 ? $# : 2 ))
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+site=
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if compgen -G ".whl/torchao-*.whl" > /dev/null; then
@@ -69,6 +73,16 @@ case $stage in
            run "${LIMIT:-590}" "bench_job_acc${acc}_$1${SUFFIX:-}.log" python3 -m moe_fp8.bench --preset models --kinds model \
              --models "$@" --layers 4 --accumulate "$acc" --modes "${modes[@]}" --steps "${STEPS:-40}" \
              --name "bench_job_acc${acc}_$1${SUFFIX:-}" --out "$out" --variants "${variants[@]}" ;;
+  ab)      base=$(cd "$1" && pwd) || exit 2
+           shift
+           args=("$@") name=ab
+           for ((i = 0; i + 1 < ${#args[@]}; i++)); do [[ ${args[i]} == --name ]] && name=${args[i + 1]}; done
+           for side in base head; do
+             root=$PWD
+             [[ $side == base ]] && root=$base
+             (cd "$root" && PYTHONPATH="$root${site:+:$site}" run "${LIMIT:-280}" "${name}_$side.log" \
+               python3 -m moe_fp8.bench "$@" --name "${name}_$side" --out "$out")
+           done ;;
   dsv3|qwen3|llama4|models) run 540 "bench_$stage.log" python3 -m moe_fp8.bench --preset "$stage" --out "$out" ;;
   *)       echo "unknown stage: $stage" >&2; exit 2 ;;
 esac

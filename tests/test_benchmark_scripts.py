@@ -62,6 +62,16 @@ def test_bench_entry_point_quick(tmp_path):
         assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_bench_plan_runs_named_kinds_outside_the_preset():
+    from moe_fp8.bench import presets
+
+    assert presets.plan("dsv3", ["dense", "layer"], False) == {
+        "dense": {}, "layer": presets.PRESETS["dsv3"]["layer"]}
+    assert presets.plan("dsv3", ["model"], False) == {"model": {}}
+    quick = presets.plan("all", None, True)
+    assert list(quick) == list(presets.PRESETS["all"]) and quick["layer"]["layers"] == ["deepseek_v3_e8"]
+
+
 @pytest.mark.interpreter
 def test_bench_headline_and_tables():
     """The speedup bars pick our default FP8 rows, against BF16 (quantization kernels: TorchAO)."""

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=list(presets.PRESETS), default="dsv3")
     ap.add_argument("--quick", action="store_true", help="the first shape of each kind only")
-    ap.add_argument("--kinds", nargs="+", choices=presets.KINDS, help="kinds to run (default: the preset's)")
+    ap.add_argument("--kinds", nargs="+", choices=presets.KINDS, help="kinds to run (default: the preset's; a kind the preset lacks runs with the shapes of --preset all)")
     ap.add_argument("--gemm-methods", nargs="+", default=presets.GEMM_METHODS,
                     help="grouped-GEMM method labels ('all': every recipe and backend)")
     ap.add_argument("--models", nargs="+", help="whole-model kind: models to run (default: all four)")
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else argv
         os.execve(sys.executable, [sys.executable, "-m", "moe_fp8.bench", *argv],
                   dict(os.environ, TRITON_INTERPRET="1"))
-    plan = {k: (presets.quick(v) if args.quick else v) for k, v in presets.PRESETS[args.preset].items()
-            if args.kinds is None or k in args.kinds}
+    plan = presets.plan(args.preset, args.kinds, args.quick)
     if "model" in plan:
         plan["model"] = dict(plan["model"], models=args.models, modes=args.modes, steps=args.steps,
                              variants=args.variants, accumulate=args.accumulate, layers=args.layers)

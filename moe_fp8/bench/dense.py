@@ -29,6 +29,7 @@ def collect(device: str, tokens: int = 8192, dim: int = 4096, hidden: int = 1433
     if device != "cuda":
         tokens, dim, hidden = 32, 64, 96
     rows = []
+    torch.manual_seed(1)  # the same data in every run: SQNRs compare across runs and commits
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     flops = 6 * tokens * 3 * dim * hidden

@@ -23,6 +23,17 @@ GEMM_METHODS = ["TorchAO fp8 rowwise", "rowwise / cuda_auto", "rowwise / cuda", 
                 "tensorwise / cuda", "rowwise / cuda, weight cache"]
 
 
+def plan(preset: str, kinds: list[str] | None, quick_run: bool) -> dict[str, dict]:
+    """Kind -> ``collect`` arguments for a run: the preset's kinds, or ``kinds`` in that order (a
+    kind the preset lacks takes its arguments from ``all`` / ``models``); ``quick_run`` keeps the
+    first shape of each."""
+    chosen = PRESETS[preset]
+    if kinds is not None:
+        defaults = {**PRESETS["all"], **PRESETS["models"]}
+        chosen = {k: chosen.get(k, defaults[k]) for k in dict.fromkeys(kinds)}
+    return {k: quick(v) if quick_run else v for k, v in chosen.items()}
+
+
 def quick(args: dict) -> dict:
     """The first entry of every list argument."""
     return {k: v[:1] if isinstance(v, list) else v for k, v in args.items()}
