@@ -39,7 +39,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-__all__ = ["launch", "fast_launch", "fast_launch_enabled", "FAST_LAUNCH_VERSIONS"]
+__all__ = ["launch", "fast_launch", "fast_launch_enabled", "interpreted_trace", "FAST_LAUNCH_VERSIONS"]
 
 FAST_LAUNCH_VERSIONS = ((3, 4), (3, 5), (3, 6), (3, 7), (3, 8), (3, 9))
 """Triton versions (major, minor) whose ``JITFunction.run`` launches the way the direct launch mirrors."""
@@ -94,6 +94,14 @@ def _tracing_context() -> bool:
 
         return any(_traces_kernels(m) for m in _get_current_dispatch_mode_stack())
     return False
+
+
+def interpreted_trace(t: torch.Tensor) -> bool:
+    """Is torch tracing launches whose kernels the interpreter runs on ``t`` (a CPU tensor)? torch
+    cannot analyse such kernels and counts every tensor argument as written: correct, but a graph
+    input written in the backward by a launch that depends on the backward's tensors is more than
+    torch 2.9 takes (the forward must return it), so the callers keep such launches apart there."""
+    return _INTERPRET and not t.is_cuda and _tracing_context()
 
 
 def _tracing(args: tuple, kwargs: dict) -> bool:

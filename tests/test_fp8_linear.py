@@ -112,7 +112,8 @@ def _record_quantizers(monkeypatch) -> list[str]:
         monkeypatch.setattr(owner, name, recording)
 
     for name, label in (("quantize_activation_group_amax", "rows+amax"), ("quantize_weight_forward_layout", "w+amax"),
-                        ("quantize_weight_dgrad_layout", "w_t from amax"), ("quantize_wgrad_operands", "wgrad_operands")):
+                        ("quantize_weight_dgrad_layout", "w_t from amax"), ("quantize_weight_layout", "w_t"),
+                        ("quantize_wgrad_operands", "wgrad_operands")):
         spy(module.quant_seam, name, label)
     spy(module, "quantize_rowwise", "rowwise")
     spy(module, "quantize_expert_colwise", "colwise")
@@ -128,7 +129,7 @@ _ONE_READ = ["rows+amax", "w+amax", "rows+amax", "w_t from amax", "wgrad_operand
 @pytest.mark.parametrize("case, M, K, N, want", [
     ("default", 37, 64, 48, _ONE_READ),
     ("default", 48, 64, 48, _ONE_READ),
-    ("long K", 37, 304, 48, ["rowwise", "rowwise", "rowwise", "colwise", "colwise", "colwise"]),
+    ("long K", 37, 304, 48, ["rowwise", "rowwise", "rowwise", "w_t", "colwise", "colwise"]),
     ("long N", 37, 64, 304, ["rowwise", "w+amax", "rowwise", "w_t from amax", "colwise", "colwise"]),
     ("e5m2 grads", 37, 64, 48, ["rowwise", "w+amax", "rowwise", "w_t from amax", "colwise", "colwise"]),
     ("x frozen", 37, 64, 48, ["rowwise", "w+amax", "colwise", "colwise"]),

@@ -206,15 +206,15 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     ``QuantizedExpertWeight``'s operands (``ctx.w_operands``), or the parameter whose dgrad layout
     the compiled cache holds (``ctx.cached``)."""
     fused = get_backend(ctx.backend).fused_quant
-    if ctx.w_saved:
-        q_bwd, s_bwd = lib.quantize_weight_dgrad_layout(q_bwd, s_bwd, ctx.fmt, ctx.pow2, fused)
-    elif ctx.w_operands is not None:
-        q_bwd, s_bwd = ctx.w_operands.get("dgrad", ctx.w_dtype, ctx.fmt, ctx.pow2)
     if group_amax:
         g_fp8 = lib.quantize_activation_group_amax(grad_out, offs, ctx.fmt, ctx.pow2, fused)
     else:
         rows = _routed_rows(offs, ctx.scaling)
         g_fp8 = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused, rows)
+    if ctx.w_saved:  # after grad_out's scales: made in the backward even when compiled (quant_seam)
+        q_bwd, s_bwd = lib.quantize_weight_dgrad_layout(q_bwd, s_bwd, ctx.fmt, ctx.pow2, fused, g_fp8[1])
+    elif ctx.w_operands is not None:
+        q_bwd, s_bwd = ctx.w_operands.get("dgrad", ctx.w_dtype, ctx.fmt, ctx.pow2)
     if ctx.cached is not None:
         dx = mm_2d3d_cached_weight(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, ctx.cached, offs, ctx.x_dtype, True,
                                    ctx.scaling, ctx.fmt, ctx.pow2, fused)

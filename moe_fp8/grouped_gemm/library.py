@@ -96,9 +96,9 @@ def _quantize_weight_forward_layout(w: Tensor, fmt: str, pow2: bool, fused: bool
     return quant_seam.quantize_weight_forward_layout(w, resolve_format(fmt), pow2, fused)
 
 
-def _quantize_weight_dgrad_layout(w: Tensor, col_amax: Tensor, fmt: str, pow2: bool,
-                                  fused: bool) -> tuple[Tensor, Tensor]:
-    return quant_seam.quantize_weight_dgrad_layout(w, col_amax, resolve_format(fmt), pow2, fused)
+def _quantize_weight_dgrad_layout(w: Tensor, col_amax: Tensor, fmt: str, pow2: bool, fused: bool,
+                                  after: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return quant_seam.quantize_weight_dgrad_layout(w, col_amax, resolve_format(fmt), pow2, fused, after)
 
 
 def _quantize_wgrad_operands(a: Tensor, b: Tensor, offs: Tensor, fmt: str, pow2: bool, fused: bool,
@@ -230,7 +230,7 @@ def _(w, fmt, pow2, fused):
 
 
 @_op_quantize_weight_dgrad_layout.register_fake
-def _(w, col_amax, fmt, pow2, fused):
+def _(w, col_amax, fmt, pow2, fused, after=None):
     E, N, K = w.shape
     return w.new_empty(E, K, N, dtype=_fp8(fmt)), w.new_empty(E, K, dtype=torch.float32)
 

@@ -139,7 +139,7 @@ def fp8_grouped_mm(
         raise ValueError("save_x_fp8: needs x_fp8 (the FP8 rows to keep for the backward)")
     x, w_mat = (x if save_x_fp8 else x.contiguous()), _matrix_layout(w)
     save_w = (not quantized and w_quant is None and cached is None and rec.scaling == "rowwise" and w_mat is w
-              and _kept_alive(w))
+              and (_kept_alive(w) or torch.compiler.is_compiling()))
     return FP8GroupedMM.apply(
         x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
         bool(save_x_fp8), cached,
@@ -149,7 +149,9 @@ def fp8_grouped_mm(
 def _kept_alive(w: torch.Tensor) -> bool:
     """``w`` is a leaf (a parameter) or a view of one: saving it for backward costs no memory, so
     the uncached backward quantizes its dgrad layout there instead of keeping an FP8 copy from the
-    forward (a computed ``w``, e.g. ``param.to(bf16)``, would cost more saved than that copy)."""
+    forward (a computed ``w``, e.g. ``param.to(bf16)``, would cost more saved than that copy).
+    Traced, every ``w`` is a functional tensor, never a leaf, and the compiler's partitioner picks
+    what to save (a parameter, or a cast it recomputes), so the backward quantizes it there too."""
     return w.is_leaf or (w._base is not None and w._base.is_leaf)
 
 

@@ -114,14 +114,18 @@ def quantize_weight(
 
 
 def quantize_weight_layout(
-    w: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool, fused: bool, dgrad: bool
+    w: torch.Tensor, scaling: str, fmt: Float8Format, pow2: bool, fused: bool, dgrad: bool,
+    after: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layout of :func:`quantize_weight`, the same bytes: ``(q_fwd, s_fwd)``, or with ``dgrad``
     ``(q_bwd, s_bwd)``. Rowwise quantizes that layout alone (one launch, its own amax); tensorwise
-    and blockwise quantize the forward layout and, for ``dgrad``, transpose it."""
+    and blockwise quantize the forward layout and, for ``dgrad``, transpose it. ``after`` (rowwise
+    dgrad): a tensor of the backward pass the kernel is ordered after (see
+    :func:`quantize_weight_dgrad_layout`)."""
     if scaling == "rowwise":
         if _kernels(w, fused):
-            return kernels.triton_quantize_expert_colwise(w, fmt, pow2, transposed=dgrad)
+            return kernels.triton_quantize_expert_colwise(w, fmt, pow2, transposed=dgrad,
+                                                          after=after if dgrad else None)
         return ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=dgrad)
     q_fwd, s_fwd = _forward_layout(w, scaling, fmt, pow2, fused)
     return _dgrad_from_forward(q_fwd, s_fwd, scaling, _kernels(w, fused)) if dgrad else (q_fwd, s_fwd)
@@ -173,13 +177,20 @@ def quantize_weight_forward_layout(
 
 
 def quantize_weight_dgrad_layout(
-    w: torch.Tensor, col_amax: torch.Tensor, fmt: Float8Format, pow2: bool, fused: bool
+    w: torch.Tensor, col_amax: torch.Tensor, fmt: Float8Format, pow2: bool, fused: bool,
+    after: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dgrad layout of :func:`quantize_weight`'s ``rowwise`` pair: ``q (E, K, N)`` contiguous and
     ``s (E, K)``, with the scales from ``col_amax (E, K)`` (made by
-    :func:`quantize_weight_forward_layout` from the same ``w``), one read and one write of ``w``."""
+    :func:`quantize_weight_forward_layout` from the same ``w``), one read and one write of ``w``.
+
+    ``after``: a float32 tensor of the backward pass (grad_out's scales), handed to the kernel and
+    never read. The layout depends on ``w`` and ``col_amax`` alone, so torch.compile's partitioner
+    would otherwise make it in the forward and keep it until the backward (one byte per weight
+    element, for every layer at once); ordered after ``after`` it is made in the backward and freed
+    after its GEMM. The reference quantizers ignore it."""
     if _kernels(w, fused):
-        return kernels.triton_quantize_expert_colwise_from_amax(w, col_amax, fmt, pow2)
+        return kernels.triton_quantize_expert_colwise_from_amax(w, col_amax, fmt, pow2, after=after)
     return ref.quantize_expert_colwise(w, fmt, pow2=pow2, transposed=True, amax=col_amax)
 
 

@@ -15,8 +15,10 @@ that read the same tensor anyway: the forward's quantization of W also reduces W
 (for the dgrad layout), and those of x (forward) and grad_out (dgrad) their column amaxes (for the
 wgrad operands, both written by one launch), as ``fp8_grouped_mm`` does for one group of rows.
 Rows longer than 16384 elements (``col_amax_fits``), a gradient format other than the forward's,
-an empty batch, or tensors Triton does not run on take the column-wise quantizer instead (same
-bytes). ``torch._scaled_mm`` wants the first operand
+an empty batch, tensors Triton does not run on, or a trace of interpreted kernels take the
+column-wise quantizer instead (same bytes). The backward quantizes W after grad_out, on whose
+scales its launch is made to depend (``order_token``): a layout of W alone would otherwise be
+computed by torch.compile in the forward and kept until the backward. ``torch._scaled_mm`` wants the first operand
 row-major and the second column-major with every dimension a multiple of 16, except the first
 operand's rows: the token count, which wgrad contracts over, is zero-padded to a multiple of 16
 there (zero rows add nothing). Operands a GEMM takes transposed (``W.T`` for dgrad, ``grad_out.T``
@@ -35,6 +37,7 @@ from torch import nn
 from ..checks import check_multiple_of
 from ..grouped_gemm import quant_seam
 from ..kernel_backend import triton_runs_on
+from ..launch import interpreted_trace
 from ..quant import formats, quantize_expert_colwise, quantize_rowwise, quantize_tensorwise
 from ..quant.kernels.rowwise import col_amax_fits
 from ..quant.recipes import Float8Recipe, get_recipe
@@ -103,7 +106,8 @@ class _FP8LinearFn(torch.autograd.Function):
         (m, k), n = x.shape, weight.shape[0]
         # the wgrad operands' column amaxes from the row quantizations of x and grad_out
         act_amax = (rowwise and recipe.fp8_wgrad and grad_fmt == fmt and m > 0 and ctx.needs_input_grad[0]
-                    and ctx.needs_input_grad[1] and col_amax_fits(k) and col_amax_fits(n))
+                    and ctx.needs_input_grad[1] and col_amax_fits(k) and col_amax_fits(n)
+                    and not interpreted_trace(x))  # there x would count as written by the wgrad's launch
         offs = x_amax = w_amax = None
         if act_amax:
             offs = _one_group(m, x.device)
@@ -117,13 +121,13 @@ class _FP8LinearFn(torch.autograd.Function):
         else:
             w_q, w_s = _quantize(weight, recipe, fmt)
         ctx.save_for_backward(x, weight, offs, x_amax, w_amax)
-        ctx.recipe, ctx.fmt, ctx.grad_fmt = recipe, fmt, grad_fmt
+        ctx.recipe, ctx.fmt, ctx.grad_fmt, ctx.rowwise = recipe, fmt, grad_fmt, rowwise
         return scaled_mm(x_q, x_s, w_q, w_s, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, offs, x_amax, w_amax = ctx.saved_tensors
-        recipe, fmt, grad_fmt = ctx.recipe, ctx.fmt, ctx.grad_fmt
+        recipe, fmt, grad_fmt, rowwise = ctx.recipe, ctx.fmt, ctx.grad_fmt, ctx.rowwise
         pow2 = recipe.pow2_scales
         grad_out = grad_out.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -134,12 +138,16 @@ class _FP8LinearFn(torch.autograd.Function):
             g_s = g_s[:, None]
         elif need_dx or tensorwise_wgrad:
             g_q, g_s = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N), or tensorwise
-        if need_dx:
-            if w_amax is not None:  # per input column of W (over N), scales from the forward's amax
-                wt_q, wt_s = quant_seam.quantize_weight_dgrad_layout(weight[None], w_amax, fmt, pow2, True)
+        if need_dx:  # W per input column (over N), made after grad_out's scales (``order_token``)
+            after = g_s if g_s.numel() else None
+            if w_amax is not None:  # scales from the forward's amax
+                wt_q, wt_s = quant_seam.quantize_weight_dgrad_layout(weight[None], w_amax, fmt, pow2, True, after)
+                wt_q, wt_s = wt_q[0], wt_s[0][:, None]
+            elif rowwise:
+                wt_q, wt_s = quant_seam.quantize_weight_layout(weight[None], "rowwise", fmt, pow2, True, True, after)
                 wt_q, wt_s = wt_q[0], wt_s[0][:, None]
             else:
-                wt_q, wt_s = _quantize_t(weight, recipe, fmt)  # per input column of W (over N)
+                wt_q, wt_s = _quantize_t(weight, recipe, fmt)
             grad_x = scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype, recipe.fast_accum_grads)
         if need_dw:
             if recipe.fp8_wgrad:

@@ -178,11 +178,12 @@ def _layout_buffers(w: torch.Tensor, f: Float8Format, transposed: bool) -> tuple
             torch.empty((E, inner), dtype=_F32, device=w.device))
 
 
-def _expert_layout(w: torch.Tensor, f: Float8Format, pow2: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_layout(w: torch.Tensor, f: Float8Format, pow2: bool, transposed: bool,
+                   after: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layout of ``w``, one launch: rows over K (forward) or the column-wise kernel (dgrad)."""
     q, scale = _layout_buffers(w, f, transposed)
     if transposed:
-        launch_expert_colwise_t(w, q, scale, f, pow2)
+        launch_expert_colwise_t(w, q, scale, f, pow2, after=after)
     else:
         E, N, K = w.shape
         launch_rowwise(w, q, scale, f, pow2, M=E * N, K=K, rows_per_group=N, stride_g=w.stride(0),
@@ -191,12 +192,13 @@ def _expert_layout(w: torch.Tensor, f: Float8Format, pow2: bool, transposed: boo
 
 
 @eager_triton_op("moe_fp8::quantize_expert_colwise")
-def _expert_colwise_op(w: torch.Tensor, fmt: str, pow2: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _expert_layout(w, _check_expert(w, fmt), pow2, transposed)
+def _expert_colwise_op(w: torch.Tensor, fmt: str, pow2: bool, transposed: bool,
+                       after: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _expert_layout(w, _check_expert(w, fmt), pow2, transposed, after)
 
 
 @_expert_colwise_op.register_fake
-def _(w, fmt, pow2, transposed):
+def _(w, fmt, pow2, transposed, after=None):
     f = _check_expert(w, fmt)
     E, N, K = w.shape
     inner, outer = (K, N) if transposed else (N, K)
@@ -204,15 +206,18 @@ def _(w, fmt, pow2, transposed):
 
 
 def triton_quantize_expert_colwise(
-    w: torch.Tensor, fmt=None, pow2: bool = False, transposed: bool = False
+    w: torch.Tensor, fmt=None, pow2: bool = False, transposed: bool = False, *, after: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert, per-output-column scales of ``w (E, N, K)`` (``nn.Linear`` layout), one launch.
 
     ``transposed=False`` (forward): ``q (E, N, K)`` contiguous, ``scale (E, N)`` (amax over K).
     ``transposed=True`` (dgrad): ``q (E, K, N)`` contiguous, ``scale (E, K)`` (amax over N).
+    ``after`` (``transposed`` only): a float32 or int32 tensor this launch is ordered after in a
+    traced graph, never read (``kernels.colwise.order_token``): grad_out's scales keep the dgrad
+    layout in the backward, where torch.compile would otherwise make it in the forward and keep it.
     """
     _hp("w", w, 3)
-    return _expert_colwise_op(w, _format(fmt, w.device).name, bool(pow2), bool(transposed))
+    return _expert_colwise_op(w, _format(fmt, w.device).name, bool(pow2), bool(transposed), after)
 
 
 def _forward_layout_with_amax(w: torch.Tensor, f: Float8Format, pow2: bool):
@@ -224,10 +229,11 @@ def _forward_layout_with_amax(w: torch.Tensor, f: Float8Format, pow2: bool):
     return q, scale, col_amax_bits.view(_F32)
 
 
-def _dgrad_layout_from_amax(w: torch.Tensor, col_amax: torch.Tensor, f: Float8Format, pow2: bool):
+def _dgrad_layout_from_amax(w: torch.Tensor, col_amax: torch.Tensor, f: Float8Format, pow2: bool,
+                            after: Optional[torch.Tensor] = None):
     """The dgrad layout ``(q (E, K, N), scale (E, K))`` of ``w`` given its amax over N."""
     q, scale = _layout_buffers(w, f, True)
-    launch_expert_colwise_t(w, q, scale, f, pow2, amax_bits=col_amax.contiguous().view(torch.int32))
+    launch_expert_colwise_t(w, q, scale, f, pow2, amax_bits=col_amax.contiguous().view(torch.int32), after=after)
     return q, scale
 
 
@@ -305,15 +311,15 @@ def _check_col_amax(w, col_amax) -> None:
 
 @eager_triton_op("moe_fp8::quantize_expert_colwise_from_amax")
 def _expert_colwise_from_amax_op(
-    w: torch.Tensor, col_amax: torch.Tensor, fmt: str, pow2: bool
+    w: torch.Tensor, col_amax: torch.Tensor, fmt: str, pow2: bool, after: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_expert(w, fmt)
     _check_col_amax(w, col_amax)
-    return _dgrad_layout_from_amax(w, col_amax, f, pow2)
+    return _dgrad_layout_from_amax(w, col_amax, f, pow2, after)
 
 
 @_expert_colwise_from_amax_op.register_fake
-def _(w, col_amax, fmt, pow2):
+def _(w, col_amax, fmt, pow2, after=None):
     f = _check_expert(w, fmt)
     _check_col_amax(w, col_amax)
     E, N, K = w.shape
@@ -321,17 +327,18 @@ def _(w, col_amax, fmt, pow2):
 
 
 def triton_quantize_expert_colwise_from_amax(
-    w: torch.Tensor, col_amax: torch.Tensor, fmt=None, pow2: bool = False
+    w: torch.Tensor, col_amax: torch.Tensor, fmt=None, pow2: bool = False, *, after: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dgrad layout of ``w (E, N, K)`` with its scales from ``col_amax (E, K)`` fp32.
 
     ``q (E, K, N)`` contiguous, ``scale (E, K)``: equal to
     ``triton_quantize_expert_colwise(w, transposed=True)`` when ``col_amax`` is ``w``'s amax over
     N (as :func:`triton_quantize_expert_rowwise_with_amax` returns it); other values are trusted
-    (not checked: that would sync) and give other scales. One read and one write of ``w``.
+    (not checked: that would sync) and give other scales. One read and one write of ``w``. ``after``:
+    as in :func:`triton_quantize_expert_colwise`.
     """
     _hp("w", w, 3)
-    return _expert_colwise_from_amax_op(w, col_amax, _format(fmt, w.device).name, bool(pow2))
+    return _expert_colwise_from_amax_op(w, col_amax, _format(fmt, w.device).name, bool(pow2), after)
 
 
 # ----------------------------------------------------------------------------------- group colwise

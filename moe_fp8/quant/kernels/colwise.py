@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ...kernel_backend import launch_target
-from ...launch import launch
+from ...launch import interpreted_trace, launch
 from ...launch_math import cdiv, next_power_of_2
 from ..formats import Float8Format
 from ..triton_helpers import fp8_scales
@@ -520,10 +520,13 @@ def colwise_config(*, chunk: int = 256, block_r: int = 32, block_c: int = 128, s
 
 
 def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out, strides_a, fmt, pow2, config,
-            hw_cast, amax_bits=None) -> None:
+            hw_cast, amax_bits=None, after=None) -> None:
     """One launch over ``(column blocks of a and b) x 2 x chunks`` (two launches of half that with
     ``TWO_PASS``); ``offs=None``: ``G`` uniform groups of ``n_uni`` rows. ``amax_bits`` (int32
-    ``(G, C_A + C_B)``, the complete amaxes as fp32 bits): the workers alone, in one launch."""
+    ``(G, C_A + C_B)``, the complete amaxes as fp32 bits): the workers alone, in one launch.
+    ``after`` (uniform groups only; see :func:`order_token`): passed where the offsets would go,
+    which a uniform launch never reads (not while torch traces interpreted kernels:
+    ``launch.interpreted_trace``)."""
     target = launch_target(a.device)
     cfg = {**colwise_config(), "TICKETS": target.kind == "hip", **(config or {})}
     if cfg["maxnreg"] is None or target.kind != "cuda":
@@ -559,7 +562,8 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
         b_args = (a, qa, sa, 0, 0, 0, 0, 0)
     else:
         b_args = (a, qa.new_empty(1), sa.new_empty(1), 0, 0, 0, 0, 0)
-    offs = cnt if uniform else offs  # any int32 pointer: UNIFORM never reads it
+    ordered = after is not None and not interpreted_trace(a)
+    offs = (order_token(after) if ordered else cnt) if uniform else offs  # UNIFORM never reads it
     if cfg.pop("TWO_PASS", False) or amax_bits is not None:  # no program waits: no ticket needed, no lag
         passes = (ROLES_WORKERS,) if amax_bits is not None else (ROLES_MEMBERS, ROLES_WORKERS)
         launches = [((nb_a + nb_b) * n_chunks, r) for r in passes]
@@ -581,18 +585,31 @@ def _launch(a, qa, sa, b, qb, sb, offs, padded_offs, G, n_uni, rows_in, rows_out
         )
 
 
+def order_token(after: torch.Tensor) -> torch.Tensor:
+    """One int32 element viewed from ``after`` (float32 or int32, not empty): an argument a launch
+    takes and never reads, so that the launch depends on ``after`` in a traced graph. A layout that
+    depends on the weights alone would otherwise be computed by torch.compile's partitioner in the
+    forward and kept alive until the backward: handing the weight's dgrad quantization a tensor of
+    the backward pass (grad_out's scales) keeps it in the backward."""
+    if after.dtype not in (torch.float32, torch.int32) or after.numel() == 0:
+        raise ValueError(f"after: expected a non-empty float32 or int32 tensor, got {after.dtype} "
+                         f"of shape {tuple(after.shape)}")
+    return after.reshape(-1)[:1].view(torch.int32)
+
+
 def launch_expert_colwise_t(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: Float8Format, pow2: bool,
                             config: dict | None = None, hw_cast: bool | None = None,
-                            amax_bits: torch.Tensor | None = None) -> None:
+                            amax_bits: torch.Tensor | None = None, after: torch.Tensor | None = None) -> None:
     """``w (E, N, K)`` (any strides) -> ``q (E, K, N)`` contiguous, ``scale (E, K)`` (amax over N).
 
     ``amax_bits (E, K)`` int32, the fp32 bits of each expert column's amax
     (``rowwise.launch_expert_rowwise_col_amax`` makes them): only the workers run, one read and one
-    write of ``w``, nothing waits."""
+    write of ``w``, nothing waits. ``after``: a tensor the launch is ordered after
+    (:func:`order_token`)."""
     E, N, K = w.shape
     strides = (w.stride(0), w.stride(1), w.stride(2), K * N, 1, N)
     _launch(w, q, scale, None, None, None, None, None, E, N, N, N, strides, fmt, pow2, config, hw_cast,
-            amax_bits=amax_bits)
+            amax_bits=amax_bits, after=after)
 
 
 def launch_group_colwise(

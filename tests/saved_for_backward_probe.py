@@ -1,0 +1,96 @@
+"""What torch.compile's partitioner saves from forward to backward around the library's FP8 ops on a
+GPU, found on the CPU: the ops traced on meta tensors as if Triton ran on them (so the graphs hold
+the kernels a GPU launches), torch's analysis of each kernel's writes built for sm_90, the joint
+graph split by Inductor's partitioner (``min_cut_rematerialization_partition``).
+
+``python tests/saved_for_backward_probe.py`` (without ``TRITON_INTERPRET``: the kernels must be
+``triton.jit`` functions) prints one JSON object: case -> the forward's saved tensors as
+``[dtype, shape]`` pairs, and ``"analysis fallbacks"``: the kernels torch could not analyse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("run without TRITON_INTERPRET=1: the kernels must be triton.jit functions")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
+from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
+from traced_writes import _sm90_analysis  # noqa: E402
+
+import moe_fp8  # noqa: E402, F401
+from moe_fp8.grouped_gemm.op import fp8_grouped_mm  # noqa: E402
+from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
+
+
+def _triton_on_meta() -> None:
+    """Every library module takes meta tensors for tensors Triton runs on (the triton backend too)."""
+    from moe_fp8.grouped_gemm.backends.select import BACKENDS
+
+    BACKENDS["triton"].unavailable_reason = lambda device: None
+    for name, module in list(sys.modules.items()):
+        if name.startswith("moe_fp8"):
+            for attr in ("triton_runs_on", "_use_triton"):
+                if callable(getattr(module, attr, None)):
+                    setattr(module, attr, lambda t: True)
+            if callable(getattr(module, "use_triton", None)):
+                module.use_triton = lambda kernel, t: True
+
+
+def _dense(x, wa, wb):
+    """Two rowwise FP8 linears with a SiLU between (the second one's input is an activation)."""
+    return fp8_linear(F.silu(fp8_linear(x, wa, fmt="e4m3fn")), wb, fmt="e4m3fn")
+
+
+def _experts(x, w, offs):
+    """The rowwise grouped GEMM without a weight cache (the weight's dgrad layout made in backward)."""
+    return fp8_grouped_mm(x, w, offs, backend="triton")
+
+
+def _saved(fn, *shapes) -> list:
+    graphs = {}
+
+    def keep(name: str):
+        def compiler(gm, example_inputs):  # runs nothing: meta results of the graph's output shapes
+            graphs[name] = gm
+            vals = [n.meta.get("val") for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
+            results = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                       if isinstance(v, torch.Tensor) else v for v in vals]
+            return make_boxed_func(lambda *args: list(results))
+        return compiler
+
+    torch._dynamo.reset()
+    args = [torch.empty(s, device="meta", dtype=d, requires_grad=g) for s, d, g in shapes]
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)  # the partition is made here
+    output = next(n for n in graphs["forward"].graph.nodes if n.op == "output")
+    saved = output.args[0][1:]  # after the forward's one result
+    return [[str(n.meta["val"].dtype), list(n.meta["val"].shape)] for n in saved]
+
+
+def main() -> None:
+    _triton_on_meta()
+    bf16 = torch.bfloat16
+    with _sm90_analysis() as warned:
+        report = {
+            "fp8_linear": _saved(_dense, ((48, 64), bf16, True), ((128, 64), bf16, True), ((64, 128), bf16, True)),
+            "fp8_grouped_mm": _saved(_experts, ((96, 64), bf16, True), ((4, 128, 64), bf16, True),
+                                     ((4,), torch.int32, False)),
+        }
+    report["analysis fallbacks"] = [r.getMessage()[:200] for r in warned.records]
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
