@@ -12,6 +12,7 @@ from moe_fp8.grouped_gemm import compiled_weight_cache, library
 from moe_fp8.optim import AdamWQuantize, adamw_hyper, adamw_quantize, adamw_quantize_reference
 from moe_fp8.quant import reference as ref
 from moe_fp8.testing import dirty_allocator
+from quant_kernel_cases import FNUZ_OK
 
 HYPER = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -41,7 +42,8 @@ def _state(shape, dtype, seed):
 @pytest.mark.parametrize("dtype, quant_dtype, state_dtype, shape, fmt, pow2", [
     (torch.bfloat16, torch.bfloat16, torch.float32, (3, 24, 40), "e4m3fn", False),
     (torch.float32, torch.float32, torch.float32, (2, 5, 33), "e4m3fn", True),  # odd sizes, a partial row block
-    (torch.float32, torch.bfloat16, torch.float32, (1, 17, 64), "e4m3fnuz", False),  # fp32 master, bf16 GEMMs
+    pytest.param(torch.float32, torch.bfloat16, torch.float32, (1, 17, 64), "e4m3fnuz", False,  # fp32 master, bf16 GEMMs
+                 marks=pytest.mark.skipif(not FNUZ_OK, reason="fnuz Triton types fail in the interpreter below triton 3.8")),
     (torch.bfloat16, torch.bfloat16, torch.bfloat16, (2, 16, 48), "e4m3fn", False),  # bf16 moments
 ])
 def test_kernel_matches_the_reference_byte_for_byte(dtype, quant_dtype, state_dtype, shape, fmt, pow2):

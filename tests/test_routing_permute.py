@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
 
 import moe_fp8.routing.permute_ops as permute_mod
 from moe_fp8.quant.formats import E4M3FN, E4M3FNUZ, E5M2
@@ -15,13 +14,13 @@ from moe_fp8.kernel_backend import use_triton
 from moe_fp8.routing.permute_kernels import permute_rows_kernel
 from moe_fp8.routing.reference import permute_reference
 
+from quant_kernel_cases import FNUZ_OK
 from test_routing_plan import random_topk_ids
 
 # Against the references: with CPU tensors the kernels run only in the interpreter (elsewhere the
 # module would fall back to the reference itself and the comparison would prove nothing).
 pytestmark = pytest.mark.interpreter
 
-FNUZ_OK = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 8)
 FORMATS = [E4M3FN, E5M2, pytest.param(E4M3FNUZ, marks=pytest.mark.skipif(not FNUZ_OK, reason="fnuz needs triton >= 3.8 in the interpreter"))]
 
 

@@ -11,8 +11,8 @@ import triton.language as tl
 from moe_fp8.quant.formats import E4M3FN, E4M3FNUZ, E5M2
 from moe_fp8.quant.reference import amax_to_scales
 from moe_fp8.quant.triton_helpers import fp8_constexprs, fp8_round, fp8_scales
+from quant_kernel_cases import FNUZ_OK
 
-FNUZ_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
 
 
 @triton.jit

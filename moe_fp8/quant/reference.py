@@ -229,7 +229,8 @@ def quantize_blockwise(
     br, bc = block
     R, C = x.shape[-2:]
     pr, pc = -R % br, -C % bc
-    padded = torch.nn.functional.pad(x.abs().float(), (0, pc, 0, pr))
+    padded = x.new_zeros(*x.shape[:-2], R + pr, C + pc, dtype=torch.float32)  # (torch 2.9's pad rejects empty dims)
+    padded[..., :R, :C] = x.abs()
     amax = einops.reduce(padded, "... (r br) (c bc) -> ... r c", "max", br=br, bc=bc)
     inv, scale = amax_to_scales(amax, fmt, pow2)
     inv_full = inv.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)[..., :R, :C]
