@@ -8,24 +8,24 @@ Recipes (see ``moe_fp8.quant.recipes``):
   dense training recipe).
 * ``tensorwise``: one scale per tensor in all three GEMMs.
 
-The high-precision input and weight are saved for backward (like TorchAO's ``Float8Linear``); each
-operand is quantized in the layout its GEMM needs. A per-column scale needs the column's amax
-before any byte is written, so the rowwise recipes take those amaxes from the row quantizations
-that read the same tensor anyway: the forward's quantization of W also reduces W's column amax
-(for the dgrad layout), and those of x (forward) and grad_out (dgrad) their column amaxes (for the
-wgrad operands, both written by one launch), as ``fp8_grouped_mm`` does for one group of rows.
-Rows longer than 16384 elements (``col_amax_fits``), a gradient format other than the forward's,
-an empty batch, tensors Triton does not run on, or a trace of interpreted kernels take the
-column-wise quantizer instead (same bytes). The backward quantizes W after grad_out, on whose
-scales its launch is made to depend (``order_token``): a layout of W alone would otherwise be
-computed by torch.compile in the forward and kept until the backward. ``torch._scaled_mm`` wants the first operand
-row-major and the second column-major with every dimension a multiple of 16, except the first
-operand's rows: the token count, which wgrad contracts over, is zero-padded to a multiple of 16
-there (zero rows add nothing). Operands a GEMM takes transposed (``W.T`` for dgrad, ``grad_out.T``
-and ``x.T`` for wgrad) are quantized per column by the column-wise kernel, which writes the
-transposed FP8 copy directly (rowwise recipes), or quantized as they are and transposed in FP8
-(tensorwise: one scale either way, so grad_out is quantized once for dgrad and wgrad), never
-copied transposed in high precision.
+Saved for backward: the high-precision input and weight (like TorchAO's ``Float8Linear``), and in
+the rowwise recipes their column amaxes. Each operand is quantized in the layout its GEMM needs:
+
+* Rows (x, W, grad_out): the row kernel. In the rowwise recipes it also reduces every column's
+  amax from the same read, so the per-column layouts (W.T for dgrad; grad_out.T and x.T for
+  wgrad, both in one launch) are written without a reduction of their own, as ``fp8_grouped_mm``
+  does for one group of rows. Rows over 16384 elements (``col_amax_fits``), a gradient format of
+  its own, an empty batch, tensors Triton does not run on and traces of interpreted kernels take
+  the column-wise kernel instead (the same bytes).
+* The backward's W.T takes grad_out's scales as an argument its launch never reads
+  (``order_token``): a layout of W alone would otherwise be computed by torch.compile in the
+  forward and kept until the backward.
+* ``torch._scaled_mm`` wants the first operand row-major and the second column-major, every
+  dimension a multiple of 16 except the first operand's rows: the token count, which wgrad
+  contracts over, is zero-padded to a multiple of 16 there (zero rows add nothing).
+* ``tensorwise``: operands a GEMM takes transposed are quantized as they are and transposed in
+  FP8 (one scale either way, so grad_out is quantized once for dgrad and wgrad); nothing is
+  copied transposed in high precision.
 """
 
 from __future__ import annotations
