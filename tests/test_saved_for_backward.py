@@ -5,7 +5,8 @@ A weight's dgrad layout depends on the weight alone, so torch.compile's partitio
 backward: one byte per weight element, for every layer at once. The backward's quantization of
 the weight is therefore made to depend on grad_out's scales (``quant.kernels.colwise.order_token``).
 ``saved_for_backward_probe.py`` traces the ops as a GPU runs them (Triton kernels, torch's analysis
-of their writes built for sm_90) on meta tensors, in a process without the interpreter.
+of their writes built for sm_90) on meta tensors, in a process without the interpreter. On the GPU,
+Inductor's compiled stacks of FP8 layers are measured against the same stacks in BF16.
 """
 
 import json
@@ -39,3 +40,65 @@ def test_no_fp8_weight_copy_is_saved(saved, case):
     weights = {"fp8_linear": ([1, 128, 64], [1, 64, 128]), "fp8_grouped_mm": ([4, 128, 64],)}[case]
     for shape in weights:  # the weight itself (a parameter: saving it costs nothing)
         assert ["torch.bfloat16", shape] in tensors, f"{case}: the weight {shape} is not among {tensors}"
+
+
+def _compiled_peak(fn, x, weights, extra=()) -> int:
+    """Bytes allocated above the inputs at the peak of a compiled forward + backward (after a warm-up)."""
+    import torch
+
+    compiled = torch.compile(fn, fullgraph=True)
+    for _ in range(2):  # the first call compiles
+        for w in weights:
+            w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        compiled(x, *extra, *weights).float().sum().backward()
+        torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["fp8_linear", "fp8_grouped_mm"])
+def test_compiled_peak_holds_no_fp8_weight_copies_gpu(case):
+    """Inductor on the GPU: a stack of 8 FP8 layers with few tokens peaks at most half the weights' FP8
+    bytes above the same stack in BF16 (their FP8 copies kept from forward to backward would add all
+    of them; one layer's quantized weight at a time is an eighth)."""
+    import torch
+    import torch.nn.functional as F
+
+    from moe_fp8 import fp8_grouped_mm
+    from moe_fp8.layers.fp8_linear import fp8_linear
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers, dev = 8, "cuda"
+    if case == "fp8_linear":
+        weights = [(torch.randn(4096, 4096, device=dev) * 4096**-0.5).bfloat16().requires_grad_() for _ in range(layers)]
+        x, extra = torch.randn(64, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True), ()
+
+        def stack(recipe):
+            def run(x, *ws):
+                for w in ws:
+                    x = F.linear(x, w) if recipe == "bf16" else fp8_linear(x, w, recipe=recipe)
+                return x
+            return run
+    else:
+        weights = [(torch.randn(8, 1024, 1024, device=dev) * 1024**-0.5).bfloat16().requires_grad_()
+                   for _ in range(layers)]
+        x = torch.randn(256, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        extra = (torch.arange(1, 9, device=dev, dtype=torch.int32) * 32,)
+
+        def stack(recipe):
+            def run(x, offs, *ws):
+                for w in ws:
+                    x = fp8_grouped_mm(x, w, offs, recipe=recipe)
+                return x
+            return run
+    fp8_bytes = sum(w.numel() for w in weights)  # one byte per weight element
+    bf16_peak = _compiled_peak(stack("bf16"), x, weights, extra)
+    torch._dynamo.reset()
+    fp8_peak = _compiled_peak(stack("rowwise"), x, weights, extra)
+    assert fp8_peak - bf16_peak < fp8_bytes / 2, (
+        f"{case}: compiled peak {fp8_peak / 2**20:.0f} MiB against BF16's {bf16_peak / 2**20:.0f} MiB "
+        f"(the weights' FP8 bytes: {fp8_bytes / 2**20:.0f} MiB)")
