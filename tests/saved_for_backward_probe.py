@@ -28,16 +28,18 @@ from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 from traced_writes import _sm90_analysis  # noqa: E402
 
-import moe_fp8  # noqa: E402, F401
+from moe_fp8 import FP8MoE  # noqa: E402
 from moe_fp8.grouped_gemm.op import fp8_grouped_mm  # noqa: E402
 from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
 
 
 def _triton_on_meta() -> None:
-    """Every library module takes meta tensors for tensors Triton runs on (the triton backend too)."""
+    """Every library module takes meta tensors for tensors Triton runs on (the triton backend too),
+    and modules take meta parameters (no autocast state on meta)."""
     from moe_fp8.grouped_gemm.backends.select import BACKENDS
 
     BACKENDS["triton"].unavailable_reason = lambda device: None
+    torch.is_autocast_enabled = lambda *args: False
     for name, module in list(sys.modules.items()):
         if name.startswith("moe_fp8"):
             for attr in ("triton_runs_on", "_use_triton"):
@@ -45,6 +47,8 @@ def _triton_on_meta() -> None:
                     setattr(module, attr, lambda t: True)
             if callable(getattr(module, "use_triton", None)):
                 module.use_triton = lambda kernel, t: True
+            if callable(getattr(module, "check_parameters", None)):
+                module.check_parameters = lambda *args: None
 
 
 def _dense(x, wa, wb):
@@ -55,6 +59,14 @@ def _dense(x, wa, wb):
 def _experts(x, w, offs):
     """The rowwise grouped GEMM without a weight cache (the weight's dgrad layout made in backward)."""
     return fp8_grouped_mm(x, w, offs, backend="triton")
+
+
+def _moe(cache_weights: bool):
+    """A rowwise ``FP8MoE`` (4 experts, top-2) on meta parameters, with or without the weight cache."""
+    torch.manual_seed(0)
+    moe = FP8MoE(64, 64, 4, 2, backend="triton", cache_weights=cache_weights)
+    moe = moe.to(device="meta", dtype=torch.bfloat16)
+    return lambda x: moe(x)
 
 
 def _saved(fn, *shapes) -> list:
@@ -87,6 +99,8 @@ def main() -> None:
             "fp8_linear": _saved(_dense, ((48, 64), bf16, True), ((128, 64), bf16, True), ((64, 128), bf16, True)),
             "fp8_grouped_mm": _saved(_experts, ((96, 64), bf16, True), ((4, 128, 64), bf16, True),
                                      ((4,), torch.int32, False)),
+            "fp8_moe cached": _saved(_moe(True), ((96, 64), bf16, True)),
+            "fp8_moe uncached": _saved(_moe(False), ((96, 64), bf16, True)),
         }
     report["analysis fallbacks"] = [r.getMessage()[:200] for r in warned.records]
     print(json.dumps(report))
