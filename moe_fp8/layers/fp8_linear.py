@@ -122,49 +122,68 @@ class _FP8LinearFn(torch.autograd.Function):
             w_q, w_s = _quantize(weight, recipe, fmt)
         ctx.save_for_backward(x, weight, offs, x_amax, w_amax)
         ctx.recipe, ctx.fmt, ctx.grad_fmt, ctx.rowwise = recipe, fmt, grad_fmt, rowwise
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return scaled_mm(x_q, x_s, w_q, w_s, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, offs, x_amax, w_amax = ctx.saved_tensors
-        recipe, fmt, grad_fmt, rowwise = ctx.recipe, ctx.fmt, ctx.grad_fmt, ctx.rowwise
-        pow2 = recipe.pow2_scales
+        recipe, grad_fmt = ctx.recipe, ctx.grad_fmt
         grad_out = grad_out.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         tensorwise_wgrad = need_dw and recipe.fp8_wgrad and recipe.scaling == "tensorwise"
-        grad_x = grad_w = None
+        g = g_amax = None
         if x_amax is not None:  # per row of grad_out, and its column amax for the wgrad
-            g_q, g_s, g_amax = quant_seam.quantize_activation_group_amax(grad_out, offs, grad_fmt, pow2, True)
-            g_s = g_s[:, None]
+            g_q, g_s, g_amax = quant_seam.quantize_activation_group_amax(grad_out, offs, grad_fmt,
+                                                                         recipe.pow2_scales, True)
+            g = g_q, g_s[:, None]
         elif need_dx or tensorwise_wgrad:
-            g_q, g_s = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N), or tensorwise
-        if need_dx:  # W per input column (over N), made after grad_out's scales (``order_token``)
-            after = g_s if g_s.numel() else None
-            if w_amax is not None:  # scales from the forward's amax
-                wt_q, wt_s = quant_seam.quantize_weight_dgrad_layout(weight[None], w_amax, fmt, pow2, True, after)
-                wt_q, wt_s = wt_q[0], wt_s[0][:, None]
-            elif rowwise:
-                wt_q, wt_s = quant_seam.quantize_weight_layout(weight[None], "rowwise", fmt, pow2, True, True, after)
-                wt_q, wt_s = wt_q[0], wt_s[0][:, None]
-            else:
-                wt_q, wt_s = _quantize_t(weight, recipe, fmt)
-            grad_x = scaled_mm(g_q, g_s, wt_q, wt_s, x.dtype, recipe.fast_accum_grads)
-        if need_dw:
-            if recipe.fp8_wgrad:
-                if tensorwise_wgrad:  # one scale either way: transpose the codes made for dgrad
-                    gt_q, gt_s = _transposed_padded(g_q), g_s  # (N, M_pad)
-                    xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
-                elif x_amax is not None:
-                    gt_q, gt_s, xt_q, xt_s = _wgrad_from_amaxes(grad_out, x, offs, g_amax, x_amax, fmt, pow2)
-                else:
-                    gt_q, gt_s = _quantize_t(grad_out, recipe, grad_fmt)  # (N, M_pad)
-                    xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
-                grad_w = scaled_mm(gt_q, gt_s, xt_q, xt_s, weight.dtype, recipe.fast_accum_grads)
-            elif x.shape[0] == 0:  # an empty reduction: zeros by construction, not from the library
-                grad_w = torch.zeros_like(weight)
-            else:
-                grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
+            g = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N), or tensorwise
+        grad_x = _dgrad(ctx, g, weight, w_amax) if need_dx else None
+        if not tensorwise_wgrad:
+            g = None  # freed before the wgrad's operands are made
+        grad_w = _wgrad(ctx, grad_out, x, offs, g, g_amax, x_amax) if need_dw else None
         return grad_x, grad_w, None, None, None
+
+
+def _dgrad(ctx, g: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
+           w_amax: torch.Tensor | None) -> torch.Tensor:
+    """``grad_x (M, K) = grad_out @ W`` from grad_out's FP8 rows ``g``; W quantized per input column
+    (over N) here, after grad_out's scales (``order_token``), and freed on return."""
+    recipe, fmt, pow2 = ctx.recipe, ctx.fmt, ctx.recipe.pow2_scales
+    g_q, g_s = g
+    after = g_s if g_s.numel() else None
+    if w_amax is not None:  # scales from the forward's amax
+        wt_q, wt_s = quant_seam.quantize_weight_dgrad_layout(weight[None], w_amax, fmt, pow2, True, after)
+        wt_q, wt_s = wt_q[0], wt_s[0][:, None]
+    elif ctx.rowwise:
+        wt_q, wt_s = quant_seam.quantize_weight_layout(weight[None], "rowwise", fmt, pow2, True, True, after)
+        wt_q, wt_s = wt_q[0], wt_s[0][:, None]
+    else:
+        wt_q, wt_s = _quantize_t(weight, recipe, fmt)
+    return scaled_mm(g_q, g_s, wt_q, wt_s, ctx.x_dtype, recipe.fast_accum_grads)
+
+
+def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor | None,
+           g: tuple[torch.Tensor, torch.Tensor] | None, g_amax: torch.Tensor | None,
+           x_amax: torch.Tensor | None) -> torch.Tensor:
+    """``grad_w (N, K) = grad_out.T @ x`` in the weight's dtype: FP8 (tensorwise: from grad_out's FP8
+    ``g`` of the dgrad, transposed; rowwise: both operands per column, from their amaxes where the
+    forward and the dgrad made them) or BF16 (``rowwise_gw_hp``)."""
+    recipe, fmt, grad_fmt = ctx.recipe, ctx.fmt, ctx.grad_fmt
+    if not recipe.fp8_wgrad:
+        if x.shape[0] == 0:  # an empty reduction: zeros by construction, not from the library
+            return x.new_zeros(grad_out.shape[1], x.shape[1], dtype=ctx.w_dtype)
+        return (grad_out.t() @ x.to(grad_out.dtype)).to(ctx.w_dtype)
+    if recipe.scaling == "tensorwise":  # one scale either way: transpose the codes made for dgrad
+        gt_q, gt_s = _transposed_padded(g[0]), g[1]  # (N, M_pad)
+        xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
+    elif x_amax is not None:
+        gt_q, gt_s, xt_q, xt_s = _wgrad_from_amaxes(grad_out, x, offs, g_amax, x_amax, fmt, recipe.pow2_scales)
+    else:
+        gt_q, gt_s = _quantize_t(grad_out, recipe, grad_fmt)  # (N, M_pad)
+        xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
+    return scaled_mm(gt_q, gt_s, xt_q, xt_s, ctx.w_dtype, recipe.fast_accum_grads)
 
 
 def _check_dense_recipe(recipe) -> Float8Recipe:
