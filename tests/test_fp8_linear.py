@@ -156,6 +156,18 @@ def test_rowwise_quantizers_and_bytes(monkeypatch, request, case, M, K, N, want)
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise"])
+def test_column_major_input_equals_contiguous(recipe):
+    """The quantizers read x through its strides: a column-major x gives the contiguous x's results."""
+    x, w, b, dy = _data(M=37)
+    column_major = x.t().contiguous().t()
+    want = _grads(lambda x, w, b: fp8_linear(x, w, b, recipe=recipe), x, w, b, dy)
+    got = _grads(lambda x, w, b: fp8_linear(x, w, b, recipe=recipe), column_major, w, b, dy)
+    assert not column_major.is_contiguous()
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise"])
 def test_empty_batch(recipe):
     """No token rows: an empty output and input gradient, a zero weight gradient (never the memory a
     GEMM with an empty reduction leaves)."""
