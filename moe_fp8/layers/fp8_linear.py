@@ -115,7 +115,7 @@ class _FP8LinearFn(torch.autograd.Function):
             x_s = x_s[:, None]
         else:
             x_q, x_s = _quantize(x, recipe, fmt)
-        if rowwise and col_amax_fits(k):  # W's column amax for its dgrad layout, from the same read
+        if rowwise and ctx.needs_input_grad[0] and col_amax_fits(k):  # W's column amax for the dgrad, same read
             w_q, w_s, w_amax = quant_seam.quantize_weight_forward_layout(weight[None], fmt, pow2, True)
             w_q, w_s = w_q[0], w_s[0][:, None]
         else:
