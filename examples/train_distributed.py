@@ -88,7 +88,7 @@ def hf_model(family: str, s: Sizes, recipe: str, backend: str | None) -> nn.Modu
                                             qk_nope_head_dim=head_dim // 2, v_head_dim=head_dim, rope_scaling=None,
                                             **common)
         model = transformers.DeepseekV3ForCausalLM(cfg)
-    return hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0, min_dense_size=0)
+    return hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0, min_fp8_wgrad_size=0, min_dense_size=0)
 
 
 def build_model(name: str, s: Sizes, recipe: str, backend: str | None, device: torch.device) -> nn.Module:

@@ -292,7 +292,8 @@ def check_hf_model(group, world: int, rank: int, dispatch: str) -> None:
     cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
                                       num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
-    full = hf.convert(transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16), backend=BACKEND, min_expert_size=0)
+    full = hf.convert(transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16), backend=BACKEND, min_expert_size=0,
+                      min_fp8_wgrad_size=0)
     ep = shard_experts(copy.deepcopy(full), group, dispatch)
     gen = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 96, (2 * world, 8), generator=gen)

@@ -77,7 +77,9 @@ def hf_model(family: str, convert: bool = True) -> torch.nn.Module:
                                             rope_scaling=None, **common)
         model = transformers.DeepseekV3ForCausalLM(cfg)
     model = model.to(DEVICE)
-    return hf.convert(model, backend=BACKEND, min_expert_size=0, min_dense_size=0) if convert else model
+    if not convert:
+        return model
+    return hf.convert(model, backend=BACKEND, min_expert_size=0, min_fp8_wgrad_size=0, min_dense_size=0)
 
 
 def batches(dp: int, steps: int, accumulate: int, seed: int = 1) -> torch.Tensor:

@@ -121,8 +121,14 @@ def test_bench_whole_model_kind_cpu(torch_references):
 
     rows = models.collect("cpu", models=["qwen3_h1024"], loss_steps=3)
     by_variant = {r["variant"]: r for r in rows}
-    on_cpu = set(models.VARIANTS) - set(models.TORCHAO_VARIANTS)  # TorchAO's variants need a GPU
+    on_cpu = set(models.MODE_VARIANTS["eager"]) - set(models.TORCHAO_VARIANTS)  # TorchAO's variants need a GPU
     assert set(by_variant) == on_cpu and all("error" not in r for r in rows), rows
+    assert set(models.VARIANTS) - set(models.MODE_VARIANTS["eager"]) == {"ours_fp8_experts_fp8_wgrad",
+                                                                        "ours_fp8_experts_fp8_wgrad_cached"}
+    base = models.build(models._spec("qwen3_h1024", "cpu", None), 32, "cpu")
+    for variant, recipe in [("ours_fp8_experts", "rowwise_gw_hp"), ("ours_fp8_experts_fp8_wgrad_cached", "rowwise")]:
+        experts = [m for m in models.convert(base, variant, None).modules() if type(m).__name__ == "FP8GroupedExperts"]
+        assert experts and {(m.recipe.name, m.cache_weights) for m in experts} == {(recipe, "cached" in variant)}
     assert by_variant["hf_bf16"]["speedup"] == 1.0
     for name in models.LOSS_VARIANTS:
         assert 4.0 < by_variant[name]["final_loss"] < 6.5  # a byte-level model after 3 steps: ~ln(272)

@@ -173,7 +173,7 @@ def _converted_layer(name: str, recipe: str, backend: str, device="cpu"):
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(_config(name)).to(device, torch.bfloat16)
     model.config._attn_implementation = "sdpa"
-    hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0)
+    hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0, min_fp8_wgrad_size=0)
     return _Layer(model)
 
 

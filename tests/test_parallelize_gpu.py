@@ -51,7 +51,7 @@ def _deepseek_v3():
         qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, rope_scaling=None, tie_word_embeddings=False)
     with torch.device("cuda"):
         model = transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
-    return hf.convert(model, min_expert_size=0, min_dense_size=0)
+    return hf.convert(model, min_expert_size=0, min_fp8_wgrad_size=0, min_dense_size=0)
 
 
 def _logits(model, ids):

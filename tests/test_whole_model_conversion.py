@@ -16,6 +16,8 @@ from moe_fp8 import MIN_DENSE_SIZE, FP8GroupedExperts, FP8Linear, FP8MoE, conver
 from moe_fp8 import kernel_backend  # noqa: E402
 from moe_fp8.layers.hf_blocks import FP8HFMoEBlock  # noqa: E402
 from moe_fp8.layers import conversion_report as cr  # noqa: E402
+from moe_fp8.layers.hf_convert import bf16_wgrad  # noqa: E402
+from moe_fp8.quant.recipes import get_recipe  # noqa: E402
 from moe_fp8.testing import sqnr  # noqa: E402
 from moe_fp8.testing.allocator import dirty_allocator  # noqa: E402
 
@@ -131,7 +133,8 @@ def test_default_size_rules_keep_small_layers():
     report = model.fp8_conversion_report
     assert report.min_dense_size == MIN_DENSE_SIZE == 1536 and report.min_expert_size == hf.MIN_EXPERT_SIZE == 1024
     assert report.min_bf16_expert_size == hf.MIN_BF16_EXPERT_SIZE == 512
-    assert "min_dense_size 1536, min_expert_size 1024, min_bf16_expert_size 512" in str(report)
+    assert report.min_fp8_wgrad_size == hf.MIN_FP8_WGRAD_SIZE == 1024
+    assert "min_dense_size 1536, min_expert_size 1024, min_bf16_expert_size 512, min_fp8_wgrad_size 1024" in str(report)
     assert not any(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in model.modules())
     assert [type(m) for m in model.modules()] == [type(m) for m in original.modules()]
     assert torch.equal(model(ids).logits, original(ids).logits)
@@ -201,6 +204,47 @@ def test_small_experts_run_the_bf16_grouped_path(family, layout):
     ids = _ids()
     with torch.no_grad():
         assert torch.equal(_logits_without_dense_fp8(model, bf16, ids), bf16(ids).logits)
+
+
+@pytest.mark.parametrize("layout", ["v5", "v4"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_small_fp8_experts_get_a_bf16_weight_gradient(family, layout):
+    """FP8 experts with ``min(H, I) < min_fp8_wgrad_size`` run ``rowwise_gw_hp`` (the report says
+    why; at the boundary they keep ``rowwise``), and the model then computes, forward and backward,
+    exactly what ``recipe="rowwise_gw_hp"`` (asked for) computes. Recipes without row scales and an
+    FP8 weight gradient are left as asked."""
+    small = min(H, I)
+    original = _model(family, layout)
+    at = hf.convert(copy.deepcopy(original), dense=False, min_expert_size=0, min_fp8_wgrad_size=small)
+    assert {m.recipe.name for m in at.modules() if isinstance(m, FP8GroupedExperts)} == {"rowwise"}
+    assert not any("below" in e.detail for e in at.fp8_conversion_report.entries)
+    model = hf.convert(copy.deepcopy(original), dense=False, min_expert_size=0, min_fp8_wgrad_size=small + 1)
+    report = model.fp8_conversion_report
+    experts = [m for m in model.modules() if isinstance(m, FP8GroupedExperts)]
+    entries = [e for e in report.entries if e.became == cr.FP8_EXPERTS]
+    assert experts and len(entries) == len(experts) and not report.counts().get(cr.BF16_EXPERTS)
+    assert all(m.recipe == get_recipe("rowwise_gw_hp") and m.cache_weights for m in experts)
+    assert all(e.fp8 and e.detail.endswith(f"H={H} I={I}, rowwise_gw_hp (below min_fp8_wgrad_size: "
+                                           f"min(H, I) < {small + 1})") for e in entries)
+    assert f"min_fp8_wgrad_size {small + 1}" in str(report) and report.min_fp8_wgrad_size == small + 1
+    asked = hf.convert(copy.deepcopy(original), recipe="rowwise_gw_hp", dense=False, min_expert_size=0)
+    ids = _ids()
+    got, want = model(ids).logits, asked(ids).logits
+    assert torch.equal(got, want)
+    if (family, layout) == ("qwen3_moe", "v5"):
+        got.float().square().mean().backward()
+        want.float().square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), asked.parameters()):
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    tensorwise = hf.convert(copy.deepcopy(original), recipe="tensorwise", dense=False, min_expert_size=0,
+                            min_fp8_wgrad_size=small + 1)
+    assert {m.recipe.name for m in tensorwise.modules() if isinstance(m, FP8GroupedExperts)} == {"tensorwise"}
+
+
+def test_bf16_wgrad_recipe_keeps_the_other_settings():
+    custom = get_recipe("rowwise", pow2_scales=False).replace(grad_format="e5m2")
+    assert bf16_wgrad(get_recipe("rowwise")) == get_recipe("rowwise_gw_hp")
+    assert bf16_wgrad(custom) == custom.replace(name="rowwise_gw_hp", fp8_wgrad=False)
 
 
 def _logits_without_dense_fp8(model: nn.Module, reference: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -344,6 +388,10 @@ def test_bad_arguments():
         hf.convert(model, min_expert_size=-2)
     with pytest.raises(TypeError, match="min_expert_size: expected an int, got float"):
         hf.convert(model, min_expert_size=1024.0)
+    with pytest.raises(ValueError, match="min_fp8_wgrad_size: expected >= 0, got -1"):
+        hf.convert(model, min_fp8_wgrad_size=-1)
+    with pytest.raises(TypeError, match="min_fp8_wgrad_size: expected an int, got float"):
+        hf.convert(model, min_fp8_wgrad_size=1.5)
     with pytest.raises(TypeError, match="dense: expected a bool"):
         hf.convert(model, dense="yes")
     with pytest.raises(TypeError, match="model: expected an nn.Module, got dict"):

@@ -7,9 +7,9 @@ converted with the library (``moe_fp8.hf.convert``), once per recipe from the sa
   shared expert's linears too (a ``filter_fn``), with ``"all"`` every dense linear the converter
   takes (attention / MLA projections and shared experts; routers and ``lm_head`` stay), with
   ``"none"`` the routed experts only (``dense=False``). The size rules are off
-  (``min_expert_size=0``, ``min_dense_size=0``): the demo's layers are small by design. On the
-  tiny CPU model (200 steps) the validation-loss gap to BF16 was 0.75% with ``"none"``, 1.25%
-  with ``"shared"``, 2.0% with ``"all"``.
+  (``min_expert_size=0``, ``min_fp8_wgrad_size=0``, ``min_dense_size=0``): the demo's layers are
+  small by design. On the tiny CPU model (200 steps) the validation-loss gap to BF16 was 0.75%
+  with ``"none"``, 1.25% with ``"shared"``, 2.0% with ``"all"``.
 
 The weight cache is off: a training step updates every weight, so a cached FP8 copy would never
 be reused.
@@ -81,6 +81,7 @@ def build_pair(size: ModelSize, device: str, *, backend: str | None, fp8_dense: 
     for recipe in ("bf16", "rowwise"):
         model = copy.deepcopy(base)
         dense = DENSE_FILTERS[fp8_dense] if recipe != "bf16" else {}  # bf16: the linears stay as built
-        hf.convert(model, recipe=recipe, backend=backend, cache_weights=False, min_expert_size=0, **dense)
+        hf.convert(model, recipe=recipe, backend=backend, cache_weights=False, min_expert_size=0,
+                   min_fp8_wgrad_size=0, **dense)
         models[recipe] = model.train()
     return models

@@ -23,6 +23,8 @@ ROUTER, EMBEDDING, LM_HEAD = "router", "embedding", "lm_head"
 NOT_MULTIPLE_OF_16, BELOW_MIN_SIZE, FILTER_FN = "not a multiple of 16", "below min_dense_size", "filter_fn"
 NOT_PLAIN_LINEAR, DENSE_OFF, BF16_RECIPE = "not a plain nn.Linear", "dense=False", "recipe bf16"
 BELOW_MIN_EXPERT_SIZE = "below min_expert_size"
+#: not a reason to keep a module: FP8 experts whose weight gradient runs in BF16 (named in the detail)
+BELOW_MIN_FP8_WGRAD_SIZE = "below min_fp8_wgrad_size"
 REASONS = (ROUTER, EMBEDDING, LM_HEAD, NOT_MULTIPLE_OF_16, BELOW_MIN_SIZE, FILTER_FN, NOT_PLAIN_LINEAR, DENSE_OFF,
            BF16_RECIPE, BELOW_MIN_EXPERT_SIZE)
 
@@ -50,14 +52,16 @@ class ModuleConversion:
 @dataclass
 class ConversionReport:
     """The entries of one conversion (model order), with the settings that decided them, and the
-    number of supported MoE blocks found (``min_expert_size``, ``min_bf16_expert_size`` and
-    ``moe_blocks`` are ``None`` for ``convert_to_fp8``, which leaves MoE blocks alone;
+    number of supported MoE blocks found (``min_expert_size``, ``min_bf16_expert_size``,
+    ``min_fp8_wgrad_size`` and ``moe_blocks`` are ``None`` for ``convert_to_fp8``, which leaves MoE
+    blocks alone;
     ``moe_blocks == 0``: a dense model, whose linears alone were converted)."""
 
     recipe: str
     min_dense_size: int
     min_expert_size: int | None = None
     min_bf16_expert_size: int | None = None
+    min_fp8_wgrad_size: int | None = None
     entries: list[ModuleConversion] = field(default_factory=list)
     moe_blocks: int | None = None
 
@@ -122,7 +126,8 @@ class ConversionReport:
                            if not k.startswith("kept: "))
         sizes = f"min_dense_size {self.min_dense_size}"
         if self.min_expert_size is not None:
-            sizes += f", min_expert_size {self.min_expert_size}, min_bf16_expert_size {self.min_bf16_expert_size}"
+            sizes += (f", min_expert_size {self.min_expert_size}, min_bf16_expert_size {self.min_bf16_expert_size}"
+                      f", min_fp8_wgrad_size {self.min_fp8_wgrad_size}")
         no_moe = ["no MoE block found (a dense model): the dense rules alone applied"] if self.moe_blocks == 0 else []
         return "\n".join([
             f"moe_fp8 conversion (recipe {self.recipe}, {sizes}): {counts}",

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .conversion_report import (
-    BELOW_MIN_EXPERT_SIZE, BELOW_MIN_SIZE, BF16_EXPERTS, EMBEDDING, FILTER_FN, FP8_EXPERTS, FP8_LINEAR, KEPT, LM_HEAD,
+    BELOW_MIN_SIZE, BF16_EXPERTS, EMBEDDING, FILTER_FN, FP8_EXPERTS, FP8_LINEAR, KEPT, LM_HEAD,
     NOT_MULTIPLE_OF_16, NOT_PLAIN_LINEAR, ROUTER, ConversionReport,
 )
 from .experts import FP8GroupedExperts
@@ -87,15 +87,15 @@ def check_size(name: str, value) -> None:
 
 def convert_linears(model: nn.Module, report: ConversionReport, *, recipe, filter_fn: FilterFn | None,
                     min_dense_size: int, fmt=None, keep_reason: str | None = None,
-                    small_experts: dict[int, str] | None = None) -> nn.Module:
+                    expert_rules: dict[int, tuple[str, str]] | None = None) -> nn.Module:
     """Walk ``model``: record experts, routers, embeddings and linears in ``report``, swap the linears
     that pass every rule (none when ``keep_reason`` is given: all are kept for that reason).
-    ``small_experts`` maps the ``id`` of experts below ``min_expert_size`` to the rule that applied:
-    the BF16 grouped experts made for them (the detail says why), or the experts left as they were
-    (recorded as kept ``below min_expert_size``, not entered). Returns ``model``, or its
-    replacement when ``model`` itself is a converted ``nn.Linear``."""
+    ``expert_rules`` maps the ``id`` of experts an expert size rule changed to ``(rule, why)``: the
+    ``FP8GroupedExperts`` made for them (the detail says which rule and why), or the experts left as
+    they were (recorded as kept for that rule, not entered). Returns ``model``, or its replacement
+    when ``model`` itself is a converted ``nn.Linear``."""
     ctx = dict(report=report, recipe=recipe, filter_fn=filter_fn, min_size=min_dense_size, fmt=fmt,
-               keep_reason=keep_reason, seen=set(), small_experts=small_experts or {},
+               keep_reason=keep_reason, seen=set(), expert_rules=expert_rules or {},
                tied={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)})
     new = _visit(None, "", model, "", ctx)
     return model if new is None else new
@@ -107,14 +107,14 @@ def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Modu
         return None
     ctx["seen"].add(id(module))
     report = ctx["report"]
-    small = ctx["small_experts"].get(id(module))
+    applied = ctx["expert_rules"].get(id(module))
     if isinstance(module, FP8GroupedExperts):
         became = FP8_EXPERTS if module.recipe.is_fp8 else BF16_EXPERTS
         detail = f"E={module.num_experts} H={module.hidden_size} I={module.expert_hidden_size}, {module.recipe.name}"
-        report.add(fqn, module, became, detail=f"{detail} ({BELOW_MIN_EXPERT_SIZE}: {small})" if small else detail)
-    elif small is not None:
-        report.add(fqn, module, KEPT, BELOW_MIN_EXPERT_SIZE, small)
-        log.info("%s stays as it was (%s): %s", fqn or "<model>", BELOW_MIN_EXPERT_SIZE, small)
+        report.add(fqn, module, became, detail=f"{detail} ({applied[0]}: {applied[1]})" if applied else detail)
+    elif applied is not None:
+        report.add(fqn, module, KEPT, *applied)
+        log.info("%s stays as it was (%s): %s", fqn or "<model>", *applied)
     elif isinstance(module, nn.Embedding):
         report.add(fqn, module, KEPT, EMBEDDING, f"{module.num_embeddings}x{module.embedding_dim}")
     elif _is_router(parent, name, module):

@@ -27,18 +27,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..quant.recipes import get_recipe
+from ..quant.recipes import Float8Recipe, get_recipe
 from ..routing import RouterConfig
-from .conversion_report import BF16_RECIPE, DENSE_OFF, FP8_LINEAR, ConversionReport
+from .conversion_report import (
+    BELOW_MIN_EXPERT_SIZE, BELOW_MIN_FP8_WGRAD_SIZE, BF16_RECIPE, DENSE_OFF, FP8_LINEAR, ConversionReport,
+)
 from .convert import MIN_DENSE_SIZE, check_conversion_args, check_size, convert_linears
 from .experts import FP8GroupedExperts
 from .fp8_linear import DENSE_RECIPES, FP8Linear, _check_dense_recipe
 from .hf_blocks import FP8HFMoEBlock, FP8Llama4TextMoe
 
-__all__ = ["MIN_BF16_EXPERT_SIZE", "MIN_EXPERT_SIZE", "SUPPORTED_BLOCKS", "convert"]
+__all__ = ["MIN_BF16_EXPERT_SIZE", "MIN_EXPERT_SIZE", "MIN_FP8_WGRAD_SIZE", "SUPPORTED_BLOCKS", "convert"]
 
 MIN_EXPERT_SIZE = 1024
 MIN_BF16_EXPERT_SIZE = 512
+MIN_FP8_WGRAD_SIZE = 1024
 SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE", "Llama4TextMoe")
 _CONVERTED = (FP8GroupedExperts, FP8Linear, FP8HFMoEBlock, FP8Llama4TextMoe)
 
@@ -46,7 +49,8 @@ _CONVERTED = (FP8GroupedExperts, FP8Linear, FP8HFMoEBlock, FP8Llama4TextMoe)
 def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_recipe=None,
             filter_fn: Callable[[nn.Module, str], bool] | None = None, min_dense_size: int = MIN_DENSE_SIZE,
             min_expert_size: int = MIN_EXPERT_SIZE, min_bf16_expert_size: int = MIN_BF16_EXPERT_SIZE,
-            backend: str | None = None, fmt=None, cache_weights: bool = True) -> nn.Module:
+            min_fp8_wgrad_size: int = MIN_FP8_WGRAD_SIZE, backend: str | None = None, fmt=None,
+            cache_weights: bool = True) -> nn.Module:
     """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
     return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it
     became and why anything was kept; ``print`` it for a table). A model without MoE blocks (Llama,
@@ -61,7 +65,11 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       instead (same weights, no FP8) when ``min(H, I) >= min_bf16_expert_size`` (default
       ``MIN_BF16_EXPERT_SIZE`` = 512, where that path beat HF's own in every mode measured), and
       is left exactly as it was below that (``min_bf16_expert_size=min_expert_size`` leaves every
-      such block as built); the report says which, and why.
+      such block as built); the report says which, and why. FP8 experts with
+      ``min(H, I) < min_fp8_wgrad_size`` (default ``MIN_FP8_WGRAD_SIZE`` = 1024; ``0``: never) and
+      the ``rowwise`` recipe (any recipe with row scales and an FP8 weight gradient) run their weight
+      gradients in BF16 (``rowwise_gw_hp``): at these sizes quantizing the wgrad operands costs
+      more than the FP8 wgrad GEMMs save (docs/conversion.md).
     * Dense linears (attention and MLA projections, dense MLPs, shared experts), when ``dense``:
       ``FP8Linear`` with ``dense_recipe`` (default: ``recipe``; required for ``"blockwise"``),
       sharing the parameters. Routers, embeddings and ``lm_head`` stay as they are; so do layers
@@ -81,23 +89,24 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     check_conversion_args(model, filter_fn, min_dense_size)
     check_size("min_expert_size", min_expert_size)
     check_size("min_bf16_expert_size", min_bf16_expert_size)
+    check_size("min_fp8_wgrad_size", min_fp8_wgrad_size)
     if not isinstance(dense, bool):
         raise TypeError(f"dense: expected a bool, got {type(dense).__name__}")
     expert_recipe = get_recipe(recipe)
     linear_recipe = _dense_recipe(expert_recipe, dense_recipe, dense)
     _refuse_converted(model)
     opts = dict(recipe=expert_recipe, backend=backend, fmt=fmt, cache_weights=cache_weights)
-    rule = _SizeRule(min_expert_size if expert_recipe.is_fp8 else 0, min_bf16_expert_size)
+    rule = _SizeRule(min_expert_size if expert_recipe.is_fp8 else 0, min_bf16_expert_size, min_fp8_wgrad_size)
     root = _convert_block(model, opts, rule)
     if root is not None:  # a bare block: converted in place, its replacement, or itself when kept
         model, blocks = root, 1
     else:
         blocks = _convert_blocks(model, opts, rule)
     report = ConversionReport(expert_recipe.name, min_dense_size, min_expert_size, min_bf16_expert_size,
-                              moe_blocks=blocks)
+                              min_fp8_wgrad_size, moe_blocks=blocks)
     keep = DENSE_OFF if not dense else BF16_RECIPE if not expert_recipe.is_fp8 else None
     model = convert_linears(model, report, recipe=linear_recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
-                            fmt=fmt, keep_reason=keep, small_experts=rule.small)
+                            fmt=fmt, keep_reason=keep, expert_rules=rule.applied)
     if blocks == 0 and FP8_LINEAR not in report.counts():  # nothing was changed
         raise ValueError(f"model: nothing to convert: no MoE block found (supported: {', '.join(SUPPORTED_BLOCKS)}) "
                          f"and no linear passed the dense rules; per module, what kept it:\n{report.table()}")
@@ -126,12 +135,14 @@ def _refuse_converted(model: nn.Module) -> None:
 @dataclass
 class _SizeRule:
     """The expert size rules: blocks with ``min(H, I) < min_size`` run the BF16 grouped path when
-    ``min(H, I) >= min_bf16_size``, else stay as built; ``small`` maps the ``id`` of each such
-    block's experts (after conversion) to the rule that applied."""
+    ``min(H, I) >= min_bf16_size``, else stay as built; FP8 experts with ``min(H, I) <
+    min_fp8_wgrad_size`` get a BF16 weight gradient (row-scaled recipes). ``applied`` maps the
+    ``id`` of each block's experts that a rule changed (after conversion) to ``(rule, why)``."""
 
     min_size: int
     min_bf16_size: int
-    small: dict[int, str] = field(default_factory=dict)
+    min_fp8_wgrad_size: int = 0
+    applied: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
 def _convert_blocks(model: nn.Module, opts: dict, rule: _SizeRule) -> int:
@@ -159,16 +170,28 @@ def _convert_block(block: nn.Module, opts: dict, rule: _SizeRule) -> nn.Module |
     if kind not in SUPPORTED_BLOCKS:
         return None
     E, H, I = _expert_dims(block.experts, in_out=kind == "Llama4TextMoe")
-    if min(H, I) >= rule.min_size:
-        return _replace_experts(block, kind, opts)
-    if min(H, I) < rule.min_bf16_size:
+    size = min(H, I)
+    if size >= rule.min_size:
+        recipe = opts["recipe"]
+        if size >= rule.min_fp8_wgrad_size or not (recipe.scaling == "rowwise" and recipe.fp8_wgrad):
+            return _replace_experts(block, kind, opts)
+        new = _replace_experts(block, kind, {**opts, "recipe": bf16_wgrad(recipe)})
+        rule.applied[id(new.experts)] = (BELOW_MIN_FP8_WGRAD_SIZE, f"min(H, I) < {rule.min_fp8_wgrad_size}")
+        return new
+    if size < rule.min_bf16_size:
         why = (f"min(H, I) < {rule.min_size}" if rule.min_bf16_size >= rule.min_size
                else f"min(H, I) < {rule.min_bf16_size} (min_bf16_expert_size)")
-        rule.small[id(block.experts)] = f"E={E} H={H} I={I}: {why}"
+        rule.applied[id(block.experts)] = (BELOW_MIN_EXPERT_SIZE, f"E={E} H={H} I={I}: {why}")
         return block
     new = _replace_experts(block, kind, {**opts, "recipe": get_recipe("bf16"), "cache_weights": False})
-    rule.small[id(new.experts)] = f"min(H, I) < {rule.min_size}"
+    rule.applied[id(new.experts)] = (BELOW_MIN_EXPERT_SIZE, f"min(H, I) < {rule.min_size}")
     return new
+
+
+def bf16_wgrad(recipe: Float8Recipe) -> Float8Recipe:
+    """``recipe`` with its weight gradient in BF16, named ``<name>_gw_hp`` (``rowwise`` gives the
+    registered ``rowwise_gw_hp``)."""
+    return recipe.replace(name=f"{recipe.name}_gw_hp", fp8_wgrad=False)
 
 
 def _replace_experts(block: nn.Module, kind: str, opts: dict) -> nn.Module:
