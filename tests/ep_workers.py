@@ -421,6 +421,7 @@ def worker(rank: int, world: int, init_file: str) -> None:
         if rank < w == 2:
             check_checkpoint(group, w, rank, "bf16")
             check_experts(group, w, rank, "bf16")
+            check_experts(group, w, rank, "rowwise_gw_hp")  # what hf.convert gives small FP8 experts
             check_layer(group, w, rank, "bf16", w)  # one expert per rank
         dist.barrier()  # the ranks outside the group wait here
     dist.destroy_process_group()
