@@ -64,3 +64,18 @@ def test_default_rules_at_real_sizes(name):
     for e in report.entries:
         if e.became == BF16:
             assert e.detail.endswith("bf16 (below min_expert_size: min(H, I) < 1024)") and not e.fp8
+    for e in report.entries:  # the experts that get FP8 keep the FP8 weight gradient (min(H, I) >= 1024)
+        if e.became == FP8E:
+            assert e.detail.endswith(", rowwise") and e.fp8
+
+
+@pytest.mark.parametrize("name, recipe", [("qwen3_30b_a3b", "rowwise_gw_hp"), ("qwen3_moe_h1024", "rowwise_gw_hp"),
+                                          ("deepseek_v3", "rowwise"), ("mixtral_8x7b", "rowwise")])
+def test_forced_fp8_experts_weight_gradient_at_real_sizes(name, recipe):
+    """``min_expert_size=0`` gives every block FP8 experts; below ``MIN_FP8_WGRAD_SIZE`` (Qwen3-MoE's
+    768 and 384) their weight gradient runs in BF16, at 2048 and above (DeepSeek-V3, Mixtral) in FP8."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name][0]())
+    report = hf.convert(model, min_expert_size=0).fp8_conversion_report
+    (experts,) = [e for e in report.entries if e.became == FP8E]
+    assert experts.fp8 and experts.detail.split(", ")[1].split(" ")[0] == recipe
