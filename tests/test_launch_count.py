@@ -1,9 +1,9 @@
 """How many device kernels one forward+backward of a small FP8MoE enqueues (Triton launches through
 moe_fp8.launch plus kernel-launching torch ops, counted by moe_fp8.testing.launches), pinned exactly.
 
-On the CPU the layer runs the Triton backend in the interpreter; a few counted ops are the CPU's own
-(the offsets' value checks that a GPU skips), so the numbers are the CPU's, and they move with any
-change of the launches on the hot path. If a change adds or removes launches on purpose, run
+On the CPU the layer runs the Triton backend in the interpreter, whose BF16 grouped GEMMs and zeroing
+of what they leave undefined are plain torch ops (a GPU runs other kernels there), so the numbers are
+the CPU's, and they move with any change of the launches on the hot path. If a change adds or removes launches on purpose, run
     TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_launch_count.py
 and put the printed counts into EXPECTED (with the reason in the commit message)."""
 
@@ -16,7 +16,7 @@ from moe_fp8.testing.launches import count_launches
 T, H, I, E, K = 24, 32, 32, 4, 2
 
 # recipe -> (total, triton) kernels of one forward+backward
-EXPECTED = {"rowwise": (90, 18), "bf16": (95, 5)}
+EXPECTED = {"rowwise": (73, 18), "bf16": (83, 5)}
 
 
 def _count(recipe: str):

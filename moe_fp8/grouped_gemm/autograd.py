@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import valid_offsets
 from ..autograd_outputs import same_or_cast
 from ..quant.kernels.rowwise import col_amax_fits
 from ..quant.reference import dequantize
@@ -225,7 +226,7 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
 def _wgrad_padding(backend, m: int, offs: torch.Tensor) -> tuple[torch.Tensor | None, int]:
     """The padded wgrad offsets and buffer rows the backend's wgrad GEMM takes (``None, 0``: unpadded)."""
     if backend.pads_wgrad_groups:
-        return padded_offsets(offs), padded_rows(m, offs.numel())
+        return valid_offsets.padded_once(offs, padded_offsets), padded_rows(m, offs.numel())
     return None, 0
 
 

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import valid_offsets
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
 from ..launch import launch
@@ -111,6 +112,7 @@ def make_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, *, pad_multiple
     packed = _build_plan(topk_ids.contiguous(), num_experts, pad_multiple)
     offsets, _, counts, _, pair_to_row, _, row_to_pair, _, pad_rows, _ = packed.split_with_sizes(
         packed_sizes(num_experts, T * k, pad_multiple))
+    offsets = valid_offsets.mark_valid(offsets, row_to_pair.shape[0])
     return DispatchPlan(counts, offsets, pair_to_row, row_to_pair, pad_rows, k, pad_multiple)
 
 
