@@ -1,4 +1,5 @@
-"""Permute and fused permute + rowwise FP8 quantization: bit-exact against reference permute + quantizer."""
+"""Permute, fused permute + rowwise FP8 quantization, and both from one launch: bit-exact against
+reference permute + quantizer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import moe_fp8.routing.permute_ops as permute_mod
 from moe_fp8.quant.formats import E4M3FN, E4M3FNUZ, E5M2
 from moe_fp8.quant.formats import FORMATS as ALL_FORMATS
 from moe_fp8.quant.reference import amax_to_scales, quantize_rowwise
-from moe_fp8.routing import make_dispatch_plan, padding_scale, permute, permute_quantize
+from moe_fp8.routing import make_dispatch_plan, padding_scale, permute, permute_quantize, permute_with_fp8
+from moe_fp8.testing.allocator import dirty_allocator
 from moe_fp8.kernel_backend import use_triton
 from moe_fp8.routing.permute_kernels import permute_rows_kernel
 from moe_fp8.routing.reference import permute_reference
@@ -139,6 +141,33 @@ def test_deterministic_and_non_contiguous_input():
     assert_same_fp8(*a, *quantize_rowwise(permute_reference(x.contiguous(), plan.row_to_pair, k), E4M3FN))
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: getattr(f, "name", str(f)))
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("T, kind, P, wide, dtype", [(21, "skewed", 1, False, torch.bfloat16),
+                                                     (21, "empty", 16, False, torch.bfloat16),
+                                                     (9, "balanced", 16, True, torch.bfloat16),
+                                                     (13, "one", 4, False, torch.float32),
+                                                     (0, "balanced", 16, False, torch.bfloat16)])
+def test_permute_with_fp8_equals_the_two_calls(fmt, pow2, T, kind, P, wide, dtype, monkeypatch):
+    """One launch writes what ``permute`` and ``permute_quantize`` write (padding rows included, on a
+    dirtied allocator), and the rows' gradient is ``permute``'s."""
+    if wide:  # rows wider than one register block: the amax pass first
+        monkeypatch.setattr(permute_mod, "_MAX_SINGLE_BLOCK", 64)
+        monkeypatch.setattr(permute_mod, "_CHUNK", 64)
+    E, k, H = 6, 3, 200 if wide else 48
+    plan = make_dispatch_plan(random_topk_ids(T, E, k, kind, seed=15), E, pad_multiple=P)
+    x = activations(T, H, seed=16, dtype=dtype).requires_grad_()
+    dirty_allocator()
+    rows, (q, s) = permute_with_fp8(x, plan, fmt, pow2=pow2)
+    assert rows.dtype == dtype and torch.equal(rows, permute(x, plan))
+    assert_same_fp8(q, s, *permute_quantize(x.detach(), plan, fmt, pow2=pow2))
+    assert not q.requires_grad and not s.requires_grad
+    g = torch.randn(plan.num_rows, H, dtype=dtype)
+    (got,) = torch.autograd.grad(rows, x, g)
+    (want,) = torch.autograd.grad(permute(x, plan), x, g)
+    assert torch.equal(got, want)
+
+
 def test_custom_ops_pass_opcheck():
     T, E, k, H = 6, 4, 2, 16
     plan = make_dispatch_plan(random_topk_ids(T, E, k, "balanced", seed=14), E, pad_multiple=4)
@@ -146,6 +175,11 @@ def test_custom_ops_pass_opcheck():
     tensors = (plan.pair_to_row, plan.row_to_pair, plan.pad_rows)
     torch.library.opcheck(torch.ops.moe_fp8.routing_permute.default, (x, *tensors, k))
     torch.library.opcheck(torch.ops.moe_fp8.routing_permute_quantize.default, (x.detach(), *tensors, k, "e4m3fn", False))
+    both = torch.ops.moe_fp8.routing_permute_both.default
+    torch.library.opcheck(both, (x.detach(), *tensors, k, "e4m3fn", True))
+    # with a gradient: its AOT check would sum the FP8 outputs, which CPU torch cannot
+    torch.library.opcheck(both, (x, *tensors, k, "e4m3fn", True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def test_bad_input():

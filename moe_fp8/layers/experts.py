@@ -4,7 +4,7 @@ Forward for tokens ``x (T, H)`` routed to ``topk_ids (T, k)``:
 
 1. dispatch plan on the device (no host sync);
 2. permute the token rows into expert order (bf16, kept for the weight gradient) and, in FP8
-   recipes with row scales, the fused permute + rowwise quantization of the same rows;
+   recipes with row scales, their rowwise quantization, both from one read of the token rows;
 3. ``h = x_perm @ W_gate_up[e].T``: FP8 grouped GEMM ``(M, 2I)``;
 4. fused ``a = silu(gate) * up`` + rowwise quantization of ``a``;
 5. ``y = a @ W_down[e].T``: FP8 grouped GEMM ``(M, H)``;
@@ -26,7 +26,7 @@ from ..grouped_gemm import Fp8WeightCache, QuantizedExpertWeight, compiled_weigh
 from ..quant import formats, quantize_rowwise
 from ..quant.recipes import get_recipe
 from ..quant.swiglu import SwiGLUQuantize
-from ..routing import combine, make_dispatch_plan, permute, permute_quantize, permute_stand_in
+from ..routing import combine, make_dispatch_plan, permute, permute_quantize, permute_stand_in, permute_with_fp8
 from .param_checks import check_parameters
 
 __all__ = ["FP8GroupedExperts"]
@@ -190,7 +190,8 @@ class FP8GroupedExperts(nn.Module):
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """``(x_perm (M, H), x_fp8)``: the expert-sorted rows of ``x (T, H)`` (scaled by ``input_scales``
         when given) and, when ``quantize`` and the recipe has row scales, their rowwise FP8
-        ``(q (M, H), scale (M,))`` (fused with the permute without input scales), else ``None``.
+        ``(q (M, H), scale (M,))`` (written with the permuted rows by one launch without input
+        scales), else ``None``.
         ``stand_in`` (with FP8 rows, without input scales): ``x_perm`` is a zero-stride stand-in
         (``permute_stand_in``) for a first GEMM that saves the FP8 rows."""
         fp8_rows = quantize and self.recipe.scaling == "rowwise"
@@ -198,12 +199,14 @@ class FP8GroupedExperts(nn.Module):
         pow2 = self.recipe.pow2_scales
         if stand_in and fp8_rows and input_scales is None:
             return permute_stand_in(x, plan), permute_quantize(x, plan, fmt, pow2=pow2)
+        if fp8_rows and input_scales is None:  # both from one read of x
+            return permute_with_fp8(x, plan, fmt, pow2=pow2)
         x_perm = permute(x, plan)
         if input_scales is not None:
             row_scale = _row_scales(input_scales, plan).to(x_perm.dtype)
             x_perm = x_perm * row_scale[:, None]
             return x_perm, quantize_rowwise(x_perm.detach(), fmt, pow2=pow2) if fp8_rows else None
-        return x_perm, permute_quantize(x, plan, fmt, pow2=pow2) if fp8_rows else None
+        return x_perm, None
 
     def grouped_mlp(self, x_perm: torch.Tensor, offsets: torch.Tensor,
                     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, save_x_fp8: bool = False) -> torch.Tensor:

@@ -12,7 +12,7 @@ Typical forward of an MoE layer::
 from .combine_ops import combine
 from .config import RouterConfig, RouterOutput
 from .losses import expert_counts, load_balancing_loss, router_z_loss, update_correction_bias_
-from .permute_ops import permute, permute_quantize
+from .permute_ops import permute, permute_quantize, permute_with_fp8
 from .plan import DispatchPlan, make_dispatch_plan, padded_num_rows
 from .reference import padding_scale
 from .router import Router
@@ -34,6 +34,7 @@ __all__ = [
     "permute",
     "permute_quantize",
     "permute_stand_in",
+    "permute_with_fp8",
     "route",
     "router_z_loss",
     "update_correction_bias_",

@@ -14,7 +14,8 @@ token once. ``index_add_`` avoids the copy but uses float atomics, whose order (
 
 Exposed as the torch ops (``triton_op``) ``moe_fp8::routing_combine`` (autograd registered) and
 ``moe_fp8::routing_combine_backward``. The unweighted combine and the bf16 permute
-(``moe_fp8::routing_permute``) are each other's backward: both autograd formulas are registered here.
+(``moe_fp8::routing_permute``, and the bf16 rows of ``moe_fp8::routing_permute_both``) are each other's
+backward: their autograd formulas are registered here.
 """
 
 from __future__ import annotations
@@ -131,6 +132,23 @@ def _permute_backward(ctx, grad):
 
 
 torch.library.register_autograd("moe_fp8::routing_permute", _permute_backward, setup_context=_permute_setup)
+
+
+def _permute_both_setup(ctx, inputs, output):
+    _, pair_to_row, row_to_pair, pad_rows, top_k, _, _ = inputs
+    ctx.mark_non_differentiable(output[1], output[2])  # FP8 codes and scales carry no gradient
+    ctx.set_materialize_grads(False)  # nor are zero gradients made for them
+    ctx.save_for_backward(pair_to_row, row_to_pair, pad_rows)
+    ctx.top_k = top_k
+
+
+def _permute_both_backward(ctx, grad_rows, grad_q, grad_scale):
+    grad_x = None if grad_rows is None else _permute_backward(ctx, grad_rows)[0]
+    return grad_x, None, None, None, None, None, None
+
+
+torch.library.register_autograd("moe_fp8::routing_permute_both", _permute_both_backward,
+                                setup_context=_permute_both_setup)
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | None = None) -> torch.Tensor:

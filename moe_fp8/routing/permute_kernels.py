@@ -5,7 +5,9 @@ the row is wider than one block), quantizes it once and stores the same bytes to
 ``pair_to_row[t*k : t*k+k]``. Bytes moved: ``T*H`` elements read, ``T*k*H`` written: the
 minimum. Programs ``t >= T`` write the padding rows (zeros; scale = that of an all-zero row).
 Since every copy of a row has the same bytes and scale, the result is bit-identical to
-``quantize_rowwise(x[source token of each row])``.
+``quantize_rowwise(x[source token of each row])``. With ``WRITE_COPY`` the same programs also store
+the rows as they are (``x``'s dtype) to a second output: the bf16 permute and the FP8 one from one
+read of ``x``.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ def write_padding_rows(
 
 @triton.jit
 def permute_rows_kernel(
-    x_ptr, out_ptr, scale_ptr, pair_to_row_ptr, pad_rows_ptr,
+    x_ptr, out_ptr, scale_ptr, copy_ptr, pair_to_row_ptr, pad_rows_ptr,
     num_tokens, H, stride_x, num_pad_rows, pad_scale,
     TOPK: tl.constexpr, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr, PAD_ROWS: tl.constexpr,
-    QUANTIZE: tl.constexpr, POW2: tl.constexpr, OUT_DTYPE: tl.constexpr, HW_CAST: tl.constexpr,
+    QUANTIZE: tl.constexpr, WRITE_COPY: tl.constexpr, POW2: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    HW_CAST: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
     FP8_SUB_SCALE: tl.constexpr, FP8_NEG_ZERO: tl.constexpr,
 ):
@@ -74,11 +77,15 @@ def permute_rows_kernel(
                 row = tl.load(pairs + j).to(tl.int64)
                 width = tl.where(row >= 0, H, 0)  # dropped pair (-1): store nothing
                 tl.store(out_ptr + row * H + c + cols, vals, mask=c + cols < width)
+                if WRITE_COPY:
+                    tl.store(copy_ptr + row * H + c + cols, xc, mask=c + cols < width)
                 if QUANTIZE:
                     if ci == 0:
                         tl.store(scale_ptr + row, scale, mask=row >= 0)
     else:
-        write_padding_rows(
-            out_ptr, scale_ptr, pad_rows_ptr, (pid - num_tokens) * PAD_ROWS, num_pad_rows, H, pad_scale,
-            QUANTIZE, PAD_ROWS, BLOCK_H,
-        )
+        first = (pid - num_tokens) * PAD_ROWS
+        write_padding_rows(out_ptr, scale_ptr, pad_rows_ptr, first, num_pad_rows, H, pad_scale, QUANTIZE, PAD_ROWS,
+                           BLOCK_H)
+        if WRITE_COPY:
+            write_padding_rows(copy_ptr, scale_ptr, pad_rows_ptr, first, num_pad_rows, H, pad_scale, False,
+                               PAD_ROWS, BLOCK_H)
