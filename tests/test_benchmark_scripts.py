@@ -124,7 +124,8 @@ def test_bench_whole_model_kind_cpu(torch_references):
     on_cpu = set(models.MODE_VARIANTS["eager"]) - set(models.TORCHAO_VARIANTS)  # TorchAO's variants need a GPU
     assert set(by_variant) == on_cpu and all("error" not in r for r in rows), rows
     assert set(models.VARIANTS) - set(models.MODE_VARIANTS["eager"]) == {"ours_fp8_experts_fp8_wgrad",
-                                                                        "ours_fp8_experts_fp8_wgrad_cached"}
+                                                                        "ours_fp8_experts_fp8_wgrad_cached",
+                                                                        "ours_fp8_cached_all"}
     base = models.build(models._spec("qwen3_h1024", "cpu", None), 32, "cpu")
     for variant, recipe in [("ours_fp8_experts", "rowwise_gw_hp"), ("ours_fp8_experts_fp8_wgrad_cached", "rowwise")]:
         experts = [m for m in models.convert(base, variant, None).modules() if type(m).__name__ == "FP8GroupedExperts"]
@@ -144,14 +145,18 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
     from moe_fp8.bench import models
 
     rows = models.collect("cpu", models=["llama3_8b"], loss_steps=3, accumulate=2, layers=3,
-                          variants=["hf_bf16", "ours_bf16", "ours_fp8"])
+                          variants=["hf_bf16", "ours_bf16", "ours_fp8", "ours_fp8_cached_all"])
     by_variant = {r["variant"]: r for r in rows}
-    assert set(by_variant) == {"hf_bf16", "ours_fp8"} and all("error" not in r for r in rows), rows
+    assert set(by_variant) == {"hf_bf16", "ours_fp8", "ours_fp8_cached_all"} and all("error" not in r for r in rows), rows
     for r in rows:
         assert r["accumulate"] == 2 and 0 < r["fwd_bwd_ms"] + r["optim_ms"] <= r["step_ms"] * 1.05
         assert r["layers"] == 3
     assert 4.0 < by_variant["ours_fp8"]["final_loss"] < 6.5 and abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
-    assert models.build(models._spec("llama3_8b", "cpu", 3), 32, "cpu").config.num_hidden_layers == 3
+    base = models.build(models._spec("llama3_8b", "cpu", 3), 32, "cpu")
+    assert base.config.num_hidden_layers == 3
+    linears = [m for m in models.convert(base, "ours_fp8_cached_all", None, size_rules=False).modules()
+               if type(m).__name__ == "FP8Linear"]
+    assert linears and all(m.cache_weights for m in linears)
     moe = models._spec("qwen3_h1024", "cpu", None)  # named variants run in any mode; the defaults per mode
     assert models._variants_of(moe, "reduce-overhead", True, ["ours_bf16", "hf_bf16"]) == ["ours_bf16", "hf_bf16"]
     assert models._variants_of(moe, "reduce-overhead", True, None) == list(models.MODE_VARIANTS["reduce-overhead"])

@@ -98,7 +98,7 @@ def _record_quantizers(monkeypatch) -> list[str]:
     """The quantizers ``fp8_linear`` calls, in order: the one-read column-amax functions of
     ``quant_seam`` (``wgrad_operands[amax]`` when both wgrad operands come with their amaxes) and
     the standalone ``rowwise`` / ``colwise`` quantizers."""
-    module = importlib.import_module("moe_fp8.layers.fp8_linear")  # the package exports the function by that name
+    module = importlib.import_module("moe_fp8.layers.dense_quant")  # FP8Linear's operand quantizers
     calls = []
 
     def spy(owner, name, label):

@@ -245,7 +245,7 @@ def test_cached_weight_gemm_off_the_default_stream(monkeypatch, recipe, transpos
     monkeypatch.setattr(quant_seam, "quantize_weight_layout",
                         lambda *a: calls.append(("layout", "dgrad" if a[-1] else "fwd")) or real_layout(*a))
     monkeypatch.setattr(quant_seam, "quantize_weight", lambda *a: calls.append("both") or real_both(*a))
-    monkeypatch.setattr(compiled_cache, "_off_default_stream", lambda w: True)
+    monkeypatch.setattr(compiled_cache, "off_default_stream", lambda w: True)
     cache.invalidate()
     got = [compiled_cache.mm_2d3d_cached_weight(*args(dgrad)) for dgrad in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and entries > 0 and len(cache) == 0

@@ -23,7 +23,8 @@ where the size rules say FP8 pays, experts below them on the BF16 grouped path, 
 built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_cached`` and
 ``ours_fp8_experts_cached`` / ``ours_fp8_experts_fp8_wgrad_cached`` (the same with the expert
 weights' FP8 cache on: quantized once per optimizer step, eager or compiled; one more BF16-sized copy
-of them held), ``torchao_rowwise`` and
+of them held), ``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache
+on too: ``cache_dense_weights=True``), ``torchao_rowwise`` and
 ``torchao_rowwise_gw_hp`` (TorchAO's ``convert_to_float8_training`` on the dense linears, its own
 size filter; experts as built) and ``torchao_moe`` (``torchao_rowwise`` plus TorchAO's FP8 grouped
 GEMM on the experts; run in a child process, since a device assert ends the CUDA context; its error
@@ -37,8 +38,8 @@ step time over the timed steps after warm-up, and its split into forward+backwar
 the last 10 of ``loss_steps`` steps on byte-level text (the standard library's sources), trained in
 eager mode from the same initial weights on the same batches (``LOSS_VARIANTS``; the other rows
 run 40 micro-batches, at least 12 optimizer steps). ``MODE_VARIANTS`` says which variants each mode runs
-by default (the ``_fp8_wgrad`` ones only when named); variants named with ``--variants`` run in every
-mode named.
+by default (the ``_fp8_wgrad`` ones and ``ours_fp8_cached_all`` only when named); variants named
+with ``--variants`` run in every mode named.
 """
 
 from __future__ import annotations
@@ -63,14 +64,14 @@ from . import torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_experts_cached",
-            "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "torchao_rowwise",
-            "torchao_rowwise_gw_hp", "torchao_moe")
+            "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all",
+            "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: variants that change MoE experts only (skipped for a dense model) and TorchAO's (GPU only)
 EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours_fp8_experts_cached",
                    "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "torchao_moe")
 TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs by default (the others in eager only), and those trained for ``loss_steps``
-MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v),
+MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v and v != "ours_fp8_cached_all"),
                  "compiled": ("hf_bf16", "ours_fp8", "ours_fp8_experts", "ours_fp8_cached", "ours_fp8_experts_cached",
                               "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
                  "reduce-overhead": ("hf_bf16", "ours_fp8")}
@@ -166,8 +167,9 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
         hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached"), dense=False,
                    min_expert_size=0, **({"min_fp8_wgrad_size": 0} if "_fp8_wgrad" in variant else {}))
     elif variant.startswith("ours_fp8"):
-        hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached"),
-                   min_dense_size=min_dense_size, min_expert_size=min_expert_size,
+        cache_all = variant == "ours_fp8_cached_all"
+        hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached") or cache_all,
+                   cache_dense_weights=cache_all, min_dense_size=min_dense_size, min_expert_size=min_expert_size,
                    min_bf16_expert_size=min_expert_size if variant == "ours_fp8_small_kept" else MIN_BF16_EXPERT_SIZE)
     elif variant in TORCHAO_VARIANTS:
         recipe = "rowwise_with_gw_hp" if variant == "torchao_rowwise_gw_hp" else "rowwise"

@@ -30,7 +30,7 @@ from . import library as lib
 from . import quant_seam
 from .weight_cache import Fp8WeightCache
 
-__all__ = ["cached_weight_layouts", "compiled_weight_cache", "mm_2d3d_cached_weight"]
+__all__ = ["cached_weight_layouts", "compiled_weight_cache", "mm_2d3d_cached_weight", "off_default_stream"]
 
 _CACHE = Fp8WeightCache()
 
@@ -51,7 +51,7 @@ def _mm_2d3d_cached_weight(backend: str, a: Tensor, scale_a: Tensor, param: Tens
                            out_dtype: torch.dtype, dgrad: bool, scaling: str, fmt: str, pow2: bool,
                            fused: bool) -> Tensor:
     w = param.transpose(1, 2) if transposed else param
-    if _off_default_stream(w):
+    if off_default_stream(w):
         q, s = quant_seam.quantize_weight_layout(w.detach(), scaling, resolve_format(fmt), pow2, fused, dgrad)
     else:
         q_fwd, s_fwd, q_bwd, s_bwd = cached_weight_layouts(_CACHE, w, scaling, fmt, pow2, fused)
@@ -59,7 +59,7 @@ def _mm_2d3d_cached_weight(backend: str, a: Tensor, scale_a: Tensor, param: Tens
     return lib.mm_2d3d(backend, a, scale_a, q, s, offs, out_dtype)
 
 
-def _off_default_stream(w: Tensor) -> bool:
+def off_default_stream(w: Tensor) -> bool:
     """Whether ``w`` is on a CUDA device whose current stream is not its default one."""
     return w.is_cuda and torch.cuda.current_stream(w.device) != torch.cuda.default_stream(w.device)
 

@@ -48,6 +48,7 @@ def convert_to_fp8(
     *,
     min_dense_size: int = 0,
     fmt=None,
+    cache_weights: bool = False,
 ) -> nn.Module:
     """Replace the plain ``nn.Linear`` layers of ``model`` (in place) by ``FP8Linear`` layers sharing
     their parameters; return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``).
@@ -58,12 +59,14 @@ def convert_to_fp8(
     converts every size, pass ``MIN_DENSE_SIZE`` for the rule). Each kept layer is also logged on the
     ``moe_fp8`` logger at INFO level. Layers already ``FP8Linear`` (and FP8 experts) are reported as
     they are: converting twice changes nothing. A bare ``nn.Linear`` is returned converted.
+    ``cache_weights``: the new layers keep their weights' FP8 layouts while unchanged (``FP8Linear``;
+    one BF16-sized copy of each weight, for gradient accumulation).
     """
     recipe = _check_dense_recipe(recipe)
     check_conversion_args(model, filter_fn, min_dense_size)
     report = ConversionReport(recipe.name, min_dense_size)
     model = convert_linears(model, report, recipe=recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
-                            fmt=fmt)
+                            fmt=fmt, cache_weights=cache_weights)
     model.fp8_conversion_report = report
     return model
 
@@ -87,15 +90,17 @@ def check_size(name: str, value) -> None:
 
 def convert_linears(model: nn.Module, report: ConversionReport, *, recipe, filter_fn: FilterFn | None,
                     min_dense_size: int, fmt=None, keep_reason: str | None = None,
-                    expert_rules: dict[int, tuple[str, str]] | None = None) -> nn.Module:
+                    expert_rules: dict[int, tuple[str, str]] | None = None, cache_weights: bool = False) -> nn.Module:
     """Walk ``model``: record experts, routers, embeddings and linears in ``report``, swap the linears
     that pass every rule (none when ``keep_reason`` is given: all are kept for that reason).
     ``expert_rules`` maps the ``id`` of experts an expert size rule changed to ``(rule, why)``: the
     ``FP8GroupedExperts`` made for them (the detail says which rule and why), or the experts left as
-    they were (recorded as kept for that rule, not entered). Returns ``model``, or its replacement
+    they were (recorded as kept for that rule, not entered); ``cache_weights``: ``FP8Linear``'s. Returns ``model``, or its replacement
     when ``model`` itself is a converted ``nn.Linear``."""
+    if not isinstance(cache_weights, bool):
+        raise TypeError(f"cache_weights: expected a bool, got {type(cache_weights).__name__}")
     ctx = dict(report=report, recipe=recipe, filter_fn=filter_fn, min_size=min_dense_size, fmt=fmt,
-               keep_reason=keep_reason, seen=set(), expert_rules=expert_rules or {},
+               cache_weights=cache_weights, keep_reason=keep_reason, seen=set(), expert_rules=expert_rules or {},
                tied={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)})
     new = _visit(None, "", model, "", ctx)
     return model if new is None else new
@@ -151,7 +156,7 @@ def _linear(module: nn.Linear, name: str, fqn: str, ctx: dict) -> FP8Linear | No
         report.add(fqn, module, KEPT, reason, f"{detail}{why}")
         log.info("%s stays in BF16 (%s): %s%s", fqn or "<model>", reason, detail, why)
         return None
-    new = FP8Linear.from_linear(module, recipe=ctx["recipe"], fmt=ctx["fmt"])
+    new = FP8Linear.from_linear(module, recipe=ctx["recipe"], fmt=ctx["fmt"], cache_weights=ctx["cache_weights"])
     report.add(fqn, new, FP8_LINEAR, detail=f"{detail}, {new.recipe.name}", cls=type(module).__name__)
     return new
 

@@ -35,12 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_multiple_of
-from ..grouped_gemm import quant_seam
+from ..grouped_gemm import Fp8WeightCache, compiled_weight_cache, quant_seam
 from ..kernel_backend import triton_runs_on
 from ..launch import interpreted_trace
-from ..quant import formats, quantize_expert_colwise, quantize_rowwise, quantize_tensorwise
+from ..quant import formats
 from ..quant.kernels.rowwise import col_amax_fits
 from ..quant.recipes import Float8Recipe, get_recipe
+from .dense_quant import ALIGN, quantize_cols_t, quantize_rows, transposed_padded, weight_dgrad_layout, \
+    weight_forward_layout
+from .dense_weight_cache import cached_weight_layouts, dense_mm_cached_weight
 from .param_checks import check_parameters
 from .scaled_mm import scaled_mm
 
@@ -49,35 +52,6 @@ __all__ = ["FP8Linear", "DENSE_RECIPES", "fp8_linear"]
 # Recipes a dense layer takes; "bf16" runs plain F.linear (the A/B baseline).
 
 DENSE_RECIPES = ("rowwise", "rowwise_gw_hp", "tensorwise")
-_ALIGN = 16
-
-
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    pad = -t.shape[0] % _ALIGN
-    return F.pad(t, (0, 0, 0, pad)) if pad else t
-
-
-def _quantize(t: torch.Tensor, recipe: Float8Recipe, fmt) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows of a 2-D tensor; returns ``q`` row-major and a scale shaped ``(rows, 1)`` or ``()``."""
-    if recipe.scaling == "tensorwise":
-        return quantize_tensorwise(t, fmt, pow2=recipe.pow2_scales)
-    q, scale = quantize_rowwise(t, fmt, pow2=recipe.pow2_scales)
-    return q, scale[:, None]
-
-
-def _transposed_padded(q: torch.Tensor) -> torch.Tensor:
-    """FP8 ``q (R, C)`` -> ``q.T`` row-major ``(C, R_pad)``, rows zero-padded to 16 (byte 0 is +0)."""
-    return _pad_rows(q.view(torch.uint8)).t().contiguous().view(q.dtype)
-
-
-def _quantize_t(t: torch.Tensor, recipe: Float8Recipe, fmt) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t (R, C)`` -> ``t.T`` quantized row-major ``(C, R_pad)`` (per column of ``t``; ``R`` zero-padded
-    to a multiple of 16), scale ``(C, 1)`` or ``()``."""
-    if recipe.scaling == "tensorwise":
-        q, scale = quantize_tensorwise(t, fmt, pow2=recipe.pow2_scales)
-        return _transposed_padded(q), scale
-    q, scale = quantize_expert_colwise(_pad_rows(t)[None], fmt, pow2=recipe.pow2_scales, transposed=True)
-    return q[0], scale[0][:, None]
 
 
 def _one_group(rows: int, device: torch.device) -> torch.Tensor:
@@ -91,7 +65,7 @@ def _wgrad_from_amaxes(grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tens
     ``(1, K)``: ``grad_out.T (N, M_pad)`` and ``x.T (K, M_pad)`` row-major (token rows zero-padded
     to 16) with scales ``(N, 1)`` and ``(K, 1)``."""
     m = x.shape[0]
-    pad = -m % _ALIGN
+    pad = -m % ALIGN
     p_offs, rows = (_one_group(m + pad, x.device), m + pad) if pad else (None, None)
     qa, sa, qb, sb = quant_seam.quantize_wgrad_operands(grad_out, x, offs, fmt, pow2, True, padded_offs=p_offs,
                                                         padded_rows=rows, a_amax=g_amax, b_amax=x_amax)
@@ -99,10 +73,17 @@ def _wgrad_from_amaxes(grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tens
 
 
 class _FP8LinearFn(torch.autograd.Function):
+    """``apply(x (M, K), weight (N, K), recipe, fmt, grad_fmt, cache)`` -> ``(M, N)`` in x's dtype.
+
+    ``cache``: ``None`` (W quantized here, its dgrad layout in the backward from the saved W), an
+    ``Fp8WeightCache`` (both layouts from it, eagerly), or ``True``: the GEMMs read them through
+    ``dense_mm_cached_weight`` (under torch.compile)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe, fmt, grad_fmt):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe, fmt, grad_fmt, cache):
         # the one-read kernels where Triton runs (the reference quantizers give the same bytes)
-        rowwise, pow2 = recipe.scaling == "rowwise" and triton_runs_on(x), recipe.pow2_scales
+        kernels, pow2 = triton_runs_on(x), recipe.pow2_scales
+        rowwise = recipe.scaling == "rowwise" and kernels
         (m, k), n = x.shape, weight.shape[0]
         # the wgrad operands' column amaxes from the row quantizations of x and grad_out
         act_amax = (rowwise and recipe.fp8_wgrad and grad_fmt == fmt and m > 0 and ctx.needs_input_grad[0]
@@ -114,16 +95,22 @@ class _FP8LinearFn(torch.autograd.Function):
             x_q, x_s, x_amax = quant_seam.quantize_activation_group_amax(x, offs, fmt, pow2, True)
             x_s = x_s[:, None]
         else:
-            x_q, x_s = _quantize(x, recipe, fmt)
-        if rowwise and ctx.needs_input_grad[0] and col_amax_fits(k):  # W's column amax for the dgrad, same read
-            w_q, w_s, w_amax = quant_seam.quantize_weight_forward_layout(weight[None], fmt, pow2, True)
-            w_q, w_s = w_q[0], w_s[0][:, None]
-        else:
-            w_q, w_s = _quantize(weight, recipe, fmt)
-        ctx.save_for_backward(x, weight, offs, x_amax, w_amax)
-        ctx.recipe, ctx.fmt, ctx.grad_fmt, ctx.rowwise = recipe, fmt, grad_fmt, rowwise
+            x_q, x_s = quantize_rows(x, recipe.scaling, fmt, pow2)
+        ctx.recipe, ctx.fmt, ctx.grad_fmt, ctx.kernels = recipe, fmt, grad_fmt, kernels
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        return scaled_mm(x_q, x_s, w_q, w_s, x.dtype)
+        ctx.cache, ctx.w_dgrad = cache, None
+        if cache is True:
+            out = dense_mm_cached_weight(x_q, x_s, weight, False, recipe.scaling, fmt.name, pow2, kernels, x.dtype,
+                                         True)
+        else:
+            if cache is not None:  # the dgrad layout rides on ctx: the cache holds it anyway
+                w_q, w_s, *ctx.w_dgrad = cached_weight_layouts(cache, weight, recipe.scaling, fmt, pow2, kernels)
+            else:  # W's column amax for the dgrad from the same read, where a dgrad follows
+                w_q, w_s, w_amax = weight_forward_layout(weight, recipe.scaling, fmt, pow2, kernels,
+                                                         with_amax=ctx.needs_input_grad[0])
+            out = scaled_mm(x_q, x_s, w_q, w_s, x.dtype)
+        ctx.save_for_backward(x, weight, offs, x_amax, w_amax)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -137,30 +124,30 @@ class _FP8LinearFn(torch.autograd.Function):
             g_q, g_s, g_amax = quant_seam.quantize_activation_group_amax(grad_out, offs, grad_fmt,
                                                                          recipe.pow2_scales, True)
             g = g_q, g_s[:, None]
-        elif need_dx or tensorwise_wgrad:
-            g = _quantize(grad_out, recipe, grad_fmt)  # per row of grad_out (over N), or tensorwise
+        elif need_dx or tensorwise_wgrad:  # per row of grad_out (over N), or tensorwise
+            g = quantize_rows(grad_out, recipe.scaling, grad_fmt, recipe.pow2_scales)
         grad_x = _dgrad(ctx, g, weight, w_amax) if need_dx else None
         if not tensorwise_wgrad:
             g = None  # freed before the wgrad's operands are made
         grad_w = _wgrad(ctx, grad_out, x, offs, g, g_amax, x_amax) if need_dw else None
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def _dgrad(ctx, g: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
            w_amax: torch.Tensor | None) -> torch.Tensor:
-    """``grad_x (M, K) = grad_out @ W`` from grad_out's FP8 rows ``g``; W quantized per input column
-    (over N) here, after grad_out's scales (``order_token``), and freed on return."""
+    """``grad_x (M, K) = grad_out @ W`` from grad_out's FP8 rows ``g``; W's dgrad layout from the
+    cache, or quantized per input column (over N) here, after grad_out's scales (``order_token``),
+    and freed on return."""
     recipe, fmt, pow2 = ctx.recipe, ctx.fmt, ctx.recipe.pow2_scales
     g_q, g_s = g
-    after = g_s if g_s.numel() else None
-    if w_amax is not None:  # scales from the forward's amax
-        wt_q, wt_s = quant_seam.quantize_weight_dgrad_layout(weight[None], w_amax, fmt, pow2, True, after)
-        wt_q, wt_s = wt_q[0], wt_s[0][:, None]
-    elif ctx.rowwise:
-        wt_q, wt_s = quant_seam.quantize_weight_layout(weight[None], "rowwise", fmt, pow2, True, True, after)
-        wt_q, wt_s = wt_q[0], wt_s[0][:, None]
+    if ctx.cache is True:
+        return dense_mm_cached_weight(g_q, g_s, weight, True, recipe.scaling, fmt.name, pow2, ctx.kernels,
+                                      ctx.x_dtype, recipe.fast_accum_grads)
+    if ctx.w_dgrad is not None:
+        wt_q, wt_s = ctx.w_dgrad
     else:
-        wt_q, wt_s = _quantize_t(weight, recipe, fmt)
+        after = g_s if g_s.numel() else None
+        wt_q, wt_s = weight_dgrad_layout(weight, recipe.scaling, fmt, pow2, ctx.kernels, w_amax, after)
     return scaled_mm(g_q, g_s, wt_q, wt_s, ctx.x_dtype, recipe.fast_accum_grads)
 
 
@@ -170,19 +157,19 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor | No
     """``grad_w (N, K) = grad_out.T @ x`` in the weight's dtype: FP8 (tensorwise: from grad_out's FP8
     ``g`` of the dgrad, transposed; rowwise: both operands per column, from their amaxes where the
     forward and the dgrad made them) or BF16 (``rowwise_gw_hp``)."""
-    recipe, fmt, grad_fmt = ctx.recipe, ctx.fmt, ctx.grad_fmt
+    recipe, fmt, grad_fmt, pow2 = ctx.recipe, ctx.fmt, ctx.grad_fmt, ctx.recipe.pow2_scales
     if not recipe.fp8_wgrad:
         if x.shape[0] == 0:  # an empty reduction: zeros by construction, not from the library
             return x.new_zeros(grad_out.shape[1], x.shape[1], dtype=ctx.w_dtype)
         return (grad_out.t() @ x.to(grad_out.dtype)).to(ctx.w_dtype)
     if recipe.scaling == "tensorwise":  # one scale either way: transpose the codes made for dgrad
-        gt_q, gt_s = _transposed_padded(g[0]), g[1]  # (N, M_pad)
-        xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
+        gt_q, gt_s = transposed_padded(g[0]), g[1]  # (N, M_pad)
+        xt_q, xt_s = quantize_cols_t(x, recipe.scaling, fmt, pow2)  # (K, M_pad)
     elif x_amax is not None:
-        gt_q, gt_s, xt_q, xt_s = _wgrad_from_amaxes(grad_out, x, offs, g_amax, x_amax, fmt, recipe.pow2_scales)
+        gt_q, gt_s, xt_q, xt_s = _wgrad_from_amaxes(grad_out, x, offs, g_amax, x_amax, fmt, pow2)
     else:
-        gt_q, gt_s = _quantize_t(grad_out, recipe, grad_fmt)  # (N, M_pad)
-        xt_q, xt_s = _quantize_t(x, recipe, fmt)  # (K, M_pad)
+        gt_q, gt_s = quantize_cols_t(grad_out, recipe.scaling, grad_fmt, pow2)  # (N, M_pad)
+        xt_q, xt_s = quantize_cols_t(x, recipe.scaling, fmt, pow2)  # (K, M_pad)
     return scaled_mm(gt_q, gt_s, xt_q, xt_s, ctx.w_dtype, recipe.fast_accum_grads)
 
 
@@ -194,25 +181,44 @@ def _check_dense_recipe(recipe) -> Float8Recipe:
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, recipe="rowwise", fmt=None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, recipe="rowwise", fmt=None,
+    weight_cache: Fp8WeightCache | None = None,
 ) -> torch.Tensor:
     """Functional FP8 linear: ``x (..., K) @ weight (N, K).T + bias`` -> ``(..., N)`` in x's dtype.
 
     x and weight are bf16 (or fp16/fp32: the FP8 GEMMs write bf16, then cast to x's dtype); K and N
     must be multiples of 16. Differentiable in x, weight and bias. ``recipe="bf16"`` is plain
     ``F.linear`` (the baseline of the same call).
+
+    ``weight_cache``: an ``Fp8WeightCache`` keeping both FP8 layouts of ``weight`` while it is unchanged
+    (``moe_fp8.layers.dense_weight_cache``); ``weight`` is then the parameter itself or the cache's
+    ``stand_in`` of it. Under ``torch.compile`` the process-wide compiled cache is read instead (pass
+    the parameter itself, in x's dtype); while a CUDA graph is captured, no cache is read.
     """
     recipe = _check_dense_recipe(recipe)
+    stand_in = hasattr(weight, "_fp8_cache_source")
+    if weight_cache is not None and not isinstance(weight_cache, Fp8WeightCache):
+        raise TypeError(f"weight_cache: expected Fp8WeightCache or None, got {type(weight_cache).__name__}")
+    if stand_in and (weight_cache is None or not recipe.is_fp8):
+        raise ValueError("weight: a Fp8WeightCache.stand_in holds no values; pass it only with weight_cache and an "
+                         "FP8 recipe (the weight is then read through the cache)")
     if not recipe.is_fp8:
         return F.linear(x, weight, bias)
-    check_multiple_of("weight.shape[1] (in_features)", weight.shape[1], _ALIGN)
-    check_multiple_of("weight.shape[0] (out_features)", weight.shape[0], _ALIGN)
+    check_multiple_of("weight.shape[1] (in_features)", weight.shape[1], ALIGN)
+    check_multiple_of("weight.shape[0] (out_features)", weight.shape[0], ALIGN)
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x: expected last dim {weight.shape[1]} (in_features), got shape {tuple(x.shape)}")
     fmt = formats.resolve_format(fmt, x.device)
     grad_fmt = formats.resolve_format(recipe.grad_format) if recipe.grad_format else fmt
+    cache = weight_cache
+    if cache is not None and torch.compiler.is_compiling():
+        if stand_in:
+            raise ValueError("weight: under torch.compile pass the parameter itself in x's dtype, not a stand-in")
+        cache = True
+    elif cache is not None and cache.bypassed(weight):  # a CUDA graph is being captured: as without a cache
+        weight, cache = cache.values(weight), None
     lead = x.shape[:-1]
-    out = _FP8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe, fmt, grad_fmt)
+    out = _FP8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe, fmt, grad_fmt, cache)
     out = out.reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias.to(out.dtype)
 
@@ -224,36 +230,75 @@ class FP8Linear(nn.Linear):
     Under ``torch.autocast`` the input and weight are cast to the autocast dtype first.
     ``in_features`` and ``out_features`` must be multiples of 16. Weights still on the meta device,
     or on another device than the input, raise ``ValueError``.
+
+    ``cache_weights``: keep both FP8 layouts of the weight while it is unchanged, so that gradient
+    accumulation quantizes it once per optimizer step, not once per micro-batch (keyed on the
+    parameter's identity and version counter: never stale). Costs one BF16-sized copy of the
+    weight from the first forward on, which is why it is off by default. Under ``torch.compile``
+    the process-wide compiled cache is read (weights in the activations' dtype only); no cache is
+    read while a CUDA graph is captured, nor for weights FSDP manages.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe="rowwise",
-                 fmt=None, device=None, dtype=None):
+                 fmt=None, cache_weights: bool = False, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._configure(recipe, fmt)
+        self._configure(recipe, fmt, cache_weights)
 
-    def _configure(self, recipe, fmt) -> None:
-        check_multiple_of("in_features", self.in_features, _ALIGN)
-        check_multiple_of("out_features", self.out_features, _ALIGN)
+    def _configure(self, recipe, fmt, cache_weights: bool) -> None:
+        check_multiple_of("in_features", self.in_features, ALIGN)
+        check_multiple_of("out_features", self.out_features, ALIGN)
         self.recipe = _check_dense_recipe(recipe)
         self.fmt = None if fmt is None else formats.resolve_format(fmt)
+        self._cache = Fp8WeightCache() if cache_weights else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, recipe="rowwise", fmt=None) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Linear, *, recipe="rowwise", fmt=None, cache_weights: bool = False) -> "FP8Linear":
         """A new ``FP8Linear`` sharing ``linear``'s parameters (no copy)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
-        new._configure(recipe, fmt)
+        new._configure(recipe, fmt, cache_weights)
         return new
+
+    @property
+    def cache_weights(self) -> bool:
+        """Whether the FP8 layouts of the weight are cached (settable; turning it off drops them)."""
+        return self._cache is not None
+
+    @cache_weights.setter
+    def cache_weights(self, enabled: bool) -> None:
+        if enabled != self.cache_weights:
+            self._cache = Fp8WeightCache() if enabled else None
+
+    @property
+    def weight_cache_nbytes(self) -> int:
+        """Device bytes the weight's cached FP8 layouts hold now (0 without a cache), the compiled
+        cache's entries of this weight included."""
+        if self._cache is None:
+            return 0
+        return self._cache.nbytes + compiled_weight_cache().nbytes_of([self.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_parameters(self, x)
         weight, bias = self.weight, self.bias
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
-        return fp8_linear(x, weight, bias, recipe=self.recipe, fmt=self.fmt)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        cache = self._cache if self._reads_cache(weight, x, dtype) else None
+        if dtype != x.dtype:
+            x = x.to(dtype)
+        if weight.dtype != dtype:
+            weight = weight.to(dtype) if cache is None else cache.stand_in(weight, dtype)
+        return fp8_linear(x, weight, bias, recipe=self.recipe, fmt=self.fmt, weight_cache=cache)
+
+    def _reads_cache(self, weight: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether the GEMMs read the weight through the cache: FP8 recipes, not while a CUDA graph
+        is captured, not for weights FSDP gathers (the gathered tensor keeps its identity and version
+        counter across optimizer steps). Under ``torch.compile``: a weight in the GEMMs' dtype."""
+        if self._cache is None or not self.recipe.is_fp8 or getattr(self, "_is_fsdp_managed_module", False):
+            return False
+        if torch.compiler.is_compiling():
+            return weight.dtype == dtype
+        return not Fp8WeightCache.bypassed(x)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}"
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, cache_weights={self.cache_weights}"

@@ -50,7 +50,7 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
             filter_fn: Callable[[nn.Module, str], bool] | None = None, min_dense_size: int = MIN_DENSE_SIZE,
             min_expert_size: int = MIN_EXPERT_SIZE, min_bf16_expert_size: int = MIN_BF16_EXPERT_SIZE,
             min_fp8_wgrad_size: int = MIN_FP8_WGRAD_SIZE, backend: str | None = None, fmt=None,
-            cache_weights: bool = True) -> nn.Module:
+            cache_weights: bool = True, cache_dense_weights: bool = False) -> nn.Module:
     """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
     return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it
     became and why anything was kept; ``print`` it for a table). A model without MoE blocks (Llama,
@@ -77,6 +77,9 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       ``min(in_features, out_features) < min_dense_size`` (default ``MIN_DENSE_SIZE`` = 1536, where
       ``FP8Linear`` starts to pay on one H200: ``benchmarks/results/dense_sweep.md``; 0 converts
       every size). See ``moe_fp8/layers/convert.py`` and docs/conversion.md.
+      ``cache_dense_weights``: those ``FP8Linear`` keep their weights' FP8 layouts while unchanged,
+      so gradient accumulation quantizes them once per optimizer step (one BF16-sized copy of the
+      converted dense weights; off by default, for peak memory).
 
     ``model`` may also be a single block: the result is then the converted block (the same object
     for transformers 5.x Mixtral / Qwen3-MoE / DeepSeek-V3 blocks, a new one otherwise). Raises
@@ -106,7 +109,7 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
                               min_fp8_wgrad_size, moe_blocks=blocks)
     keep = DENSE_OFF if not dense else BF16_RECIPE if not expert_recipe.is_fp8 else None
     model = convert_linears(model, report, recipe=linear_recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
-                            fmt=fmt, keep_reason=keep, expert_rules=rule.applied)
+                            fmt=fmt, keep_reason=keep, expert_rules=rule.applied, cache_weights=cache_dense_weights)
     if blocks == 0 and FP8_LINEAR not in report.counts():  # nothing was changed
         raise ValueError(f"model: nothing to convert: no MoE block found (supported: {', '.join(SUPPORTED_BLOCKS)}) "
                          f"and no linear passed the dense rules; per module, what kept it:\n{report.table()}")

@@ -1,0 +1,66 @@
+"""A dense weight's FP8 layouts read from an ``Fp8WeightCache``, eagerly and under ``torch.compile``.
+
+Under gradient accumulation ``FP8Linear`` quantizes the same ``W (N, K)`` in every micro-batch; with
+``cache_weights=True`` both layouts (``dense_quant.weight_layouts``) are made once per change of
+``W`` and kept: the cache's entry is keyed on the weight's identity and version counter
+(``Fp8WeightCache``), so an optimizer step or any in-place write misses. Memory: both FP8 layouts,
+as many bytes as a BF16 copy of the weight, held from the first micro-batch on.
+
+Eagerly, :func:`cached_weight_layouts` looks the layouts up in the module's cache. Under
+``torch.compile`` an FP8 copy cannot outlive one call of a compiled graph (``compiled_cache``), so
+the lookup and the GEMM are one opaque op, :func:`dense_mm_cached_weight`
+(``moe_fp8::dense_mm_cached_weight``), on the process-wide compiled cache; it takes the parameter
+itself (its identity and version counter at run time tell an optimizer step apart). On a CUDA
+device's side stream (CUDA-graph capture under ``mode="reduce-overhead"``) the op quantizes the one
+layout its GEMM reads and stores nothing.
+"""
+
+# No ``from __future__ import annotations``: torch.library infers the op's schema from the annotations.
+import torch
+from torch import Tensor
+
+from ..grouped_gemm import Fp8WeightCache, compiled_weight_cache
+from ..grouped_gemm.compiled_cache import off_default_stream
+from ..kernel_backend import eager_or_custom_op
+from ..quant.formats import Float8Format, resolve_format
+from .dense_quant import weight_dgrad_layout, weight_forward_layout, weight_layouts
+from .scaled_mm import scaled_mm
+
+__all__ = ["cached_weight_layouts", "dense_mm_cached_weight"]
+
+
+def cached_weight_layouts(cache: Fp8WeightCache, weight: Tensor, scaling: str, fmt: Float8Format, pow2: bool,
+                          kernels: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``weight_layouts(weight, ...)`` from ``cache`` (quantized on a miss); ``weight`` is ``(N, K)``, the
+    parameter or its ``cache.stand_in``."""
+    key = ("dense", scaling, fmt.name, pow2, kernels)
+    return cache.get(weight, key, lambda w: weight_layouts(w, scaling, fmt, pow2, kernels))
+
+
+def _dense_mm_cached_weight(a: Tensor, scale_a: Tensor, param: Tensor, dgrad: bool, scaling: str, fmt: str,
+                            pow2: bool, kernels: bool, out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
+    f = resolve_format(fmt)
+    if off_default_stream(param):
+        w = param.detach()
+        if dgrad:
+            q, s = weight_dgrad_layout(w, scaling, f, pow2, kernels, None)
+        else:
+            q, s, _ = weight_forward_layout(w, scaling, f, pow2, kernels, with_amax=False)
+    else:
+        q_fwd, s_fwd, q_bwd, s_bwd = cached_weight_layouts(compiled_weight_cache(), param, scaling, f, pow2, kernels)
+        q, s = (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
+    return scaled_mm(a, scale_a, q, s, out_dtype, fast_accum)
+
+
+_op = torch.library.custom_op("moe_fp8::dense_mm_cached_weight", _dense_mm_cached_weight, mutates_args=())
+
+
+@_op.register_fake
+def _(a, scale_a, param, dgrad, scaling, fmt, pow2, kernels, out_dtype, fast_accum):
+    return a.new_empty(a.shape[0], param.shape[1] if dgrad else param.shape[0], dtype=out_dtype)
+
+
+dense_mm_cached_weight = eager_or_custom_op(_op, _dense_mm_cached_weight)
+dense_mm_cached_weight.__doc__ = """``(M, N)`` forward (``a (M, K)`` FP8 rows) or ``(M, K)`` dgrad (``a (M, N)``)
+GEMM with the FP8 layouts of ``param (N, K)`` (in the activations' dtype) from the process-wide
+:func:`compiled_weight_cache`; ``fmt`` by name. The custom op under torch.compile."""
