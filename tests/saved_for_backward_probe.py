@@ -29,6 +29,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition  #
 from traced_writes import _sm90_analysis  # noqa: E402
 
 from moe_fp8 import FP8MoE  # noqa: E402
+from moe_fp8.grouped_gemm import Fp8WeightCache  # noqa: E402
 from moe_fp8.grouped_gemm.op import fp8_grouped_mm  # noqa: E402
 from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
 
@@ -54,6 +55,13 @@ def _triton_on_meta() -> None:
 def _dense(x, wa, wb):
     """Two rowwise FP8 linears with a SiLU between (the second one's input is an activation)."""
     return fp8_linear(F.silu(fp8_linear(x, wa, fmt="e4m3fn")), wb, fmt="e4m3fn")
+
+
+def _dense_cached(x, wa, wb):
+    """The same two linears with weight caches: compiled, the GEMMs read the compiled cache."""
+    cache = Fp8WeightCache()
+    return fp8_linear(F.silu(fp8_linear(x, wa, fmt="e4m3fn", weight_cache=cache)), wb, fmt="e4m3fn",
+                      weight_cache=cache)
 
 
 def _experts(x, w, offs):
@@ -97,6 +105,8 @@ def main() -> None:
     with _sm90_analysis() as warned:
         report = {
             "fp8_linear": _saved(_dense, ((48, 64), bf16, True), ((128, 64), bf16, True), ((64, 128), bf16, True)),
+            "fp8_linear cached": _saved(_dense_cached, ((48, 64), bf16, True), ((128, 64), bf16, True),
+                                        ((64, 128), bf16, True)),
             "fp8_grouped_mm": _saved(_experts, ((96, 64), bf16, True), ((4, 128, 64), bf16, True),
                                      ((4,), torch.int32, False)),
             "fp8_moe cached": _saved(_moe(True), ((96, 64), bf16, True)),

@@ -145,6 +145,15 @@ def test_compiled_op_off_the_default_stream_stores_nothing(monkeypatch):
     assert len(cache) == 0
 
 
+def test_weights_fsdp_gathers_are_not_cached():
+    """A weight FSDP gathers keeps its identity and version counter across optimizer steps: a module
+    FSDP manages quantizes it in every forward (the same bits), and stores nothing."""
+    plain, cached = _pair("rowwise")
+    cached._is_fsdp_managed_module = True  # what fully_shard sets on every module of a unit
+    _equal(_train(plain, 2, 2, [32]), _train(cached, 2, 2, [32]))
+    assert len(cached._cache) == 0 and cached._cache.misses == 0
+
+
 def test_functional_weight_cache_and_bad_arguments():
     torch.manual_seed(6)
     x, w = torch.randn(16, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)

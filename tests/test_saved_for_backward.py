@@ -32,13 +32,15 @@ def saved() -> dict:
 
 
 @pytest.mark.slow(20)
-@pytest.mark.parametrize("case", ["fp8_linear", "fp8_grouped_mm", "fp8_moe cached", "fp8_moe uncached"])
+@pytest.mark.parametrize("case", ["fp8_linear", "fp8_linear cached", "fp8_grouped_mm", "fp8_moe cached",
+                                  "fp8_moe uncached"])
 def test_no_fp8_weight_copy_is_saved(saved, case):
     tensors = saved[case]
     assert tensors, "the forward saved nothing: the probe traced no backward"
     assert not [t for t in tensors if "float8" in t[0]], f"{case} saves FP8 tensors for backward: {tensors}"
     moe = ([4, 128, 64], [4, 64, 64])  # gate_up and down
-    weights = {"fp8_linear": ([1, 128, 64], [1, 64, 128]), "fp8_grouped_mm": ([4, 128, 64],),
+    weights = {"fp8_linear": ([1, 128, 64], [1, 64, 128]), "fp8_linear cached": ([128, 64], [64, 128]),
+               "fp8_grouped_mm": ([4, 128, 64],),
                "fp8_moe cached": moe, "fp8_moe uncached": moe}[case]
     for shape in weights:  # the weight itself (a parameter: saving it costs nothing)
         assert ["torch.bfloat16", shape] in tensors, f"{case}: the weight {shape} is not among {tensors}"
