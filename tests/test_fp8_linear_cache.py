@@ -2,6 +2,7 @@
 
 Every cached run must equal the uncached module bit for bit (the same quantizers on the same
 weight), over gradient-accumulation micro-batches and across optimizer steps, eagerly and compiled.
+Copies and pickles of modules with filled caches (dense and expert caches alike) start empty.
 """
 
 import pytest
@@ -210,3 +211,30 @@ def test_cached_equals_uncached_gpu(recipe):
     got = train(torch.compile(cached_c, fullgraph=True))
     _equal(want, got)
     assert cache.misses - misses == 2
+
+
+def test_copies_and_pickles_start_with_empty_caches():
+    """``copy.deepcopy`` and ``torch.save`` of a whole module after a forward: the copy holds no FP8
+    copies of the original's weights (keyed on their identities, they could never hit), and pickling
+    does not fail on the cache's weak references; the copies compute the same outputs."""
+    import copy
+    import io
+
+    from moe_fp8 import FP8MoE
+
+    torch.manual_seed(9)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    for module in (FP8Linear(64, 48, dtype=torch.bfloat16, cache_weights=True),
+                   FP8MoE(64, 32, 4, 2, dtype=torch.bfloat16)):
+        want = module(x)
+        caches = [c for m in module.modules() for c in (getattr(m, "_caches", None) or [getattr(m, "_cache", None)])
+                  if c is not None]
+        assert caches and all(len(c) == 1 for c in caches)
+        buf = io.BytesIO()
+        torch.save(module, buf)
+        buf.seek(0)
+        for twin in (copy.deepcopy(module), torch.load(buf, weights_only=False)):
+            twin_caches = [c for m in twin.modules()
+                           for c in (getattr(m, "_caches", None) or [getattr(m, "_cache", None)]) if c is not None]
+            assert len(twin_caches) == len(caches) and all(len(c) == 0 for c in twin_caches)
+            assert torch.equal(twin(x), want)

@@ -108,6 +108,11 @@ class Fp8WeightCache:
         #: ``None``, or the state of the tensors the cached weights are gathered from (see the module docstring)
         self.source_stamp: Hashable = None
 
+    def __reduce__(self):
+        """A copy (``copy.deepcopy``) or a pickle (``torch.save`` of a whole module) starts empty: the
+        entries are derived from tensors of this process, keyed on their identities."""
+        return type(self), ()
+
     def stand_in(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``w`` in ``dtype`` for ``fp8_grouped_mm(..., weight_cache=self)`` with an FP8 recipe,
         without casting it.
