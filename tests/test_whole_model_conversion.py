@@ -292,6 +292,31 @@ class _Plain(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_save_pretrained_and_generate(family, tmp_path):
+    """What users do with a converted model after training: ``save_pretrained`` writes the unconverted
+    model's keys and values (an unconverted model loads them as they are, caches filled or not), and
+    ``generate`` decodes with the KV cache through the FP8 modules (one-token steps), its first
+    token the argmax of the prefill's logits."""
+    model = _model(family, "v5")
+    reference = copy.deepcopy(model)
+    hf.convert(model, min_dense_size=0, min_expert_size=0, cache_dense_weights=True)
+    ids = _ids()
+    model(ids, labels=ids).loss.backward()  # fills the weight caches
+    model.save_pretrained(tmp_path)
+    loaded = type(reference).from_pretrained(tmp_path, dtype=torch.bfloat16)
+    want = reference.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    model.eval()
+    with torch.no_grad():
+        prompt = ids[:1, :4]
+        first = model(prompt).logits[0, -1].argmax()
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 8) and torch.equal(out[0, :4], prompt[0]) and out[0, 4] == first
+    assert ((out >= 0) & (out < V)).all()
+
+
 def test_plain_model():
     torch.manual_seed(0)
     model = _Plain().to(torch.bfloat16)
