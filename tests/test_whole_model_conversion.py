@@ -317,6 +317,36 @@ def test_save_pretrained_and_generate(family, tmp_path):
     assert ((out >= 0) & (out < V)).all()
 
 
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_hf_gradient_checkpointing_and_fp32_master_weights(family):
+    """Hugging Face's own activation checkpointing (non-reentrant) on a converted model recomputes
+    the FP8 modules in backward: two accumulated micro-batches give the same loss and gradients bit
+    for bit as without it (weight caches on, dense ones too). fp32 parameters under bf16 autocast
+    train through the caches' stand-ins: fp32 gradients, close to the bf16 model's."""
+    base = _model(family, "v5")
+    ids = _ids()
+    plain = copy.deepcopy(base)
+    hf.convert(plain, min_dense_size=0, min_expert_size=0, cache_dense_weights=True)
+    recomputed = copy.deepcopy(plain)
+    recomputed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    results = []
+    for model in (plain.train(), recomputed.train()):
+        for _ in range(2):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        results.append([loss.detach(), *(p.grad for p in model.parameters())])
+    assert all(g is not None for g in results[0][1:])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    master = copy.deepcopy(base).float()
+    hf.convert(master, min_dense_size=0, min_expert_size=0, cache_dense_weights=True)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss32 = master(ids, labels=ids).loss
+        loss32.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in master.parameters())
+    assert abs(loss32.item() - results[0][0].item()) < 0.05 * abs(results[0][0].item())
+
+
 def test_plain_model():
     torch.manual_seed(0)
     model = _Plain().to(torch.bfloat16)
