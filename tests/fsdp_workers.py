@@ -59,7 +59,9 @@ def tiny_lm(recipe: str, router: RouterConfig | None = None) -> torch.nn.Module:
     return TinyMoELM(VOCAB, 32, 32, 2, router=router, recipe=recipe, backend=BACKEND, device=DEVICE)
 
 
-def hf_model(family: str, convert: bool = True) -> torch.nn.Module:
+def hf_model(family: str, convert: bool = True, meta: bool = False) -> torch.nn.Module:
+    """A tiny Hugging Face model of ``family`` (converted by ``hf.convert``), built on ``DEVICE``, or on
+    the meta device with ``meta`` (no values)."""
     import transformers  # noqa: PLC0415  (optional dependency, installed for the tests)
 
     torch.manual_seed(0)
@@ -68,15 +70,17 @@ def hf_model(family: str, convert: bool = True) -> torch.nn.Module:
     if family == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=8,
                                           num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, **common)
-        model = transformers.Qwen3MoeForCausalLM(cfg)
+        with torch.device("meta" if meta else "cpu"):
+            model = transformers.Qwen3MoeForCausalLM(cfg)
     else:
         cfg = transformers.DeepseekV3Config(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
                                             num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                                             first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
                                             qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
                                             rope_scaling=None, **common)
-        model = transformers.DeepseekV3ForCausalLM(cfg)
-    model = model.to(DEVICE)
+        with torch.device("meta" if meta else "cpu"):
+            model = transformers.DeepseekV3ForCausalLM(cfg)
+    model = model.to("meta" if meta else DEVICE)
     if not convert:
         return model
     return hf.convert(model, backend=BACKEND, min_expert_size=0, min_fp8_wgrad_size=0, min_dense_size=0)
@@ -403,7 +407,33 @@ def eight_ranks(tmp: str) -> None:
     resume(tmp, (2, 2, 2), ("dp_replicate", "dp_shard", "ep"))  # a checkpoint of 4 ranks
 
 
-SCENARIOS = {"four_ranks": four_ranks, "eight_ranks": eight_ranks}
+def built_on_meta(tmp: str) -> None:
+    """A model too large for one device: built and converted on the meta device, parallelized there
+    (dp_shard 1 x ep 2), ``to_empty`` on the device, its non-persistent buffers (rotary tables) made
+    again, the 4-rank spawn's DCP checkpoint of a converted Hugging Face model loaded: every
+    parameter equals the saved whole one, and the logits those of one process holding them."""
+    mesh = init_device_mesh(DEVICE, (1, 2), mesh_dim_names=("dp_shard", "ep"))
+    ids = batches(1, 1, 1, seed=5)[0, 0]
+    for family in ("qwen3_moe", "deepseek_v3"):
+        whole = torch.load(os.path.join(tmp, f"{family}_params.pt"))
+        model = parallelize(hf_model(family, meta=True), mesh)
+        assert all(p.is_meta for p in model.parameters())
+        model.to_empty(device=DEVICE)
+        ref = hf_model(family)
+        with torch.no_grad():
+            made = dict(ref.named_buffers())
+            for n, b in model.named_buffers():
+                b.copy_(made[_name(n)])
+            for n, p in ref.named_parameters():
+                p.copy_(whole[n])
+        checkpoint.load(os.path.join(tmp, family), model)
+        for n, p in model.named_parameters():
+            assert torch.equal(_full(p.detach()), whole[_name(n)]), f"{family} built on meta: {n} not loaded"
+        got, want = logits_of(model, ids), logits_of(ref, ids)
+        assert _rel(got, want) <= 1e-2, f"{family} built on meta: logits off by {_rel(got, want):.3g}"
+
+
+SCENARIOS = {"four_ranks": four_ranks, "eight_ranks": eight_ranks, "built_on_meta": built_on_meta}
 
 
 def worker(rank: int, world: int, init_file: str, scenario: str, tmp: str) -> None:

@@ -1,13 +1,14 @@
 """``moe_fp8.parallel.parallelize`` (FSDP2 + expert parallelism on a DeviceMesh) on gloo, CPU.
 
-Two spawns (``fsdp_workers``): 4 ranks (dp_shard x ep = 2 x 2, 1 x 4, 4 x 1; own model, converted
+Three spawns (``fsdp_workers``): 4 ranks (dp_shard x ep = 2 x 2, 1 x 4, 4 x 1; own model, converted
 Qwen3-MoE and DeepSeek-V3; BF16 and FP8 dispatch; an ep rank without tokens; gradient
 accumulation; activation checkpointing + per-block compile; the FP8 weight cache; the FP8
 all-gather of the expert weights, bitwise against the same model without it; DCP save, resume
-in the same and in another layout) and 8 ranks (HSDP 2 x 2 x 2, DeepSeek-V3 at 2 x 4, and loading
-the 4-rank checkpoint: another world size). Then, in this process, the checkpoint loads into a
-single-process model and into the unconverted Hugging Face model's keys.
-"""
+in the same and in another layout), 8 ranks (HSDP 2 x 2 x 2, DeepSeek-V3 at 2 x 4, and loading
+the 4-rank checkpoint: another world size) and 2 ranks (the converted Hugging Face models'
+checkpoints loaded into models built, converted and parallelized on the meta device). Then, in
+this process, the checkpoint loads into a single-process model and into the unconverted Hugging
+Face model's keys."""
 
 import os
 
@@ -39,6 +40,10 @@ def test_four_ranks(checkpoint_dir):
 
 def test_eight_ranks_and_another_world_size(checkpoint_dir):
     _spawn("eight_ranks", 8, checkpoint_dir)
+
+
+def test_model_built_on_meta_loads_the_checkpoint(checkpoint_dir):
+    _spawn("built_on_meta", 2, checkpoint_dir)
 
 
 def test_checkpoint_loads_into_one_process(checkpoint_dir):
