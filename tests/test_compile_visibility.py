@@ -147,6 +147,32 @@ def test_fp8_linear_graph_holds_the_quantization_kernels():
     assert not any(cap.library_ops(g) for g in cap.graphs)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("which", ["fp8_moe", "fp8_linear_cached"])
+def test_token_counts_that_vary(which):
+    """Batches of other token counts: Dynamo recompiles once with a dynamic token count, which the
+    library's launches do not specialize (their block sizes guard ranges of counts: here 33-64, even,
+    not a multiple of 16), so later counts in that range reuse the graph; outputs and gradients equal
+    eager ones at every count, odd ones and counts below a group's size included."""
+    torch.manual_seed(6)
+    if which == "fp8_moe":
+        module = FP8MoE(H, I, E, K, recipe="rowwise", backend="triton").to(torch.bfloat16)
+    else:
+        module = FP8Linear(H, 48, dtype=torch.bfloat16, cache_weights=True)
+    torch._dynamo.reset()
+    cap = _Capture()
+    compiled = torch.compile(module, backend=cap.backend)
+    for i, tokens in enumerate((T, 40, 44, 58, 7, 9)):
+        x = torch.randn(tokens, H).bfloat16()
+        dy = torch.randn(tokens, module(x).shape[-1]).bfloat16()
+        want = _run(module, x, dy)
+        got = _run(module, x, dy, compiled)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), tokens
+        assert want[2].keys() == got[2].keys() and all(torch.equal(want[2][n], got[2][n]) for n in want[2])
+        if i == 3:
+            assert len(cap.graphs) == 4, "the static graph pair, then one dynamic pair for 40, 44 and 58"
+
+
 def _config(name: str):
     common = dict(hidden_size=H, moe_intermediate_size=I, num_experts_per_tok=K, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)

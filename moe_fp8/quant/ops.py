@@ -365,7 +365,7 @@ def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows, a_amax=None,
         check_tensor("padded_offs", padded_offs, dtypes=(torch.int32,), shape=(offs.numel(),))
         if padded_offs.device != a.device:
             raise ValueError(f"padded_offs: expected device {a.device}, got {padded_offs.device}")
-        if isinstance(padded_rows, bool) or not isinstance(padded_rows, int) or padded_rows < 0:
+        if isinstance(padded_rows, bool) or not isinstance(padded_rows, (int, torch.SymInt)) or padded_rows < 0:
             raise ValueError(f"padded_rows: expected a non-negative int, got {padded_rows!r}")
         rows_out = padded_rows
     return _format(fmt, a.device), rows_out

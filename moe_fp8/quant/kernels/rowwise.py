@@ -280,14 +280,14 @@ def _group_rowwise_amax_kernel(
 
 
 def rowwise_config(M: int, K: int, tile: int = TILE_ELEMENTS, num_warps: int | None = None) -> dict:
-    """Block sizes for ``M`` rows of ``K`` (static shapes only: never the token count's value).
+    """Block sizes for ``M`` rows of ``K`` (``M`` may be a traced size: ``next_power_of_2`` guards ranges).
 
     Returns ``BLOCK_M``, ``BLOCK_K``, ``SINGLE_PASS`` (constexprs) and ``num_warps``.
     """
     padded_k = next_power_of_2(max(K, 16))
     if padded_k <= MAX_SINGLE_PASS_K:
         block_k, single = padded_k, True
-        block_m = max(1, min(tile // block_k, next_power_of_2(M)))
+        block_m = max(1, next_power_of_2(M, cap=tile // block_k))
     else:
         block_k, single, block_m = TWO_PASS_BLOCK_K, False, max(1, tile // TWO_PASS_BLOCK_K)
     warps = num_warps or (8 if block_m * block_k > 8192 else 4)
