@@ -6,7 +6,8 @@ by their maker skip that, and the 16-row padded offsets of the weight gradient's
 (``padding.padded_offsets``: five kernels) are made once for every GEMM that shares them (an MoE
 layer's two). Eager mode only: under ``torch.compile`` nothing is registered or looked up (the
 compiler fuses those kernels and shares their results itself). A registration holds while the
-tensor lives and is not written in place (its version counter).
+tensor lives and is not written in place (its version counter). Inference tensors
+(``torch.inference_mode``) have no version counter: they are never registered, and take the checks.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ _VALID: WeakIdKeyDictionary = WeakIdKeyDictionary()  # offs -> [version, num_row
 def mark_valid(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Register ``offs`` (int32 end offsets, non-decreasing, ``offs[0] >= 0``, ``offs[-1] <=
     num_rows``: the caller guarantees it) and return it."""
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and not offs.is_inference():
         _VALID[offs] = [offs._version, num_rows, None]
     return offs
 
 
 def _entry(offs: torch.Tensor) -> list | None:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or offs.is_inference():
         return None
     entry = _VALID.get(offs)
     return entry if entry is not None and entry[0] == offs._version else None

@@ -32,6 +32,20 @@ def test_registration_holds_while_unchanged():
     assert valid_offsets.padded_once(offs, pad) is not first and len(calls) == 2
 
 
+def test_inference_tensors_are_not_registered():
+    """Under ``torch.inference_mode`` the plan's offsets are inference tensors, without a version
+    counter: not registered, so the layer takes the checks, and runs (it raised before)."""
+    ids = torch.tensor([[0, 2], [2, 1]])
+    with torch.inference_mode():
+        plan = make_dispatch_plan(ids, 3)
+        assert plan.offsets.is_inference() and not valid_offsets.is_valid(plan.offsets, plan.num_rows)
+        assert torch.equal(valid_offsets.padded_once(plan.offsets, padded_offsets), padded_offsets(plan.offsets))
+        torch.manual_seed(0)
+        moe = FP8MoE(32, 32, 4, 2, dtype=torch.bfloat16)
+        x = torch.randn(8, 32, dtype=torch.bfloat16)
+        assert torch.equal(moe(x), moe(x.clone()))
+
+
 def test_unregistered_offsets_are_still_checked():
     x, w = torch.randn(8, 16).bfloat16(), torch.randn(2, 16, 16).bfloat16()
     with pytest.raises(ValueError, match="offs: expected non-decreasing"):

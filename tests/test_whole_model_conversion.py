@@ -347,6 +347,37 @@ def test_hf_gradient_checkpointing_and_fp32_master_weights(family):
     assert abs(loss32.item() - results[0][0].item()) < 0.05 * abs(results[0][0].item())
 
 
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_inference_mode_evaluation_between_training_steps(family):
+    """An evaluation under ``torch.inference_mode`` (a forward and ``generate``) between training
+    steps fills the weight caches with inference tensors, which autograd cannot save: the next
+    training step misses them and trains exactly as a twin that never evaluated (it raised before)."""
+    model = _model(family, "v5")
+    hf.convert(model, min_dense_size=0, min_expert_size=0, cache_dense_weights=True)
+    twin = copy.deepcopy(model)
+    ids = _ids()
+    results = []
+    for m, evaluate in ((model, True), (twin, False)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            if evaluate:
+                m.eval()
+                with torch.inference_mode():
+                    m(ids)
+                    m.generate(ids[:1, :4], max_new_tokens=2, do_sample=False, pad_token_id=0)
+                m.train()
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        results.append([*losses, loss.detach(), *(p.grad for p in m.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_plain_model():
     torch.manual_seed(0)
     model = _Plain().to(torch.bfloat16)

@@ -31,6 +31,10 @@ while it is set an entry is served only under the stamp it was made with, whatev
 (the same values gathered again hit), and :meth:`refresh` leaves such entries alone (the unsharded
 storage is gone after the step; the next forward quantizes).
 
+Entries made under ``torch.inference_mode`` hold inference tensors, which autograd cannot save:
+they are served only under inference mode, and a forward outside it misses (and replaces them).
+Weights that are inference tensors themselves (made under inference mode) are never cached.
+
 Limitations: writes through ``p.data`` (a separate version counter, by PyTorch's design) are
 invisible; code that updates weights that way must call :meth:`Fp8WeightCache.invalidate`.
 
@@ -67,6 +71,7 @@ class _Entry:
     stamp: Hashable
     value: Quantized
     quantize: Callable[[torch.Tensor], Quantized] | None
+    inference: bool = False
 
 
 class _StandIn(torch.autograd.Function):
@@ -147,12 +152,12 @@ class Fp8WeightCache:
         """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``.
 
         For a :meth:`stand_in` of ``src``: the entry of ``src`` in ``w``'s dtype, else
-        ``quantize(src.to(w.dtype))``. During a CUDA graph capture: ``quantize`` (of ``src``), and
-        nothing stored or counted.
+        ``quantize(src.to(w.dtype))``. During a CUDA graph capture, or for a ``w`` that is an
+        inference tensor: ``quantize`` (of ``src``), and nothing stored or counted.
         """
         dtype = w.dtype
         w = getattr(w, "_fp8_cache_source", w)
-        if self.bypassed(w):  # see the module docstring
+        if self.bypassed(w) or w.is_inference():  # see the module docstring
             with torch.no_grad():
                 return tuple(quantize(w.detach().to(dtype)))
         anchor, slot = self._slot(w, dtype, key)
@@ -208,13 +213,16 @@ class Fp8WeightCache:
         return anchor, (id(anchor), dtype, tuple(w.shape), w.stride(), w.storage_offset(), key)
 
     def _valid(self, entry: _Entry, anchor: torch.Tensor, w: torch.Tensor) -> bool:
+        if entry.inference and not torch.is_inference_mode_enabled():
+            return False
         if entry.ref() is not anchor or entry.version != w._version or entry.stamp != self.source_stamp:
             return False
         return entry.stamp is not None or entry.data_ptr == w.data_ptr()
 
     def _store(self, anchor: torch.Tensor, w: torch.Tensor, slot: tuple, value: Quantized, quantize) -> None:
         ref = weakref.ref(anchor, _dropper(weakref.ref(self), slot))
-        self._entries[slot] = _Entry(ref, w.data_ptr(), w._version, self.source_stamp, value, quantize)
+        self._entries[slot] = _Entry(ref, w.data_ptr(), w._version, self.source_stamp, value, quantize,
+                                     any(t.is_inference() for t in value))
 
     def invalidate(self) -> None:
         """Drop every entry (after writing weights through ``.data``)."""
