@@ -378,6 +378,29 @@ def test_inference_mode_evaluation_between_training_steps(family):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_router_logits_and_load_balancing_loss(family):
+    """``output_router_logits=True`` (the load-balancing loss of Mixtral / Qwen3-MoE training): the
+    converted blocks hand Hugging Face the router logits, so with the dense linears as built (the
+    router sees the same hidden states) the auxiliary loss and its gradient in the router equal the
+    unconverted model's bit for bit (transformers 5.x records them from the router modules)."""
+    model = _model(family, "v5")
+    reference = copy.deepcopy(model)
+    hf.convert(model, dense=False, min_expert_size=0)
+    ids = _ids()
+    got = model(ids, labels=ids, output_router_logits=True)
+    want = reference(ids, labels=ids, output_router_logits=True)
+    assert got.aux_loss is not None and torch.equal(got.aux_loss, want.aux_loss)
+    got.aux_loss.backward()
+    want.aux_loss.backward()
+    routers = [n for n, m in reference.named_modules() if n.endswith((".gate", ".router")) and hasattr(m, "weight")]
+    assert routers
+    mine = dict(model.named_parameters())
+    for n in routers:
+        w = dict(reference.named_parameters())[f"{n}.weight"]
+        assert w.grad is not None and torch.equal(mine[f"{n}.weight"].grad, w.grad), n
+
+
 def test_plain_model():
     torch.manual_seed(0)
     model = _Plain().to(torch.bfloat16)
