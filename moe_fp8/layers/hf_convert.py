@@ -11,9 +11,13 @@ Supported blocks and what replaces what:
 | ``DeepseekV3MoE`` | same (router, shared experts untouched) | whole block -> ``FP8HFMoEBlock`` (returns ``out``) |
 | ``Llama4TextMoe`` | whole block -> ``FP8Llama4TextMoe`` sharing router, shared expert and weights, returns ``(out, logits)`` | same; before 4.54 (``nn.Linear`` router): ``(out, scores (E, T))`` |
 
+Any other transformers 5.x MoE block whose ``experts`` module declares standard SwiGLU experts
+(``hf_experts.standard_experts_issue``: Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V2, ERNIE 4.5, MiniMax,
+Phi-MoE, ...) has its ``experts`` swapped the same way, its routing left as it is.
+
 In 5.x the original router module stays and is called, so ``output_router_logits`` recording
-and aux losses keep working. Blocks are recognised by class name: ``transformers`` itself is
-never imported. Llama 4 in transformers from 4.54.0 until an upstream fix (around 4.56)
+and aux losses keep working. Blocks are recognised by class name and attributes: ``transformers``
+itself is never imported. Llama 4 in transformers from 4.54.0 until an upstream fix (around 4.56)
 multiplied the expert input by the router scores without transposing them; the converted block
 computes the fixed forward, so on those versions its output differs from the unconverted model's
 (checked on 4.54.0 only; the router logits are identical).
@@ -34,6 +38,7 @@ from .conversion_report import (
 )
 from .convert import MIN_DENSE_SIZE, check_conversion_args, check_size, convert_linears
 from .experts import FP8GroupedExperts
+from .hf_experts import standard_experts_issue
 from .fp8_linear import DENSE_RECIPES, FP8Linear, _check_dense_recipe
 from .hf_blocks import FP8HFMoEBlock, FP8Llama4TextMoe
 
@@ -43,6 +48,8 @@ MIN_EXPERT_SIZE = 1024
 MIN_BF16_EXPERT_SIZE = 512
 MIN_FP8_WGRAD_SIZE = 1024
 SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE", "Llama4TextMoe")
+#: the kind of a transformers 5.x block of another family with standard experts (``hf_experts``)
+_STANDARD = "standard 5.x experts"
 _CONVERTED = (FP8GroupedExperts, FP8Linear, FP8HFMoEBlock, FP8Llama4TextMoe)
 
 
@@ -57,9 +64,11 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     Mistral, any dense model) has its dense linears converted by the rules below; its report has
     ``moe_blocks == 0`` and says so.
 
-    * Experts: FP8 grouped GEMMs with ``recipe`` (``"bf16"``: the library's BF16 grouped path, for
-      A/B runs, and the dense linears are left untouched), ``backend`` / ``fmt`` / ``cache_weights``
-      as ``FP8GroupedExperts`` takes them. With an FP8 recipe, a block whose experts have
+    * Experts (the ``SUPPORTED_BLOCKS`` in either layout, and transformers 5.x blocks of any other
+      family whose experts are standard SwiGLU experts: ``hf_experts``): FP8 grouped GEMMs with
+      ``recipe`` (``"bf16"``: the library's BF16 grouped path, for A/B runs, and the dense linears
+      are left untouched), ``backend`` / ``fmt`` / ``cache_weights`` as ``FP8GroupedExperts`` takes
+      them. With an FP8 recipe, a block whose experts have
       ``min(hidden, expert hidden) < min_expert_size`` (default ``MIN_EXPERT_SIZE`` = 1024, from the
       whole-model step on one H200; 0 converts every size) runs on the library's BF16 grouped path
       instead (same weights, no FP8) when ``min(H, I) >= min_bf16_expert_size`` (default
@@ -82,9 +91,8 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       converted dense weights; off by default, for peak memory).
 
     ``model`` may also be a single block: the result is then the converted block (the same object
-    for transformers 5.x Mixtral / Qwen3-MoE / DeepSeek-V3 blocks, a new one otherwise). Raises
-    ``ValueError`` naming the class of a block that looks like an MoE block (has ``experts``) but is
-    not supported; when there is nothing to convert (no supported MoE block and no linear passing
+    for transformers 5.x blocks but Llama 4's, a new one otherwise). Raises ``ValueError`` naming the
+    class of a block that looks like an MoE block (has ``experts``) but is not supported, and why; when there is nothing to convert (no supported MoE block and no linear passing
     the dense rules: the message lists ``SUPPORTED_BLOCKS`` and, per module, the rule that kept it);
     and when ``model`` holds modules this library converted already (a model is converted once:
     convert a fresh copy to change recipe).
@@ -159,20 +167,39 @@ def _convert_blocks(model: nn.Module, opts: dict, rule: _SizeRule) -> int:
                 setattr(parent, name, new)
                 blocks += 1
     if blocks == 0:
-        found = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "experts")})
+        found = {type(m).__name__: _unsupported_why(m) for m in model.modules() if hasattr(m, "experts")}
         if found:
-            raise ValueError(f"model: unsupported MoE block class(es) {found}; supported: {SUPPORTED_BLOCKS}")
+            why = "; ".join(f"{name}: {reason}" for name, reason in sorted(found.items()))
+            raise ValueError(f"model: unsupported MoE block class(es) ({why}); supported: {SUPPORTED_BLOCKS} and "
+                             "transformers 5.x blocks of any family whose experts are standard SwiGLU experts")
     return blocks
+
+
+def _unsupported_why(block: nn.Module) -> str:
+    experts = block.experts
+    return standard_experts_issue(experts) if isinstance(experts, nn.Module) else "experts is not a module"
+
+
+def _block_kind(block: nn.Module) -> str | None:
+    """The block's kind: a ``SUPPORTED_BLOCKS`` name, ``_STANDARD``, or ``None`` (not convertible)."""
+    kind = type(block).__name__
+    if kind in SUPPORTED_BLOCKS:
+        return kind
+    experts = getattr(block, "experts", None)
+    if isinstance(experts, nn.Module) and standard_experts_issue(experts) is None:
+        return _STANDARD
+    return None
 
 
 def _convert_block(block: nn.Module, opts: dict, rule: _SizeRule) -> nn.Module | None:
     """The converted block (``block`` itself when converted in place or kept by the size rule), or
     ``None`` when ``block`` is not a supported MoE block. Experts below the size rule are recorded in
     ``rule.small``."""
-    kind = type(block).__name__
-    if kind not in SUPPORTED_BLOCKS:
+    kind = _block_kind(block)
+    if kind is None:
         return None
-    E, H, I = _expert_dims(block.experts, in_out=kind == "Llama4TextMoe")
+    in_out = kind == "Llama4TextMoe" or (kind == _STANDARD and bool(block.experts.is_transposed))
+    E, H, I = _expert_dims(block.experts, in_out=in_out)
     size = min(H, I)
     if size >= rule.min_size:
         recipe = opts["recipe"]
@@ -204,7 +231,8 @@ def _replace_experts(block: nn.Module, kind: str, opts: dict) -> nn.Module:
         return _llama4(block, opts)
     if isinstance(block.experts, nn.ModuleList):
         return _v4_block(block, kind, opts)
-    block.experts = _share_3d_experts(block.experts, opts)
+    in_out = kind == _STANDARD and bool(block.experts.is_transposed)
+    block.experts = _share_3d_experts(block.experts, opts, in_out=in_out)
     return block
 
 
