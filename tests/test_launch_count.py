@@ -42,6 +42,25 @@ def test_launch_count_of_a_forward_backward(recipe):
     )
 
 
+# FP8Linear (rowwise, 40 x 64 -> 48) forward+backward after a first step: (total, triton) kernels
+# without and with its weight cache: the cache saves the weight's two quantization launches (and
+# the zeroing of the forward layout's column amax)
+EXPECTED_DENSE = {False: (23, 5), True: (20, 3)}
+
+
+@pytest.mark.parametrize("cache_weights", sorted(EXPECTED_DENSE))
+def test_launch_count_of_a_dense_forward_backward(cache_weights):
+    from moe_fp8 import FP8Linear
+
+    torch.manual_seed(0)
+    lin = FP8Linear(64, 48, dtype=torch.bfloat16, cache_weights=cache_weights)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+    lin(x).float().sum().backward()
+    with count_launches() as n:
+        lin(x).float().sum().backward()
+    assert (n.total, n.triton) == EXPECTED_DENSE[cache_weights], sorted(n.ops.items())
+
+
 def test_counter_counts_kernels_not_views_or_allocations():
     x = torch.randn(8, 8)
     with count_launches() as n:
