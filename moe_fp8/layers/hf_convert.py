@@ -92,10 +92,11 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
 
     ``model`` may also be a single block: the result is then the converted block (the same object
     for transformers 5.x blocks but Llama 4's, a new one otherwise). Raises ``ValueError`` naming the
-    class of a block that looks like an MoE block (has ``experts``) but is not supported, and why; when there is nothing to convert (no supported MoE block and no linear passing
-    the dense rules: the message lists ``SUPPORTED_BLOCKS`` and, per module, the rule that kept it);
-    and when ``model`` holds modules this library converted already (a model is converted once:
-    convert a fresh copy to change recipe).
+    class of a block that looks like an MoE block (has ``experts``) but is not supported, and why;
+    when there is nothing to convert (no supported MoE block and no linear passing the dense rules:
+    the message lists ``SUPPORTED_BLOCKS`` and, per module, the rule that kept it); and when
+    ``model`` holds modules this library converted already (a model is converted once: convert a
+    fresh copy to change recipe).
     """
     check_conversion_args(model, filter_fn, min_dense_size)
     check_size("min_expert_size", min_expert_size)
@@ -119,7 +120,8 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     model = convert_linears(model, report, recipe=linear_recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
                             fmt=fmt, keep_reason=keep, expert_rules=rule.applied, cache_weights=cache_dense_weights)
     if blocks == 0 and FP8_LINEAR not in report.counts():  # nothing was changed
-        raise ValueError(f"model: nothing to convert: no MoE block found (supported: {', '.join(SUPPORTED_BLOCKS)}) "
+        raise ValueError(f"model: nothing to convert: no MoE block found (supported: {', '.join(SUPPORTED_BLOCKS)}, "
+                         "and 5.x blocks of any family with standard SwiGLU experts) "
                          f"and no linear passed the dense rules; per module, what kept it:\n{report.table()}")
     model.fp8_conversion_report = report
     return model
