@@ -280,26 +280,33 @@ def check_layer(group, world: int, rank: int, dispatch: str, E: int) -> None:
     torch.testing.assert_close(router, g_all["router.weight"].float(), rtol=2e-2, atol=2e-3, msg=tag)
 
 
-def check_hf_model(group, world: int, rank: int, dispatch: str) -> None:
-    """A converted Hugging Face Qwen3-MoE model sharded by ``shard_experts`` == the converted model on
-    every rank's tokens (logits and expert gradients, up to the per-rank rounding of the partial
-    sums); bad arguments raise ``ValueError``."""
+def check_hf_model(group, world: int, rank: int, dispatch: str, family: str = "qwen3_moe") -> None:
+    """A converted Hugging Face model (Qwen3-MoE, or OLMoE: a family converted through its standard
+    experts) sharded by ``shard_experts`` == the converted model on every rank's tokens (logits and
+    expert gradients, up to the per-rank rounding of the partial sums); bad arguments raise
+    ``ValueError``. A family this transformers lacks is skipped."""
     import transformers  # noqa: PLC0415  (an optional dependency, installed for the tests)
 
     from moe_fp8 import hf  # noqa: PLC0415
 
     torch.manual_seed(7)
-    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
-                                      num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
-    full = hf.convert(transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16), backend=BACKEND, min_expert_size=0,
-                      min_fp8_wgrad_size=0)
+    sizes = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                 norm_topk_prob=True, head_dim=16, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=96)
+    if family == "olmoe":
+        sizes["intermediate_size"] = 32
+    try:
+        cfg = transformers.AutoConfig.for_model(family, **sizes)
+    except (KeyError, ValueError):
+        return
+    full = hf.convert(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16), backend=BACKEND,
+                      min_expert_size=0, min_fp8_wgrad_size=0)
     ep = shard_experts(copy.deepcopy(full), group, dispatch)
     gen = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 96, (2 * world, 8), generator=gen)
     dy = torch.randn(2 * world, 8, 96, generator=gen)
     a, b = 2 * rank, 2 * rank + 2
-    tag = f"world={world} rank={rank} hf {dispatch}"
+    tag = f"world={world} rank={rank} hf {family} {dispatch}"
     if dispatch == "fp8":  # what FP8 dispatch implies for the reference
         for m in full.modules():
             if isinstance(m, FP8GroupedExperts):
@@ -419,6 +426,7 @@ def worker(rank: int, world: int, init_file: str) -> None:
         if rank < w and w in (2, 4):  # Qwen3-MoE's 8 experts over 2 and 4 ranks
             check_hf_model(group, w, rank, "bf16" if w == 2 else "fp8")
         if rank < w == 2:
+            check_hf_model(group, w, rank, "fp8", "olmoe")
             check_checkpoint(group, w, rank, "bf16")
             check_experts(group, w, rank, "bf16")
             check_experts(group, w, rank, "rowwise_gw_hp")  # what hf.convert gives small FP8 experts
