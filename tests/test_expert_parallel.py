@@ -3,7 +3,8 @@
 The scenarios (``ep_workers``) run inside one spawn of 4 processes: uniform routing with a dropped
 pair, every token to one rank, a rank with no tokens, every rank but one empty; BF16 and FP8
 dispatch; the identity round trip; two runs bitwise equal; FP8 rows as received == quantized
-after receipt; the full FP8MoE (router, shared expert) sharded. A hang fails by the gloo timeout.
+after receipt; the full FP8MoE (router, shared expert) sharded; converted Hugging Face Qwen3-MoE and
+OLMoE models sharded. A hang fails by the gloo timeout.
 """
 
 import json
