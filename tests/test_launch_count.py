@@ -42,14 +42,7 @@ def test_launch_count_of_a_forward_backward(recipe):
     )
 
 
-# FP8Linear (rowwise, 40 x 64 -> 48) forward+backward after a first step: (total, triton) kernels
-# without and with its weight cache: the cache saves the weight's two quantization launches (and
-# the zeroing of the forward layout's column amax)
-EXPECTED_DENSE = {False: (23, 5), True: (20, 3)}
-
-
-@pytest.mark.parametrize("cache_weights", sorted(EXPECTED_DENSE))
-def test_launch_count_of_a_dense_forward_backward(cache_weights):
+def _dense_count(cache_weights: bool):
     from moe_fp8 import FP8Linear
 
     torch.manual_seed(0)
@@ -58,7 +51,17 @@ def test_launch_count_of_a_dense_forward_backward(cache_weights):
     lin(x).float().sum().backward()
     with count_launches() as n:
         lin(x).float().sum().backward()
-    assert (n.total, n.triton) == EXPECTED_DENSE[cache_weights], sorted(n.ops.items())
+    return n
+
+
+def test_dense_weight_cache_saves_three_kernels():
+    """An FP8Linear (rowwise, 40 x 64 -> 48) forward+backward after a first step: with its weight cache
+    hitting, the weight's two quantization launches (5 -> 3 Triton launches) and the zeroing of its
+    column amax are gone (23 -> 20 kernels with torch 2.13's CPU ``_scaled_mm``; the stand-in GEMM of
+    older torch launches more torch ops, as many either way)."""
+    plain, cached = _dense_count(False), _dense_count(True)
+    assert (plain.triton, cached.triton) == (5, 3), (sorted(plain.ops.items()), sorted(cached.ops.items()))
+    assert plain.total - cached.total == 3, (sorted(plain.ops.items()), sorted(cached.ops.items()))
 
 
 def test_counter_counts_kernels_not_views_or_allocations():
