@@ -222,7 +222,7 @@ def checkpoint_round_trip(tmp: str, recipe: str = "rowwise") -> None:
     AdamW) to ``tmp/step3``, 2 more steps; a model with other values in every parameter loads it on
     the same layout and its 2 steps equal the uninterrupted ones bit for bit (no FP8 copy of the
     old weights survives the load); (dp_shard 4, ep 1) resumes too (:func:`resume`)."""
-    rank, dp = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     data = resume_data()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
