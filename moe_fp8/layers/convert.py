@@ -95,8 +95,8 @@ def convert_linears(model: nn.Module, report: ConversionReport, *, recipe, filte
     that pass every rule (none when ``keep_reason`` is given: all are kept for that reason).
     ``expert_rules`` maps the ``id`` of experts an expert size rule changed to ``(rule, why)``: the
     ``FP8GroupedExperts`` made for them (the detail says which rule and why), or the experts left as
-    they were (recorded as kept for that rule, not entered); ``cache_weights``: ``FP8Linear``'s. Returns ``model``, or its replacement
-    when ``model`` itself is a converted ``nn.Linear``."""
+    they were (recorded as kept for that rule, not entered); ``cache_weights``: ``FP8Linear``'s.
+    Returns ``model``, or its replacement when ``model`` itself is a converted ``nn.Linear``."""
     if not isinstance(cache_weights, bool):
         raise TypeError(f"cache_weights: expected a bool, got {type(cache_weights).__name__}")
     ctx = dict(report=report, recipe=recipe, filter_fn=filter_fn, min_size=min_dense_size, fmt=fmt,

@@ -6,7 +6,7 @@ Under gradient accumulation ``FP8Linear`` quantizes the same ``W (N, K)`` in eve
 (``Fp8WeightCache``), so an optimizer step or any in-place write misses. Memory: both FP8 layouts,
 as many bytes as a BF16 copy of the weight, held from the first micro-batch on.
 
-Eagerly, :func:`cached_weight_layouts` looks the layouts up in the module's cache. Under
+Eagerly, :func:`cached_dense_layouts` looks the layouts up in the module's cache. Under
 ``torch.compile`` an FP8 copy cannot outlive one call of a compiled graph (``compiled_cache``), so
 the lookup and the GEMM are one opaque op, :func:`dense_mm_cached_weight`
 (``moe_fp8::dense_mm_cached_weight``), on the process-wide compiled cache; it takes the parameter
@@ -26,10 +26,10 @@ from ..quant.formats import Float8Format, resolve_format
 from .dense_quant import weight_dgrad_layout, weight_forward_layout, weight_layouts
 from .scaled_mm import scaled_mm
 
-__all__ = ["cached_weight_layouts", "dense_mm_cached_weight"]
+__all__ = ["cached_dense_layouts", "dense_mm_cached_weight"]
 
 
-def cached_weight_layouts(cache: Fp8WeightCache, weight: Tensor, scaling: str, fmt: Float8Format, pow2: bool,
+def cached_dense_layouts(cache: Fp8WeightCache, weight: Tensor, scaling: str, fmt: Float8Format, pow2: bool,
                           kernels: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``weight_layouts(weight, ...)`` from ``cache`` (quantized on a miss); ``weight`` is ``(N, K)``, the
     parameter or its ``cache.stand_in``."""
@@ -47,7 +47,7 @@ def _dense_mm_cached_weight(a: Tensor, scale_a: Tensor, param: Tensor, dgrad: bo
         else:
             q, s, _ = weight_forward_layout(w, scaling, f, pow2, kernels, with_amax=False)
     else:
-        q_fwd, s_fwd, q_bwd, s_bwd = cached_weight_layouts(compiled_weight_cache(), param, scaling, f, pow2, kernels)
+        q_fwd, s_fwd, q_bwd, s_bwd = cached_dense_layouts(compiled_weight_cache(), param, scaling, f, pow2, kernels)
         q, s = (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
     return scaled_mm(a, scale_a, q, s, out_dtype, fast_accum)
 

@@ -43,7 +43,7 @@ from ..quant.kernels.rowwise import col_amax_fits
 from ..quant.recipes import Float8Recipe, get_recipe
 from .dense_quant import ALIGN, quantize_cols_t, quantize_rows, transposed_padded, weight_dgrad_layout, \
     weight_forward_layout
-from .dense_weight_cache import cached_weight_layouts, dense_mm_cached_weight
+from .dense_weight_cache import cached_dense_layouts, dense_mm_cached_weight
 from .param_checks import check_parameters
 from .scaled_mm import scaled_mm
 
@@ -104,7 +104,7 @@ class _FP8LinearFn(torch.autograd.Function):
                                          True)
         else:
             if cache is not None:  # the dgrad layout rides on ctx: the cache holds it anyway
-                w_q, w_s, *ctx.w_dgrad = cached_weight_layouts(cache, weight, recipe.scaling, fmt, pow2, kernels)
+                w_q, w_s, *ctx.w_dgrad = cached_dense_layouts(cache, weight, recipe.scaling, fmt, pow2, kernels)
             else:  # W's column amax for the dgrad from the same read, where a dgrad follows
                 w_q, w_s, w_amax = weight_forward_layout(weight, recipe.scaling, fmt, pow2, kernels,
                                                          with_amax=ctx.needs_input_grad[0])
@@ -283,22 +283,21 @@ class FP8Linear(nn.Linear):
         check_parameters(self, x)
         weight, bias = self.weight, self.bias
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        cache = self._cache if self._reads_cache(weight, x, dtype) else None
+        cache = self._cache if self._reads_cache(weight, dtype) else None
         if dtype != x.dtype:
             x = x.to(dtype)
         if weight.dtype != dtype:
             weight = weight.to(dtype) if cache is None else cache.stand_in(weight, dtype)
         return fp8_linear(x, weight, bias, recipe=self.recipe, fmt=self.fmt, weight_cache=cache)
 
-    def _reads_cache(self, weight: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Whether the GEMMs read the weight through the cache: FP8 recipes, not while a CUDA graph
-        is captured, not for weights FSDP gathers (the gathered tensor keeps its identity and version
-        counter across optimizer steps). Under ``torch.compile``: a weight in the GEMMs' dtype."""
+    def _reads_cache(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether the GEMMs read the weight through the cache: FP8 recipes, not for weights FSDP
+        gathers (the gathered tensor keeps its identity and version counter across optimizer steps).
+        Under ``torch.compile``: a weight in the GEMMs' dtype. (``fp8_linear`` leaves the cache alone
+        while a CUDA graph is captured.)"""
         if self._cache is None or not self.recipe.is_fp8 or getattr(self, "_is_fsdp_managed_module", False):
             return False
-        if torch.compiler.is_compiling():
-            return weight.dtype == dtype
-        return not Fp8WeightCache.bypassed(x)
+        return weight.dtype == dtype or not torch.compiler.is_compiling()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, cache_weights={self.cache_weights}"

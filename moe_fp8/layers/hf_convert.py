@@ -38,9 +38,9 @@ from .conversion_report import (
 )
 from .convert import MIN_DENSE_SIZE, check_conversion_args, check_size, convert_linears
 from .experts import FP8GroupedExperts
-from .hf_experts import standard_experts_issue
 from .fp8_linear import DENSE_RECIPES, FP8Linear, _check_dense_recipe
 from .hf_blocks import FP8HFMoEBlock, FP8Llama4TextMoe
+from .hf_experts import is_silu, standard_experts_issue
 
 __all__ = ["MIN_BF16_EXPERT_SIZE", "MIN_EXPERT_SIZE", "MIN_FP8_WGRAD_SIZE", "SUPPORTED_BLOCKS", "convert"]
 
@@ -195,13 +195,12 @@ def _block_kind(block: nn.Module) -> str | None:
 
 def _convert_block(block: nn.Module, opts: dict, rule: _SizeRule) -> nn.Module | None:
     """The converted block (``block`` itself when converted in place or kept by the size rule), or
-    ``None`` when ``block`` is not a supported MoE block. Experts below the size rule are recorded in
-    ``rule.small``."""
+    ``None`` when ``block`` is not a supported MoE block. Experts a size rule changed are recorded in
+    ``rule.applied``."""
     kind = _block_kind(block)
     if kind is None:
         return None
-    in_out = kind == "Llama4TextMoe" or (kind == _STANDARD and bool(block.experts.is_transposed))
-    E, H, I = _expert_dims(block.experts, in_out=in_out)
+    E, H, I = _expert_dims(block.experts, in_out=_in_out(block, kind))
     size = min(H, I)
     if size >= rule.min_size:
         recipe = opts["recipe"]
@@ -233,9 +232,13 @@ def _replace_experts(block: nn.Module, kind: str, opts: dict) -> nn.Module:
         return _llama4(block, opts)
     if isinstance(block.experts, nn.ModuleList):
         return _v4_block(block, kind, opts)
-    in_out = kind == _STANDARD and bool(block.experts.is_transposed)
-    block.experts = _share_3d_experts(block.experts, opts, in_out=in_out)
+    block.experts = _share_3d_experts(block.experts, opts, in_out=_in_out(block, kind))
     return block
+
+
+def _in_out(block: nn.Module, kind: str) -> bool:
+    """Whether the block's 3D expert weights are stored transposed (Llama 4's ``(E, H, 2I)``)."""
+    return kind == "Llama4TextMoe" or (kind == _STANDARD and bool(block.experts.is_transposed))
 
 
 def _expert_dims(experts: nn.Module, *, in_out: bool) -> tuple[int, int, int]:
@@ -252,7 +255,7 @@ def _expert_dims(experts: nn.Module, *, in_out: bool) -> tuple[int, int, int]:
 
 def _check_act(module: nn.Module, where: str) -> None:
     act = getattr(module, "act_fn", None)
-    if act is not None and not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
+    if act is not None and not is_silu(act):
         raise ValueError(f"{where}: only SiLU (SwiGLU) experts are supported, got {type(act).__name__}")
 
 

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["standard_experts_issue"]
+__all__ = ["is_silu", "standard_experts_issue"]
+
+
+def is_silu(act) -> bool:
+    """Whether the activation module ``act`` is SiLU (torch's, or transformers' ``SiLUActivation``)."""
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
 def standard_experts_issue(experts: nn.Module) -> str | None:
@@ -36,7 +41,7 @@ def standard_experts_issue(experts: nn.Module) -> str | None:
         if failed:
             return why
     act = getattr(experts, "act_fn", None)
-    if not (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")):
+    if not is_silu(act):
         return f"activation {type(act).__name__} (SiLU only)"
     w1, w2 = experts.gate_up_proj, experts.down_proj
     if not (isinstance(w1, nn.Parameter) and isinstance(w2, nn.Parameter) and w1.dim() == w2.dim() == 3):

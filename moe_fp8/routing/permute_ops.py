@@ -155,7 +155,8 @@ def _(x, pair_to_row, row_to_pair, pad_rows, top_k, fmt, pow2):
 
 
 # --- public API ---------------------------------------------------------------------------------
-def _check(x: torch.Tensor, plan: DispatchPlan) -> None:
+def _checked(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """``x`` after checking it against ``plan``, with unit stride along H (the kernel's layout)."""
     check_tensor("x", x, dtypes=HIGH_PRECISION_DTYPES, ndim=2)
     if not isinstance(plan, DispatchPlan):
         raise TypeError(f"plan: expected DispatchPlan, got {type(plan).__name__}")
@@ -165,6 +166,7 @@ def _check(x: torch.Tensor, plan: DispatchPlan) -> None:
         )
     if plan.pair_to_row.device != x.device:
         raise ValueError(f"plan: expected tensors on {x.device} like x, got {plan.pair_to_row.device}")
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
@@ -176,8 +178,7 @@ def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     Returns:
         ``(M, H)`` in ``x.dtype``: row ``r`` is ``x[plan.row_to_pair[r] // k]``; padding rows 0.
     """
-    _check(x, plan)
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = _checked(x, plan)
     return _permute_op(x, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, plan.top_k)
 
 
@@ -196,9 +197,8 @@ def permute_quantize(
         ``q`` ``(M, H)`` fp8 row-major and ``scale`` ``(M,)`` fp32 dequantization scales; padding
         rows are 0 with ``scale = padding_scale(fmt, pow2)`` (the scale of an all-zero row).
     """
-    _check(x, plan)
+    x = _checked(x, plan)
     f = resolve_format(fmt, x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
     return _permute_quantize_op(x, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, plan.top_k, f.name, pow2)
 
 
@@ -208,8 +208,7 @@ def permute_with_fp8(
     """``(permute(x, plan), permute_quantize(x, plan, fmt, pow2=pow2))`` from one launch that reads each
     token row once; the first is differentiable (as :func:`permute`), the FP8 pair is not. Same
     arguments and bytes as the two calls."""
-    _check(x, plan)
+    x = _checked(x, plan)
     f = resolve_format(fmt, x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
     rows, q, scale = _permute_both_op(x, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, plan.top_k, f.name, pow2)
     return rows, (q, scale)
