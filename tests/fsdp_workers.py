@@ -273,7 +273,8 @@ def resume(tmp: str, mesh_shape: tuple, names: tuple, recipe: str = "rowwise") -
 def cache_never_stale() -> None:
     """With and without the FP8 weight cache, 3 AdamW steps (lr 0.05: a stale FP8 copy would be far
     off) of 2 micro-batches on (dp_shard 2, ep 2): outputs and parameters bitwise equal throughout;
-    each entry misses once per step and hits at the second micro-batch (its weights gathered anew)."""
+    each entry misses once per step and hits at the second micro-batch (its weights gathered anew),
+    except in the first step, whose first micro-batch keeps nothing (two misses)."""
     rank, dp = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
     models = [parallelize(tiny_lm("rowwise"), mesh, cache_weights=c) for c in (True, False)]
@@ -292,11 +293,12 @@ def cache_never_stale() -> None:
                 (lm_loss(logits, ids) / 2).backward()
                 outs.append(logits.detach())
             assert torch.equal(*outs), f"cache: step {s} micro-batch {a}: logits differ from the uncached model"
-        assert sum(c.misses for c in caches) - misses == len(caches), f"cache: step {s}: expected one miss per entry"
+        want = len(caches) * (2 if s == 0 else 1)
+        assert sum(c.misses for c in caches) - misses == want, f"cache: step {s}: expected {want} misses"
         for o in opts:
             o.step()
             o.zero_grad()
-    assert all(c.hits == 3 for c in caches), f"cache: expected a hit at each step's second micro-batch: {caches}"
+    assert all(c.hits == 2 for c in caches), f"cache: expected a hit at the second micro-batch of steps 2, 3: {caches}"
     for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(_full(p.detach()), _full(q.detach())), f"cache: {n} differs from the uncached model"
 

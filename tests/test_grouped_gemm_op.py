@@ -210,17 +210,22 @@ def test_long_rows_take_no_group_amax(monkeypatch, long_rows):
 
 # ----------------------------------------------------------------------------- weight cache
 def test_weight_cache_hits_and_matches_uncached():
+    """Micro-batches of one weight state: the first keeps nothing (without a second its copies would
+    never be read again), the second keeps both layouts, the third hits; bit-equal to uncached."""
     x, w, g, offs = make_inputs(48, 32, 16, 2, 48, "skewed", seed=11)
+    E, N, K = w.shape  # rowwise: two fp8 layouts + (E, N), (E, K) scales; tensorwise: two + (E,) twice
+    rowwise, tensorwise = 2 * E * N * K + 4 * E * (N + K), 2 * E * N * K + 4 * 2 * E
     cache = Fp8WeightCache()
     want = run(x, w, g, offs, backend="emulated")
-    for _ in range(3):  # three micro-batches
+    for i in range(3):  # three micro-batches
         got = run(x, w, g, offs, backend="emulated", weight_cache=cache)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert (cache.misses, cache.hits) == (1, 2)
-    run(x, w, g, offs, recipe="tensorwise", backend="emulated", weight_cache=cache)
-    assert cache.misses == 2 and len(cache) == 2  # separate entry per quantization settings
-    E, N, K = w.shape  # rowwise: two fp8 layouts + (E, N), (E, K) scales; tensorwise: two + (E,) twice
-    assert cache.nbytes == (2 * E * N * K + 4 * E * (N + K)) + (2 * E * N * K + 4 * 2 * E)
+        assert cache.nbytes == (0 if i == 0 else rowwise)
+    assert (cache.misses, cache.hits) == (2, 1)
+    for _ in range(2):
+        run(x, w, g, offs, recipe="tensorwise", backend="emulated", weight_cache=cache)
+    assert cache.misses == 4 and len(cache) == 2  # separate entry per quantization settings
+    assert cache.nbytes == rowwise + tensorwise
 
 
 @pytest.mark.parametrize("recipe", [pytest.param("rowwise", marks=needs_interpreter), "tensorwise", "blockwise"])
@@ -236,7 +241,7 @@ def test_cached_weight_gemm_off_the_default_stream(monkeypatch, recipe, transpos
     quantized = dict(fwd=quant_seam.quantize_activation(x, rec.scaling, E4M3FN, False, True),
                      dgrad=quant_seam.quantize_activation(g, rec.scaling, E4M3FN, False, True))
     args = lambda dgrad: (backend, *quantized["dgrad" if dgrad else "fwd"], param, transposed, offs,  # noqa: E731
-                          torch.bfloat16, dgrad, rec.scaling, "e4m3fn", False, True)
+                          torch.bfloat16, dgrad, rec.scaling, "e4m3fn", False, True, True)
     cache = compiled_cache.compiled_weight_cache()
     want = [compiled_cache.mm_2d3d_cached_weight(*args(dgrad)) for dgrad in (False, True)]
     entries = len(cache)
@@ -250,6 +255,42 @@ def test_cached_weight_gemm_off_the_default_stream(monkeypatch, recipe, transpos
     got = [compiled_cache.mm_2d3d_cached_weight(*args(dgrad)) for dgrad in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and entries > 0 and len(cache) == 0
     assert calls == [("layout", "fwd"), ("layout", "dgrad")]  # never both layouts for one GEMM
+
+
+@pytest.mark.parametrize("recipe", [pytest.param("rowwise", marks=needs_interpreter), "tensorwise"])
+def test_cached_weight_gemm_keeps_layouts_where_read_again(monkeypatch, recipe):
+    """The compiled graph's cached GEMM op on the default stream, three forward + dgrad pairs on one
+    weight state: the first keeps no layout (its forward quantizes the forward layout and, rowwise,
+    leaves the dgrad layout's amax, from which its dgrad quantizes), the second keeps both, the
+    third quantizes nothing; every GEMM gives the bytes of the GEMM on quantize_weight's layouts."""
+    backend = "triton" if recipe == "rowwise" else "emulated"
+    x, w, g, offs = make_inputs(48, 32, 48, 3, 45, "skewed", seed=15)
+    param, rec = w.detach().clone(), get_recipe(recipe)
+    act = [quant_seam.quantize_activation(t, rec.scaling, E4M3FN, False, True) for t in (x, g)]
+    layouts = quant_seam.quantize_weight(param, rec.scaling, E4M3FN, False, True)
+    want = [compiled_cache.lib.mm_2d3d(backend, *act[0], *layouts[:2], offs, torch.bfloat16),
+            compiled_cache.lib.mm_2d3d(backend, *act[1], *layouts[2:], offs, torch.bfloat16)]
+    calls = []
+    for name in ("quantize_weight", "quantize_weight_layout", "quantize_weight_forward_layout",
+                 "quantize_weight_dgrad_layout"):
+        real = getattr(quant_seam, name)
+        monkeypatch.setattr(quant_seam, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    cache = compiled_cache.compiled_weight_cache()
+    made, held = [], []
+    for _ in range(3):
+        calls.clear()
+        got = [compiled_cache.mm_2d3d_cached_weight(backend, *act[dgrad], param, False, offs, torch.bfloat16, bool(dgrad),
+                                                    rec.scaling, "e4m3fn", False, True, True) for dgrad in (0, 1)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        made.append(list(calls))
+        held.append(cache.nbytes_of([param]))
+    E, N, K = param.shape
+    if recipe == "rowwise":
+        assert made[0] == ["quantize_weight_forward_layout", "quantize_weight_dgrad_layout"]
+    else:
+        assert made[0] == ["quantize_weight_layout", "quantize_weight_layout"]
+    assert made[1:] == [["quantize_weight"], []]
+    assert held[0] == (4 * E * K if recipe == "rowwise" else 0) and held[1] == held[2] >= 2 * E * N * K
 
 
 def _saved_for_backward(fn) -> list[tuple[tuple, torch.dtype]]:
@@ -303,7 +344,7 @@ def test_transposed_view_weights_match_contiguous(recipe, backend):
         cache = Fp8WeightCache()
         for _ in range(3):  # a new view object every call, as a module makes it
             fp8_grouped_mm(x, storage.transpose(1, 2), offs, recipe=recipe, backend=backend, weight_cache=cache)
-        assert (cache.misses, cache.hits) == (1, 2)
+        assert (cache.misses, cache.hits) == (2, 1)  # the first call keeps nothing
 
 
 def test_weight_cache_invalidated_by_in_place_update():

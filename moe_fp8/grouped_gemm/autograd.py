@@ -105,8 +105,9 @@ class FP8GroupedMM(torch.autograd.Function):
     (:func:`dequantize_rows`); ``x`` is then never read. ``save_w`` (only
     with ``scaling="rowwise"`` and ``w_quant=None``): save ``w`` (and its amax over N) and quantize
     its dgrad layout in backward instead of saving that layout from forward. ``cached`` (FP8
-    recipes, ``w_quant=None``, a plain ``w``): ``None``, or whether ``w`` is the transposed view of
-    the parameter whose FP8 layouts :func:`.compiled_cache.mm_2d3d_cached_weight` reads.
+    recipes, ``w_quant=None``, a plain ``w``): ``None``, or ``(transposed, training)``: whether ``w`` is
+    the transposed view of the parameter whose FP8 layouts :func:`.compiled_cache.mm_2d3d_cached_weight`
+    reads, and whether the forward runs with gradients.
     """
 
     @staticmethod
@@ -126,7 +127,7 @@ class FP8GroupedMM(torch.autograd.Function):
         ctx.w_operands = None
         ctx.cached = cached
         if cached is not None:  # the parameter itself: the GEMMs read its FP8 layouts from the cache
-            param = w.transpose(1, 2) if cached else w
+            param = w.transpose(1, 2) if cached[0] else w
             q_fwd, s_fwd, q_bwd, s_bwd = param, None, param, None
         elif ctx.w_saved:
             q_fwd, s_fwd, col_amax = lib.quantize_weight_forward_layout(w, fmt, pow2, fused)
@@ -155,8 +156,8 @@ class FP8GroupedMM(torch.autograd.Function):
         else:
             xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused, _routed_rows(offs, scaling))
         if cached is not None:
-            out = mm_2d3d_cached_weight(backend, xq, xs, q_fwd, cached, offs, out_dtype, False, scaling, fmt, pow2,
-                                        fused)
+            out = mm_2d3d_cached_weight(backend, xq, xs, q_fwd, cached[0], offs, out_dtype, False, scaling, fmt, pow2,
+                                        fused, cached[1])
         else:
             out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
         ctx.x_dtype = x.dtype
@@ -217,8 +218,8 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     elif ctx.w_operands is not None:
         q_bwd, s_bwd = ctx.w_operands.get("dgrad", ctx.w_dtype, ctx.fmt, ctx.pow2)
     if ctx.cached is not None:
-        dx = mm_2d3d_cached_weight(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, ctx.cached, offs, ctx.x_dtype, True,
-                                   ctx.scaling, ctx.fmt, ctx.pow2, fused)
+        dx = mm_2d3d_cached_weight(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, ctx.cached[0], offs, ctx.x_dtype, True,
+                                   ctx.scaling, ctx.fmt, ctx.pow2, fused, ctx.cached[1])
         return dx, g_fp8
     return lib.mm_2d3d(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, s_bwd, offs, ctx.x_dtype), g_fp8
 

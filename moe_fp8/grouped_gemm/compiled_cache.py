@@ -6,7 +6,12 @@ it. So the cache lookup and the GEMM are one opaque op, and the FP8 copy never l
 takes the parameter itself (at run time the real tensor, whose identity and version counter tell
 an optimizer step apart, exactly as in eager mode), serves both layouts from the process-wide
 :func:`compiled_weight_cache` (quantizing on a miss, with the settings of the eager cache), and runs
-``mm_2d3d`` on the forward layout (``dgrad=False``) or the dgrad layout (``dgrad=True``).
+``mm_2d3d`` on the forward layout (``dgrad=False``) or the dgrad layout (``dgrad=True``). The
+forward's call keeps the layouts where ``Fp8WeightCache.serve``'s rules say they will be read again
+(``training``: the traced forward runs with gradients, a static argument since the op itself runs
+with them off); where it keeps nothing it quantizes the forward layout and leaves the dgrad layout's
+amax in the cache's record, and the backward's call quantizes the dgrad layout from it, the bytes
+of the uncached path.
 
 A weight stored transposed (Llama 4's ``(E, K, N)``) is passed as the parameter with
 ``transposed=True``, never as a view: a view reaches an Inductor graph's ops as a new alias whose
@@ -40,22 +45,43 @@ def compiled_weight_cache() -> Fp8WeightCache:
     return _CACHE
 
 
-def cached_weight_layouts(cache: Fp8WeightCache, w: Tensor, scaling: str, fmt: str, pow2: bool,
-                          fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``quantize_weight``'s ``(q_fwd, s_fwd, q_bwd, s_bwd)`` of ``w (E, N, K)`` from ``cache``,
-    keyed on these settings (quantized on a miss)."""
-    return cache.get(w, (scaling, fmt, pow2, fused), lambda t: lib.quantize_weight(t, scaling, fmt, pow2, fused))
+def cached_weight_layouts(cache: Fp8WeightCache, w: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
+                          training: bool) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """``quantize_weight``'s ``(q_fwd, s_fwd, q_bwd, s_bwd)`` of ``w (E, N, K)`` from ``cache``, keyed on
+    these settings, for a forward (``training``: with gradients); ``None`` where the cache keeps
+    nothing for it (``Fp8WeightCache.serve``): the caller quantizes ``w`` itself."""
+    return cache.serve(w, _key(scaling, fmt, pow2, fused),
+                       lambda t: lib.quantize_weight(t, scaling, fmt, pow2, fused), training)
+
+
+def _key(scaling: str, fmt: str, pow2: bool, fused: bool) -> tuple:
+    return scaling, fmt, pow2, fused
 
 
 def _mm_2d3d_cached_weight(backend: str, a: Tensor, scale_a: Tensor, param: Tensor, transposed: bool, offs: Tensor,
                            out_dtype: torch.dtype, dgrad: bool, scaling: str, fmt: str, pow2: bool,
-                           fused: bool) -> Tensor:
+                           fused: bool, training: bool) -> Tensor:
     w = param.transpose(1, 2) if transposed else param
+    f = resolve_format(fmt)
     if off_default_stream(w):
-        q, s = quant_seam.quantize_weight_layout(w.detach(), scaling, resolve_format(fmt), pow2, fused, dgrad)
+        q, s = quant_seam.quantize_weight_layout(w.detach(), scaling, f, pow2, fused, dgrad)
+    elif dgrad:  # what the forward kept, or the amax it left, or nothing
+        value, aux = _CACHE.held(w, _key(scaling, fmt, pow2, fused))
+        if value:
+            q, s = value[2:]
+        elif aux:
+            q, s = quant_seam.quantize_weight_dgrad_layout(w.detach(), aux[0], f, pow2, fused)
+        else:
+            q, s = quant_seam.quantize_weight_layout(w.detach(), scaling, f, pow2, fused, True)
     else:
-        q_fwd, s_fwd, q_bwd, s_bwd = cached_weight_layouts(_CACHE, w, scaling, fmt, pow2, fused)
-        q, s = (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
+        value = cached_weight_layouts(_CACHE, w, scaling, fmt, pow2, fused, training)
+        if value:
+            q, s = value[:2]
+        elif scaling == "rowwise":  # kept nothing: the dgrad layout's amax from the same read, for the backward
+            q, s, amax = quant_seam.quantize_weight_forward_layout(w.detach(), f, pow2, fused)
+            _CACHE.leave(w, _key(scaling, fmt, pow2, fused), (amax,))
+        else:
+            q, s = quant_seam.quantize_weight_layout(w.detach(), scaling, f, pow2, fused, False)
     return lib.mm_2d3d(backend, a, scale_a, q, s, offs, out_dtype)
 
 
@@ -68,7 +94,7 @@ _op = torch.library.custom_op("moe_fp8::gg_mm_2d3d_cached_weight", _mm_2d3d_cach
 
 
 @_op.register_fake
-def _(backend, a, scale_a, param, transposed, offs, out_dtype, dgrad, scaling, fmt, pow2, fused):
+def _(backend, a, scale_a, param, transposed, offs, out_dtype, dgrad, scaling, fmt, pow2, fused, training):
     E, N, K = (param.shape[0], param.shape[2], param.shape[1]) if transposed else param.shape
     return a.new_empty(a.shape[0], K if dgrad else N, dtype=out_dtype)
 
@@ -76,4 +102,5 @@ def _(backend, a, scale_a, param, transposed, offs, out_dtype, dgrad, scaling, f
 mm_2d3d_cached_weight = eager_or_custom_op(_op, _mm_2d3d_cached_weight)
 mm_2d3d_cached_weight.__doc__ = """``(M, N)`` forward (``a (M, K)`` FP8 rows) or ``(M, K)`` dgrad (``a (M, N)``)
 grouped GEMM with ``param``'s FP8 copy from :func:`compiled_weight_cache`; ``param`` is ``(E, N, K)``
-(``(E, K, N)`` with ``transposed``) in the activations' dtype. The custom op under torch.compile."""
+(``(E, K, N)`` with ``transposed``) in the activations' dtype; ``training``: the forward runs with
+gradients. The custom op under torch.compile."""

@@ -58,7 +58,9 @@ def fp8_grouped_mm(
         out_dtype: dtype of the result (bf16 only on the cuda_auto, cuda, hybrid and rocm backends).
         weight_cache: serve the quantized weights from this cache while ``w`` is unchanged
             (same tensor, same version counter): pass it across gradient-accumulation
-            micro-batches. Under ``torch.compile`` any cache given makes the GEMMs read ``w``'s
+            micro-batches. Copies are kept only where they will be read again (from the second
+            forward of a weight state on, or the first where the previous state served two:
+            ``Fp8WeightCache.serve``); a call that keeps nothing runs as without a cache. Under ``torch.compile`` any cache given makes the GEMMs read ``w``'s
             FP8 layouts from the process-wide ``compiled_weight_cache()`` instead (``w`` a
             parameter or a transposed view of one, in ``x``'s dtype; see ``compiled_cache``);
             bypassed while a CUDA graph is captured
@@ -131,12 +133,13 @@ def fp8_grouped_mm(
     if weight_cache is not None and rec.is_fp8 and torch.compiler.is_compiling():
         if hasattr(w, "_fp8_cache_source"):
             raise ValueError("w: under torch.compile pass the weight itself in x's dtype, not a stand-in")
-        cached = _transposed_layout(w)
+        cached = _transposed_layout(w), torch.is_grad_enabled()
         weight_cache = None
-    if weight_cache is not None and rec.is_fp8 and weight_cache.bypassed(w):
-        w = weight_cache.values(w)  # a CUDA graph is being captured: as without a cache
-    elif weight_cache is not None and rec.is_fp8:
-        w_quant = cached_weight_layouts(weight_cache, w, rec.scaling, fmt, rec.pow2_scales, be.fused_quant)
+    if weight_cache is not None and rec.is_fp8:
+        w_quant = cached_weight_layouts(weight_cache, w, rec.scaling, fmt, rec.pow2_scales, be.fused_quant,
+                                        torch.is_grad_enabled())
+        if w_quant is None:  # kept nothing (or a CUDA graph is being captured): as without a cache
+            w = weight_cache.values(w)
     if x_fp8 is not None:
         _check_x_fp8(x_fp8, rec, fmt, x)
     elif save_x_fp8:

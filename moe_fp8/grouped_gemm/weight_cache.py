@@ -44,10 +44,27 @@ bf16 only): ``p.to(bfloat16)`` would be a new tensor on every call and never hit
 target dtype) and the cast happens inside the quantization, on a miss only, so a hit never casts.
 The cached FP8 copies take as much memory as one BF16 copy of the weights.
 
-After an optimizer step, :meth:`Fp8WeightCache.refresh` re-quantizes every entry whose tensor
-changed (with the settings it was made with), and :meth:`Fp8WeightCache.put` stores copies made
-elsewhere (a fused optimizer kernel): either way the entry is keyed on the tensor's state now, so
-the next forward hits and any later in-place write misses (``moe_fp8.optim``).
+What is kept (:meth:`Fp8WeightCache.serve`, the lookup of the layers' forwards): a copy is kept
+only where it will be read again, so that a training step without gradient accumulation costs no
+memory over no cache at all:
+
+* a forward with gradients enabled keeps the copies when this state of the weight has already
+  served one (a second micro-batch), or when its previous state served two or more (gradient
+  accumulation: from the first micro-batch of each optimizer step on);
+* a forward without gradients (evaluation, generation) keeps them from its second forward of the
+  same state on; a later forward with gradients that the first rule does not cover drops them;
+* a forward the autograd engine runs (activation checkpointing's recomputation in the backward)
+  reads a valid copy but counts nothing and keeps nothing.
+
+A forward that keeps nothing quantizes on its own, as without a cache, and the record of the
+weight's state (a few integers, and under ``torch.compile`` the dgrad layout's amax for the
+backward) drops any stale copies at once. :meth:`Fp8WeightCache.get` always keeps.
+
+After an optimizer step, :meth:`Fp8WeightCache.refresh` quantizes every weight the cache has seen
+whose tensor changed (with the settings it was quantized with), and :meth:`Fp8WeightCache.put`
+stores copies made elsewhere (a fused optimizer kernel): either way the entry is keyed on the
+tensor's state now, so the next forward hits and any later in-place write misses
+(``moe_fp8.optim``).
 """
 
 from __future__ import annotations
@@ -72,6 +89,10 @@ class _Entry:
     value: Quantized
     quantize: Callable[[torch.Tensor], Quantized] | None
     inference: bool = False
+    uses: int = 0  # forwards with gradients this state served (``serve``)
+    evals: int = 0  # forwards without gradients this state served
+    reused: bool = False  # its copies are kept from the first forward with gradients on
+    aux: Quantized = ()  # what a forward that kept nothing leaves for its backward
 
 
 class _StandIn(torch.autograd.Function):
@@ -149,7 +170,7 @@ class Fp8WeightCache:
         return w if src is None else src.to(w.dtype)
 
     def get(self, w: torch.Tensor, key: Hashable, quantize: Callable[[torch.Tensor], Quantized]) -> Quantized:
-        """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``.
+        """The quantized ``w`` for settings ``key``: cached if still valid, else ``quantize(w)``, kept.
 
         For a :meth:`stand_in` of ``src``: the entry of ``src`` in ``w``'s dtype, else
         ``quantize(src.to(w.dtype))``. During a CUDA graph capture, or for a ``w`` that is an
@@ -162,18 +183,83 @@ class Fp8WeightCache:
                 return tuple(quantize(w.detach().to(dtype)))
         anchor, slot = self._slot(w, dtype, key)
         entry = self._entries.get(slot)
-        if entry is not None and self._valid(entry, anchor, w):
+        if entry is not None and entry.value and self._valid(entry, anchor, w):
             self.hits += 1
             return entry.value
         self.misses += 1
         with torch.no_grad():
             value = tuple(quantize(w.detach().to(dtype)))
-        self._store(anchor, w, slot, value, quantize)
+        self._store(anchor, w, slot, value, quantize, reused=True)
         return value
 
+    def serve(self, w: torch.Tensor, key: Hashable, quantize: Callable[[torch.Tensor], Quantized],
+              training: bool) -> Quantized | None:
+        """A forward's lookup: the quantized ``w`` for settings ``key`` where the module docstring's
+        rules keep it (a valid entry, or ``quantize(w)`` stored), else ``None``: the caller quantizes
+        ``w`` itself (:meth:`values` of a :meth:`stand_in`) and the state is only recorded.
+        ``training``: the forward runs with gradients enabled (decided where the module is called:
+        inside an autograd function, and in a compiled graph, they are off). ``None`` too while a
+        CUDA graph is captured and for inference tensors, with nothing recorded."""
+        dtype = w.dtype
+        w = getattr(w, "_fp8_cache_source", w)
+        if self.bypassed(w) or w.is_inference():
+            return None
+        anchor, slot = self._slot(w, dtype, key)
+        entry = self._entries.get(slot)
+        same = entry is not None and self._same_state(entry, anchor, w)
+        if torch._C._current_graph_task_id() != -1:  # run by the autograd engine: a recomputation
+            if same and entry.value and self._valid(entry, anchor, w):
+                self.hits += 1
+                return entry.value
+            return None
+        if same:
+            uses, evals, reused = entry.uses, entry.evals, entry.reused
+        else:  # a new state: kept at once where the previous one served two forwards with gradients
+            uses = evals = 0
+            reused = entry is not None and entry.ref() is anchor and entry.uses >= 2
+        if training:
+            keep, uses = uses >= 1 or reused, uses + 1
+        else:
+            keep, evals = evals >= 1 or (same and bool(entry.value)), evals + 1
+        if keep and same and entry.value and self._valid(entry, anchor, w):
+            entry.uses, entry.evals = uses, evals
+            self.hits += 1
+            return entry.value
+        self.misses += 1
+        value = ()
+        if keep:
+            with torch.no_grad():
+                value = tuple(quantize(w.detach().to(dtype)))
+        self._store(anchor, w, slot, value, quantize, uses=uses, evals=evals, reused=reused)
+        return value or None
+
+    def held(self, w: torch.Tensor, key: Hashable) -> tuple[Quantized, Quantized]:
+        """``(value, aux)`` of ``w``'s entry for settings ``key`` in its current state (each ``()``
+        where there is none): the backward's read of what its forward kept (:meth:`serve`) or left
+        (:meth:`leave`). A value read counts as a hit."""
+        dtype = w.dtype
+        w = getattr(w, "_fp8_cache_source", w)
+        if self.bypassed(w) or w.is_inference():
+            return (), ()
+        anchor, slot = self._slot(w, dtype, key)
+        entry = self._entries.get(slot)
+        if entry is None or not self._valid(entry, anchor, w):
+            return (), ()
+        self.hits += bool(entry.value)
+        return entry.value, entry.aux
+
+    def leave(self, w: torch.Tensor, key: Hashable, aux: Quantized) -> None:
+        """Attach ``aux`` (small tensors a forward that kept nothing made for its backward) to the
+        record of ``w``'s current state for settings ``key``; nothing happens without one."""
+        w = getattr(w, "_fp8_cache_source", w)
+        anchor, slot = self._slot(w, w.dtype, key)
+        entry = self._entries.get(slot)
+        if entry is not None and self._valid(entry, anchor, w):
+            entry.aux = tuple(aux)
+
     def keys(self, w: torch.Tensor) -> list[tuple[torch.dtype, Hashable]]:
-        """The ``(dtype, key)`` pairs of the entries held for ``w`` (this very view of its base, in any
-        state, valid or stale): the settings the GEMMs quantized it with."""
+        """The ``(dtype, key)`` pairs the cache has seen ``w`` (this very view of its base, in any
+        state) quantized with, copies kept or not: the settings the GEMMs quantize it with."""
         anchor = w if w._base is None else w._base
         geometry = (tuple(w.shape), w.stride(), w.storage_offset())
         return [(slot[1], slot[5]) for slot, e in self._entries.items()
@@ -186,12 +272,13 @@ class Fp8WeightCache:
         anchor, slot = self._slot(w, dtype, key)
         old = self._entries.get(slot)
         quantize = old.quantize if old is not None and old.ref() is anchor else None
-        self._store(anchor, w, slot, tuple(value), quantize)
+        self._store(anchor, w, slot, tuple(value), quantize, reused=True)
 
     def refresh(self) -> int:
-        """Re-quantize every entry whose tensor is alive and changed since it was quantized, with the
-        settings it was made with (call after the weights' in-place update, e.g. ``optimizer.step()``);
-        skipped while a CUDA graph is captured. Returns how many entries were re-quantized."""
+        """Quantize every weight seen whose tensor is alive and changed since, with the settings it was
+        quantized with, and keep the copies (call after the weights' in-place update, e.g.
+        ``optimizer.step()``); skipped while a CUDA graph is captured. Returns how many entries were
+        re-quantized."""
         done = 0
         for slot, entry in list(self._entries.items()):
             anchor = entry.ref()
@@ -201,9 +288,9 @@ class Fp8WeightCache:
                 w = anchor.detach().as_strided(slot[2], slot[3], slot[4])
                 if self._valid(entry, anchor, w):
                     continue
-                entry.value = ()  # free the stale copies before making the new ones (a stale entry never hits)
+                entry.value = entry.aux = ()  # free the stale copies before making the new ones
                 value = tuple(entry.quantize(w.to(slot[1])))
-            self._store(anchor, w, slot, value, entry.quantize)
+            self._store(anchor, w, slot, value, entry.quantize, reused=True)
             done += 1
         return done
 
@@ -212,17 +299,24 @@ class Fp8WeightCache:
         anchor = w if w._base is None else w._base
         return anchor, (id(anchor), dtype, tuple(w.shape), w.stride(), w.storage_offset(), key)
 
-    def _valid(self, entry: _Entry, anchor: torch.Tensor, w: torch.Tensor) -> bool:
-        if entry.inference and not torch.is_inference_mode_enabled():
-            return False
+    def _same_state(self, entry: _Entry, anchor: torch.Tensor, w: torch.Tensor) -> bool:
+        """``entry`` was made from ``w`` (through ``anchor``) in the state it is in now."""
         if entry.ref() is not anchor or entry.version != w._version or entry.stamp != self.source_stamp:
             return False
         return entry.stamp is not None or entry.data_ptr == w.data_ptr()
 
-    def _store(self, anchor: torch.Tensor, w: torch.Tensor, slot: tuple, value: Quantized, quantize) -> None:
+    def _valid(self, entry: _Entry, anchor: torch.Tensor, w: torch.Tensor) -> bool:
+        """``entry`` may be served here: made from ``w``'s current state, and not made under inference
+        mode unless that is on."""
+        if entry.inference and not torch.is_inference_mode_enabled():
+            return False
+        return self._same_state(entry, anchor, w)
+
+    def _store(self, anchor: torch.Tensor, w: torch.Tensor, slot: tuple, value: Quantized, quantize, *,
+               uses: int = 0, evals: int = 0, reused: bool = False) -> None:
         ref = weakref.ref(anchor, _dropper(weakref.ref(self), slot))
         self._entries[slot] = _Entry(ref, w.data_ptr(), w._version, self.source_stamp, value, quantize,
-                                     any(t.is_inference() for t in value))
+                                     any(t.is_inference() for t in value), uses, evals, reused)
 
     def invalidate(self) -> None:
         """Drop every entry (after writing weights through ``.data``)."""
@@ -230,14 +324,14 @@ class Fp8WeightCache:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held by the cached FP8 copies and their scales."""
-        return sum(t.numel() * t.element_size() for e in self._entries.values() for t in e.value)
+        """Device bytes held by the cached FP8 copies and their scales (and the records' amaxes)."""
+        return sum(t.numel() * t.element_size() for e in self._entries.values() for t in (*e.value, *e.aux))
 
     def nbytes_of(self, tensors: list[torch.Tensor]) -> int:
         """Device bytes held by the entries of ``tensors`` (of them or of any view of them)."""
         ids = {id(t) for t in tensors}
         return sum(t.numel() * t.element_size() for slot, e in self._entries.items()
-                   if slot[0] in ids and e.ref() is not None and id(e.ref()) == slot[0] for t in e.value)
+                   if slot[0] in ids and e.ref() is not None and id(e.ref()) == slot[0] for t in (*e.value, *e.aux))
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -2,9 +2,12 @@
 
 Under gradient accumulation ``FP8Linear`` quantizes the same ``W (N, K)`` in every micro-batch; with
 ``cache_weights=True`` both layouts (``dense_quant.weight_layouts``) are made once per change of
-``W`` and kept: the cache's entry is keyed on the weight's identity and version counter
-(``Fp8WeightCache``), so an optimizer step or any in-place write misses. Memory: both FP8 layouts,
-as many bytes as a BF16 copy of the weight, held from the first micro-batch on.
+``W`` and kept where they will be read again (``Fp8WeightCache.serve``: from the second micro-batch
+of an optimizer step on, or the first where the previous step had two or more): the cache's entry
+is keyed on the weight's identity and version counter, so an optimizer step or any in-place write
+misses. Memory: both FP8 layouts, as many bytes as a BF16 copy of the weight, while kept; a forward
+that keeps nothing runs as without a cache (compiled: its column amax is left in the cache's record
+for the backward's dgrad layout).
 
 Eagerly, :func:`cached_dense_layouts` looks the layouts up in the module's cache. Under
 ``torch.compile`` an FP8 copy cannot outlive one call of a compiled graph (``compiled_cache``), so
@@ -30,25 +33,39 @@ __all__ = ["cached_dense_layouts", "dense_mm_cached_weight"]
 
 
 def cached_dense_layouts(cache: Fp8WeightCache, weight: Tensor, scaling: str, fmt: Float8Format, pow2: bool,
-                          kernels: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``weight_layouts(weight, ...)`` from ``cache`` (quantized on a miss); ``weight`` is ``(N, K)``, the
-    parameter or its ``cache.stand_in``."""
-    key = ("dense", scaling, fmt.name, pow2, kernels)
-    return cache.get(weight, key, lambda w: weight_layouts(w, scaling, fmt, pow2, kernels))
+                         kernels: bool, training: bool) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """``weight_layouts(weight, ...)`` from ``cache`` for a forward (``training``: with gradients), or
+    ``None`` where the cache keeps nothing for it (``Fp8WeightCache.serve``): the caller quantizes
+    ``weight`` itself. ``weight`` is ``(N, K)``, the parameter or its ``cache.stand_in``."""
+    return cache.serve(weight, _key(scaling, fmt.name, pow2, kernels),
+                       lambda w: weight_layouts(w, scaling, fmt, pow2, kernels), training)
+
+
+def _key(scaling: str, fmt: str, pow2: bool, kernels: bool) -> tuple:
+    return "dense", scaling, fmt, pow2, kernels
 
 
 def _dense_mm_cached_weight(a: Tensor, scale_a: Tensor, param: Tensor, dgrad: bool, scaling: str, fmt: str,
-                            pow2: bool, kernels: bool, out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
+                            pow2: bool, kernels: bool, out_dtype: torch.dtype, fast_accum: bool,
+                            training: bool) -> Tensor:
     f = resolve_format(fmt)
+    w, cache = param.detach(), compiled_weight_cache()
     if off_default_stream(param):
-        w = param.detach()
         if dgrad:
             q, s = weight_dgrad_layout(w, scaling, f, pow2, kernels, None)
         else:
             q, s, _ = weight_forward_layout(w, scaling, f, pow2, kernels, with_amax=False)
+    elif dgrad:  # what the forward kept, or the column amax it left, or nothing
+        value, aux = cache.held(param, _key(scaling, fmt, pow2, kernels))
+        q, s = value[2:] if value else weight_dgrad_layout(w, scaling, f, pow2, kernels, aux[0] if aux else None)
     else:
-        q_fwd, s_fwd, q_bwd, s_bwd = cached_dense_layouts(compiled_weight_cache(), param, scaling, f, pow2, kernels)
-        q, s = (q_bwd, s_bwd) if dgrad else (q_fwd, s_fwd)
+        value = cached_dense_layouts(cache, param, scaling, f, pow2, kernels, training)
+        if value:
+            q, s = value[:2]
+        else:  # kept nothing: W's column amax from the same read, for the backward
+            q, s, amax = weight_forward_layout(w, scaling, f, pow2, kernels, with_amax=True)
+            if amax is not None:
+                cache.leave(param, _key(scaling, fmt, pow2, kernels), (amax,))
     return scaled_mm(a, scale_a, q, s, out_dtype, fast_accum)
 
 
@@ -56,11 +73,12 @@ _op = torch.library.custom_op("moe_fp8::dense_mm_cached_weight", _dense_mm_cache
 
 
 @_op.register_fake
-def _(a, scale_a, param, dgrad, scaling, fmt, pow2, kernels, out_dtype, fast_accum):
+def _(a, scale_a, param, dgrad, scaling, fmt, pow2, kernels, out_dtype, fast_accum, training):
     return a.new_empty(a.shape[0], param.shape[1] if dgrad else param.shape[0], dtype=out_dtype)
 
 
 dense_mm_cached_weight = eager_or_custom_op(_op, _dense_mm_cached_weight)
 dense_mm_cached_weight.__doc__ = """``(M, N)`` forward (``a (M, K)`` FP8 rows) or ``(M, K)`` dgrad (``a (M, N)``)
 GEMM with the FP8 layouts of ``param (N, K)`` (in the activations' dtype) from the process-wide
-:func:`compiled_weight_cache`; ``fmt`` by name. The custom op under torch.compile."""
+:func:`compiled_weight_cache`; ``fmt`` by name; ``training``: the forward runs with gradients. The
+custom op under torch.compile."""

@@ -75,9 +75,9 @@ def _wgrad_from_amaxes(grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tens
 class _FP8LinearFn(torch.autograd.Function):
     """``apply(x (M, K), weight (N, K), recipe, fmt, grad_fmt, cache)`` -> ``(M, N)`` in x's dtype.
 
-    ``cache``: ``None`` (W quantized here, its dgrad layout in the backward from the saved W), an
-    ``Fp8WeightCache`` (both layouts from it, eagerly), or ``True``: the GEMMs read them through
-    ``dense_mm_cached_weight`` (under torch.compile)."""
+    ``cache``: ``None`` (W quantized here, its dgrad layout in the backward from the saved W), W's
+    four layouts (``weight_layouts``, from an ``Fp8WeightCache``, eagerly), or a bool: the GEMMs read
+    them through ``dense_mm_cached_weight`` (under torch.compile), whose ``training`` it is."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe, fmt, grad_fmt, cache):
@@ -98,13 +98,13 @@ class _FP8LinearFn(torch.autograd.Function):
             x_q, x_s = quantize_rows(x, recipe.scaling, fmt, pow2)
         ctx.recipe, ctx.fmt, ctx.grad_fmt, ctx.kernels = recipe, fmt, grad_fmt, kernels
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.cache, ctx.w_dgrad = cache, None
-        if cache is True:
+        ctx.cache, ctx.w_dgrad = (cache if isinstance(cache, bool) else None), None
+        if isinstance(cache, bool):
             out = dense_mm_cached_weight(x_q, x_s, weight, False, recipe.scaling, fmt.name, pow2, kernels, x.dtype,
-                                         True)
+                                         True, cache)
         else:
             if cache is not None:  # the dgrad layout rides on ctx: the cache holds it anyway
-                w_q, w_s, *ctx.w_dgrad = cached_dense_layouts(cache, weight, recipe.scaling, fmt, pow2, kernels)
+                w_q, w_s, *ctx.w_dgrad = cache
             else:  # W's column amax for the dgrad from the same read, where a dgrad follows
                 w_q, w_s, w_amax = weight_forward_layout(weight, recipe.scaling, fmt, pow2, kernels,
                                                          with_amax=ctx.needs_input_grad[0])
@@ -140,9 +140,9 @@ def _dgrad(ctx, g: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
     and freed on return."""
     recipe, fmt, pow2 = ctx.recipe, ctx.fmt, ctx.recipe.pow2_scales
     g_q, g_s = g
-    if ctx.cache is True:
+    if isinstance(ctx.cache, bool):
         return dense_mm_cached_weight(g_q, g_s, weight, True, recipe.scaling, fmt.name, pow2, ctx.kernels,
-                                      ctx.x_dtype, recipe.fast_accum_grads)
+                                      ctx.x_dtype, recipe.fast_accum_grads, ctx.cache)
     if ctx.w_dgrad is not None:
         wt_q, wt_s = ctx.w_dgrad
     else:
@@ -190,9 +190,9 @@ def fp8_linear(
     must be multiples of 16. Differentiable in x, weight and bias. ``recipe="bf16"`` is plain
     ``F.linear`` (the baseline of the same call).
 
-    ``weight_cache``: an ``Fp8WeightCache`` keeping both FP8 layouts of ``weight`` while it is unchanged
-    (``moe_fp8.layers.dense_weight_cache``); ``weight`` is then the parameter itself or the cache's
-    ``stand_in`` of it. Under ``torch.compile`` the process-wide compiled cache is read instead (pass
+    ``weight_cache``: an ``Fp8WeightCache`` keeping both FP8 layouts of ``weight`` while it is unchanged,
+    where they will be read again (``moe_fp8.layers.dense_weight_cache``); ``weight`` is then the
+    parameter itself or the cache's ``stand_in`` of it. Under ``torch.compile`` the process-wide compiled cache is read instead (pass
     the parameter itself, in x's dtype); while a CUDA graph is captured, no cache is read.
     """
     recipe = _check_dense_recipe(recipe)
@@ -214,9 +214,12 @@ def fp8_linear(
     if cache is not None and torch.compiler.is_compiling():
         if stand_in:
             raise ValueError("weight: under torch.compile pass the parameter itself in x's dtype, not a stand-in")
-        cache = True
-    elif cache is not None and cache.bypassed(weight):  # a CUDA graph is being captured: as without a cache
-        weight, cache = cache.values(weight), None
+        cache = torch.is_grad_enabled()
+    elif cache is not None:
+        cache = cached_dense_layouts(cache, weight, recipe.scaling, fmt, recipe.pow2_scales, triton_runs_on(x),
+                                     torch.is_grad_enabled())
+        if cache is None:  # kept nothing (or a CUDA graph is being captured): as without a cache
+            weight = weight_cache.values(weight)
     lead = x.shape[:-1]
     out = _FP8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe, fmt, grad_fmt, cache)
     out = out.reshape(*lead, weight.shape[0])
