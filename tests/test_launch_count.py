@@ -23,7 +23,8 @@ def _count(recipe: str):
     torch.manual_seed(0)
     moe = FP8MoE(H, I, E, K, recipe=recipe, backend="triton").to(torch.bfloat16)
     x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
-    moe(x).float().sum().backward()  # the weight caches fill on the first step
+    for _ in range(2):  # the weight caches keep the copies from the second forward of these weights
+        moe(x).float().sum().backward()
     moe.zero_grad()
     with count_launches() as n:
         moe(x).float().sum().backward()
@@ -48,14 +49,15 @@ def _dense_count(cache_weights: bool):
     torch.manual_seed(0)
     lin = FP8Linear(64, 48, dtype=torch.bfloat16, cache_weights=cache_weights)
     x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
-    lin(x).float().sum().backward()
+    for _ in range(2):  # the cache keeps the layouts from the second forward of this weight
+        lin(x).float().sum().backward()
     with count_launches() as n:
         lin(x).float().sum().backward()
     return n
 
 
 def test_dense_weight_cache_saves_three_kernels():
-    """An FP8Linear (rowwise, 40 x 64 -> 48) forward+backward after a first step: with its weight cache
+    """An FP8Linear (rowwise, 40 x 64 -> 48) forward+backward after two steps: with its weight cache
     hitting, the weight's two quantization launches (5 -> 3 Triton launches) and the zeroing of its
     column amax are gone (23 -> 20 kernels with torch 2.13's CPU ``_scaled_mm``; the stand-in GEMM of
     older torch launches more torch ops, as many either way)."""
