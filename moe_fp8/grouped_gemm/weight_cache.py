@@ -50,7 +50,9 @@ memory over no cache at all:
 
 * a forward with gradients enabled keeps the copies when this state of the weight has already
   served one (a second micro-batch), or when its previous state served two or more (gradient
-  accumulation: from the first micro-batch of each optimizer step on);
+  accumulation: from the first micro-batch of each optimizer step on), or served none and was
+  kept at once itself (a copy :meth:`Fp8WeightCache.refresh` or :meth:`Fp8WeightCache.put` made,
+  overwritten before any forward);
 * a forward without gradients (evaluation, generation) keeps them from its second forward of the
   same state on; a later forward with gradients that the first rule does not cover drops them;
 * a forward the autograd engine runs (activation checkpointing's recomputation in the backward)
@@ -215,8 +217,9 @@ class Fp8WeightCache:
         if same:
             uses, evals, reused = entry.uses, entry.evals, entry.reused
         else:  # a new state: kept at once where the previous one served two forwards with gradients
-            uses = evals = 0
-            reused = entry is not None and entry.ref() is anchor and entry.uses >= 2
+            uses = evals = 0  # (or served none and was itself kept at once: made by refresh or put)
+            reused = (entry is not None and entry.ref() is anchor
+                      and (entry.uses >= 2 or (entry.uses == 0 and entry.reused)))
         if training:
             keep, uses = uses >= 1 or reused, uses + 1
         else:
@@ -274,15 +277,19 @@ class Fp8WeightCache:
         quantize = old.quantize if old is not None and old.ref() is anchor else None
         self._store(anchor, w, slot, tuple(value), quantize, reused=True)
 
-    def refresh(self) -> int:
+    def refresh(self, of: list[torch.Tensor] | None = None) -> int:
         """Quantize every weight seen whose tensor is alive and changed since, with the settings it was
         quantized with, and keep the copies (call after the weights' in-place update, e.g.
-        ``optimizer.step()``); skipped while a CUDA graph is captured. Returns how many entries were
+        ``optimizer.step()``); skipped while a CUDA graph is captured. ``of``: only the entries of
+        these tensors (of them or of views of them; ``None``: all). Returns how many entries were
         re-quantized."""
+        ids = None if of is None else {id(t if t._base is None else t._base) for t in of}
         done = 0
         for slot, entry in list(self._entries.items()):
             anchor = entry.ref()
             if anchor is None or entry.quantize is None or entry.stamp is not None or self.bypassed(anchor):
+                continue
+            if ids is not None and slot[0] not in ids:
                 continue
             with torch.no_grad():
                 w = anchor.detach().as_strided(slot[2], slot[3], slot[4])

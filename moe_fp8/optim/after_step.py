@@ -39,14 +39,15 @@ def cached_experts(model: nn.Module) -> list[FP8GroupedExperts]:
 
 
 def refresh_weight_caches(modules: list[FP8GroupedExperts]) -> int:
-    """Re-quantize every stale cache entry of ``modules`` and of the compiled cache (see
-    ``Fp8WeightCache.refresh``; the compiled cache's entries are those of weights still alive).
+    """Re-quantize every stale cache entry of ``modules``' weights, in their own caches and in the
+    compiled cache (see ``Fp8WeightCache.refresh``), and keep the copies.
 
     Entries exist once a forward has run (their settings: dtype, format, scaling, backend, come
     from it); before that there are none and this does nothing. Returns how many entries were
     re-quantized."""
     caches = [cache for m in modules for cache in m._caches]
-    return sum(cache.refresh() for cache in (*caches, compiled_weight_cache()))
+    weights = [w for m in modules for w in m._weights()]
+    return sum(cache.refresh() for cache in caches) + compiled_weight_cache().refresh(of=weights)
 
 
 def quantize_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> RemovableHandle:
