@@ -74,6 +74,17 @@ def test_get_put_and_refresh_always_keep():
     cache.put(w, w.dtype, "j", (w * 3,))
     assert cache.keys(w) == [(w.dtype, "k"), (w.dtype, "j")]
     assert torch.equal(cache.serve(w, "j", quantize, training=True)[0], w * 3)
+    with torch.no_grad():
+        w.add_(1)
+    other = torch.randn(4, 4)
+    assert cache.get(other, "k", quantize) is not None and quantize.calls == 3
+    with torch.no_grad():
+        other.add_(1)
+    # w's "k" entry (a view names w; "j" was put, with no quantizer to refresh it), not other's
+    assert cache.refresh(of=[w[0]]) == 1 and quantize.calls == 4
+    with torch.no_grad():
+        w.add_(1)  # a write before any forward of the refreshed state: kept at once, as the refresh's copy was
+    assert torch.equal(cache.serve(w, "k", quantize, training=True)[0], w * 2) and quantize.calls == 5
 
 
 def _pair(seed=0):
