@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moe_fp8 import FP8Linear, convert_to_fp8
-from moe_fp8.grouped_gemm import Fp8WeightCache, compiled_weight_cache
+from moe_fp8.grouped_gemm import Fp8WeightCache, compiled_cache, compiled_weight_cache
 from moe_fp8.layers import dense_weight_cache
 from moe_fp8.layers.dense_quant import weight_layouts
 from moe_fp8.layers.fp8_linear import fp8_linear
@@ -158,7 +158,7 @@ def test_compiled_op_off_the_default_stream_stores_nothing(monkeypatch):
     want = [dense_weight_cache.dense_mm_cached_weight(*args(d)) for d in (False, True)]
     assert len(cache) == 1
     cache.invalidate()
-    monkeypatch.setattr(dense_weight_cache, "off_default_stream", lambda t: True)
+    monkeypatch.setattr(compiled_cache, "off_default_stream", lambda t: True)
     got = [dense_weight_cache.dense_mm_cached_weight(*args(d)) for d in (False, True)]
     _equal(want, got)
     assert len(cache) == 0

@@ -26,6 +26,9 @@ out again; a captured graph quantizes on every replay, as without a cache.
 """
 
 # No ``from __future__ import annotations``: torch.library infers the op's schema from the annotations.
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -35,7 +38,8 @@ from . import library as lib
 from . import quant_seam
 from .weight_cache import Fp8WeightCache
 
-__all__ = ["cached_weight_layouts", "compiled_weight_cache", "mm_2d3d_cached_weight", "off_default_stream"]
+__all__ = ["WeightQuantizers", "cached_weight_layouts", "compiled_layout", "compiled_weight_cache",
+           "mm_2d3d_cached_weight", "off_default_stream"]
 
 _CACHE = Fp8WeightCache()
 
@@ -45,43 +49,69 @@ def compiled_weight_cache() -> Fp8WeightCache:
     return _CACHE
 
 
+class WeightQuantizers(NamedTuple):
+    """How a compiled cached GEMM quantizes its weight ``w`` (detached): ``both(w)`` gives the four
+    layouts ``(q_fwd, s_fwd, q_bwd, s_bwd)`` an entry keeps; ``forward(w, with_amax)`` the forward
+    layout and, where asked and the recipe has one, the dgrad layout's amax (else ``None``);
+    ``dgrad(w, amax)`` the dgrad layout, from that amax or (``None``) on its own. The same bytes
+    every way."""
+
+    both: Callable[[Tensor], tuple[Tensor, ...]]
+    forward: Callable[[Tensor, bool], tuple[Tensor, Tensor, Tensor | None]]
+    dgrad: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor]]
+
+
+def compiled_layout(w: Tensor, key: Hashable, dgrad: bool, training: bool,
+                    quantizers: WeightQuantizers) -> tuple[Tensor, Tensor]:
+    """The forward (or, ``dgrad``, the dgrad) layout ``(q, s)`` of ``w`` for a compiled graph's GEMM,
+    from :func:`compiled_weight_cache` under settings ``key``. The forward's call keeps both layouts
+    where ``Fp8WeightCache.serve`` says (``training``: the traced forward runs with gradients); where
+    it keeps nothing it leaves the dgrad layout's amax in the record, from which the backward's
+    call quantizes. Off the default stream the cache is neither read nor filled."""
+    wd = w.detach()
+    if off_default_stream(w):
+        return quantizers.dgrad(wd, None) if dgrad else quantizers.forward(wd, False)[:2]
+    if dgrad:  # what the forward kept, or the amax it left, or nothing
+        value, aux = _CACHE.held(w, key)
+        return value[2:] if value else quantizers.dgrad(wd, aux[0] if aux else None)
+    value = _CACHE.serve(w, key, quantizers.both, training)
+    if value:
+        return value[:2]
+    q, s, amax = quantizers.forward(wd, True)
+    if amax is not None:
+        _CACHE.leave(w, key, (amax,))
+    return q, s
+
+
 def cached_weight_layouts(cache: Fp8WeightCache, w: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
                           training: bool) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """``quantize_weight``'s ``(q_fwd, s_fwd, q_bwd, s_bwd)`` of ``w (E, N, K)`` from ``cache``, keyed on
     these settings, for a forward (``training``: with gradients); ``None`` where the cache keeps
     nothing for it (``Fp8WeightCache.serve``): the caller quantizes ``w`` itself."""
-    return cache.serve(w, _key(scaling, fmt, pow2, fused),
-                       lambda t: lib.quantize_weight(t, scaling, fmt, pow2, fused), training)
+    return cache.serve(w, (scaling, fmt, pow2, fused), _quantizers(scaling, fmt, pow2, fused).both, training)
 
 
-def _key(scaling: str, fmt: str, pow2: bool, fused: bool) -> tuple:
-    return scaling, fmt, pow2, fused
+def _quantizers(scaling: str, fmt: str, pow2: bool, fused: bool) -> WeightQuantizers:
+    f = resolve_format(fmt)
+
+    def forward(w: Tensor, with_amax: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        if with_amax and scaling == "rowwise":
+            return quant_seam.quantize_weight_forward_layout(w, f, pow2, fused)
+        return (*quant_seam.quantize_weight_layout(w, scaling, f, pow2, fused, False), None)
+
+    def dgrad(w: Tensor, amax: Tensor | None) -> tuple[Tensor, Tensor]:
+        if amax is not None:
+            return quant_seam.quantize_weight_dgrad_layout(w, amax, f, pow2, fused)
+        return quant_seam.quantize_weight_layout(w, scaling, f, pow2, fused, True)
+
+    return WeightQuantizers(lambda w: lib.quantize_weight(w, scaling, fmt, pow2, fused), forward, dgrad)
 
 
 def _mm_2d3d_cached_weight(backend: str, a: Tensor, scale_a: Tensor, param: Tensor, transposed: bool, offs: Tensor,
                            out_dtype: torch.dtype, dgrad: bool, scaling: str, fmt: str, pow2: bool,
                            fused: bool, training: bool) -> Tensor:
     w = param.transpose(1, 2) if transposed else param
-    f = resolve_format(fmt)
-    if off_default_stream(w):
-        q, s = quant_seam.quantize_weight_layout(w.detach(), scaling, f, pow2, fused, dgrad)
-    elif dgrad:  # what the forward kept, or the amax it left, or nothing
-        value, aux = _CACHE.held(w, _key(scaling, fmt, pow2, fused))
-        if value:
-            q, s = value[2:]
-        elif aux:
-            q, s = quant_seam.quantize_weight_dgrad_layout(w.detach(), aux[0], f, pow2, fused)
-        else:
-            q, s = quant_seam.quantize_weight_layout(w.detach(), scaling, f, pow2, fused, True)
-    else:
-        value = cached_weight_layouts(_CACHE, w, scaling, fmt, pow2, fused, training)
-        if value:
-            q, s = value[:2]
-        elif scaling == "rowwise":  # kept nothing: the dgrad layout's amax from the same read, for the backward
-            q, s, amax = quant_seam.quantize_weight_forward_layout(w.detach(), f, pow2, fused)
-            _CACHE.leave(w, _key(scaling, fmt, pow2, fused), (amax,))
-        else:
-            q, s = quant_seam.quantize_weight_layout(w.detach(), scaling, f, pow2, fused, False)
+    q, s = compiled_layout(w, (scaling, fmt, pow2, fused), dgrad, training, _quantizers(scaling, fmt, pow2, fused))
     return lib.mm_2d3d(backend, a, scale_a, q, s, offs, out_dtype)
 
 

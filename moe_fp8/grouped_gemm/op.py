@@ -60,11 +60,11 @@ def fp8_grouped_mm(
             (same tensor, same version counter): pass it across gradient-accumulation
             micro-batches. Copies are kept only where they will be read again (from the second
             forward of a weight state on, or the first where the previous state served two:
-            ``Fp8WeightCache.serve``); a call that keeps nothing runs as without a cache. Under ``torch.compile`` any cache given makes the GEMMs read ``w``'s
-            FP8 layouts from the process-wide ``compiled_weight_cache()`` instead (``w`` a
-            parameter or a transposed view of one, in ``x``'s dtype; see ``compiled_cache``);
-            bypassed while a CUDA graph is captured
-            (the graph then quantizes ``w`` on every replay, as without a cache: see
+            ``Fp8WeightCache.serve``); a call that keeps nothing runs as without a cache. Under
+            ``torch.compile`` any cache given makes the GEMMs read ``w``'s FP8 layouts from the
+            process-wide ``compiled_weight_cache()`` instead (``w`` a parameter or a transposed
+            view of one, in ``x``'s dtype; see ``compiled_cache``); bypassed while a CUDA graph is
+            captured (the graph then quantizes ``w`` on every replay, as without a cache: see
             ``Fp8WeightCache``). Without a cache, a ``rowwise`` weight that is a parameter (or a
             view of one) is saved as is and its dgrad layout quantized in backward, so no FP8
             copy of it lives from forward to backward.

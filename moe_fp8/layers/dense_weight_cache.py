@@ -22,8 +22,8 @@ layout its GEMM reads and stores nothing.
 import torch
 from torch import Tensor
 
-from ..grouped_gemm import Fp8WeightCache, compiled_weight_cache
-from ..grouped_gemm.compiled_cache import off_default_stream
+from ..grouped_gemm import Fp8WeightCache
+from ..grouped_gemm.compiled_cache import WeightQuantizers, compiled_layout
 from ..kernel_backend import eager_or_custom_op
 from ..quant.formats import Float8Format, resolve_format
 from .dense_quant import weight_dgrad_layout, weight_forward_layout, weight_layouts
@@ -37,35 +37,27 @@ def cached_dense_layouts(cache: Fp8WeightCache, weight: Tensor, scaling: str, fm
     """``weight_layouts(weight, ...)`` from ``cache`` for a forward (``training``: with gradients), or
     ``None`` where the cache keeps nothing for it (``Fp8WeightCache.serve``): the caller quantizes
     ``weight`` itself. ``weight`` is ``(N, K)``, the parameter or its ``cache.stand_in``."""
-    return cache.serve(weight, _key(scaling, fmt.name, pow2, kernels),
-                       lambda w: weight_layouts(w, scaling, fmt, pow2, kernels), training)
+    return cache.serve(weight, _key(scaling, fmt.name, pow2, kernels), _quantizers(scaling, fmt, pow2, kernels).both,
+                       training)
 
 
 def _key(scaling: str, fmt: str, pow2: bool, kernels: bool) -> tuple:
     return "dense", scaling, fmt, pow2, kernels
 
 
+def _quantizers(scaling: str, fmt: Float8Format, pow2: bool, kernels: bool) -> WeightQuantizers:
+    return WeightQuantizers(
+        lambda w: weight_layouts(w, scaling, fmt, pow2, kernels),
+        lambda w, with_amax: weight_forward_layout(w, scaling, fmt, pow2, kernels, with_amax=with_amax),
+        lambda w, amax: weight_dgrad_layout(w, scaling, fmt, pow2, kernels, amax),
+    )
+
+
 def _dense_mm_cached_weight(a: Tensor, scale_a: Tensor, param: Tensor, dgrad: bool, scaling: str, fmt: str,
                             pow2: bool, kernels: bool, out_dtype: torch.dtype, fast_accum: bool,
                             training: bool) -> Tensor:
-    f = resolve_format(fmt)
-    w, cache = param.detach(), compiled_weight_cache()
-    if off_default_stream(param):
-        if dgrad:
-            q, s = weight_dgrad_layout(w, scaling, f, pow2, kernels, None)
-        else:
-            q, s, _ = weight_forward_layout(w, scaling, f, pow2, kernels, with_amax=False)
-    elif dgrad:  # what the forward kept, or the column amax it left, or nothing
-        value, aux = cache.held(param, _key(scaling, fmt, pow2, kernels))
-        q, s = value[2:] if value else weight_dgrad_layout(w, scaling, f, pow2, kernels, aux[0] if aux else None)
-    else:
-        value = cached_dense_layouts(cache, param, scaling, f, pow2, kernels, training)
-        if value:
-            q, s = value[:2]
-        else:  # kept nothing: W's column amax from the same read, for the backward
-            q, s, amax = weight_forward_layout(w, scaling, f, pow2, kernels, with_amax=True)
-            if amax is not None:
-                cache.leave(param, _key(scaling, fmt, pow2, kernels), (amax,))
+    quantizers = _quantizers(scaling, resolve_format(fmt), pow2, kernels)
+    q, s = compiled_layout(param, _key(scaling, fmt, pow2, kernels), dgrad, training, quantizers)
     return scaled_mm(a, scale_a, q, s, out_dtype, fast_accum)
 
 

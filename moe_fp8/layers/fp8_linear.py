@@ -192,8 +192,9 @@ def fp8_linear(
 
     ``weight_cache``: an ``Fp8WeightCache`` keeping both FP8 layouts of ``weight`` while it is unchanged,
     where they will be read again (``moe_fp8.layers.dense_weight_cache``); ``weight`` is then the
-    parameter itself or the cache's ``stand_in`` of it. Under ``torch.compile`` the process-wide compiled cache is read instead (pass
-    the parameter itself, in x's dtype); while a CUDA graph is captured, no cache is read.
+    parameter itself or the cache's ``stand_in`` of it. Under ``torch.compile`` the process-wide
+    compiled cache is read instead (pass the parameter itself, in x's dtype); while a CUDA graph is
+    captured, no cache is read.
     """
     recipe = _check_dense_recipe(recipe)
     stand_in = hasattr(weight, "_fp8_cache_source")
