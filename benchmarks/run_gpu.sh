@@ -8,7 +8,8 @@
 #   (the whole-model step with 4 decoder layers and ACCUMULATE micro-batches per optimizer step;
 #   modes from $MODES, default "eager compiled"; variants from $VARIANTS, default hf_bf16 ours_fp8
 #   ours_fp8_experts torchao_rowwise; eager loss steps from $STEPS, default 40; time limit $LIMIT,
-#   default 590 s: bench_job_acc<ACCUMULATE>_<first model><$SUFFIX>.json/.md) | ab BASE ARGS... (the
+#   default 590 s; PROFILE=1: each row also profiles one more step, device time by kernel category
+#   and the allocations alive at its peak: bench_job_acc<ACCUMULATE>_<first model><$SUFFIX>.json/.md) | ab BASE ARGS... (the
 #   `python -m moe_fp8.bench ARGS...` run twice, on the tree in the folder BASE (another commit, e.g.
 #   `git worktree add build/base COMMIT`, carried to the device) and on this one, named ARGS' --name
 #   with the suffixes _base and _head)
@@ -72,7 +73,8 @@ case $stage in
            read -r -a variants <<< "${VARIANTS:-hf_bf16 ours_fp8 ours_fp8_experts torchao_rowwise}"
            run "${LIMIT:-590}" "bench_job_acc${acc}_$1${SUFFIX:-}.log" python3 -m moe_fp8.bench --preset models --kinds model \
              --models "$@" --layers 4 --accumulate "$acc" --modes "${modes[@]}" --steps "${STEPS:-40}" \
-             --name "bench_job_acc${acc}_$1${SUFFIX:-}" --out "$out" --variants "${variants[@]}" ;;
+             --name "bench_job_acc${acc}_$1${SUFFIX:-}" --out "$out" --variants "${variants[@]}" \
+             ${PROFILE:+--profile} ;;
   ab)      base=$(cd "$1" && pwd) || exit 2
            shift
            args=("$@") name=ab

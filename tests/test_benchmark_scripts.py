@@ -140,17 +140,23 @@ def test_bench_whole_model_kind_cpu(torch_references):
 def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
     """The dense stand-in (Llama, 3 decoder layers) converts through ``hf.convert`` and trains with 2
     micro-batches per optimizer step; the MoE-only variants skip it; a step's parts add up to no
-    more than the step."""
+    more than the step; ``profile`` adds one profiled step per row (CPU operators here) to the
+    rows and the markdown."""
     pytest.importorskip("transformers")
-    from moe_fp8.bench import models
+    from moe_fp8.bench import models, step_profile
 
     rows = models.collect("cpu", models=["llama3_8b"], loss_steps=3, accumulate=2, layers=3,
-                          variants=["hf_bf16", "ours_bf16", "ours_fp8", "ours_fp8_cached_all"])
+                          variants=["hf_bf16", "ours_bf16", "ours_fp8", "ours_fp8_cached_all"], profile=True)
     by_variant = {r["variant"]: r for r in rows}
     assert set(by_variant) == {"hf_bf16", "ours_fp8", "ours_fp8_cached_all"} and all("error" not in r for r in rows), rows
     for r in rows:
         assert r["accumulate"] == 2 and 0 < r["fwd_bwd_ms"] + r["optim_ms"] <= r["step_ms"] * 1.05
         assert r["layers"] == 3
+        assert r["profile"]["device"] == "cpu" and r["profile"]["total_ms"] > 0 and "peak_allocations" not in r
+    fp8_ops = {name for name, *_ in by_variant["ours_fp8"]["profile"]["top"]}
+    assert "aten::_scaled_mm" in fp8_ops or any("fp8" in n for n in fp8_ops), fp8_ops
+    lines = step_profile.markdown(rows)
+    assert sum(line.startswith("### llama3_8b eager") for line in lines) == 3
     assert 4.0 < by_variant["ours_fp8"]["final_loss"] < 6.5 and abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
     base = models.build(models._spec("llama3_8b", "cpu", 3), 32, "cpu")
     assert base.config.num_hidden_layers == 3

@@ -60,7 +60,7 @@ from torch import nn
 from ..demo.corpus import VOCAB, batches, load_split
 from ..layers.convert import MIN_DENSE_SIZE
 from ..layers.hf_convert import MIN_BF16_EXPERT_SIZE, MIN_EXPERT_SIZE
-from . import torchao_models
+from . import step_profile, torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_experts_cached",
@@ -221,9 +221,13 @@ class _Clock:
 
 
 def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, timed: int, lr: float,
-                device: str, backend: str | None, size_rules: bool = True, accumulate: int = 1) -> dict:
+                device: str, backend: str | None, size_rules: bool = True, accumulate: int = 1,
+                profile: bool = False) -> dict:
     """Train a fresh copy of ``base`` for ``steps`` optimizer steps of ``accumulate`` micro-batches
-    from ``data``; step, forward+backward and optimizer times, peak memory and losses."""
+    from ``data``; step, forward+backward and optimizer times, peak memory over the run and over
+    the steps after the first (which compiles), and losses. ``profile``: then one more step under
+    ``torch.profiler`` (``"profile"``: ``step_profile.kernel_time``) and, on CUDA, one with the
+    allocator's history recorded (``"peak_allocations"``: ``step_profile.peak_allocations``)."""
     model = convert(base, variant, backend, size_rules=size_rules)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device == "cuda")
@@ -234,7 +238,8 @@ def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, t
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     losses, times, fwd_bwd, optim = [], [], [], []
-    for _ in range(steps):
+    first_peak = None
+    for i in range(steps):
         micro = [next(data) for _ in range(accumulate)]
         start = time.perf_counter()
         loss, t0, t1, t2 = step(micro)
@@ -242,13 +247,24 @@ def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, t
         times.append(time.perf_counter() - start)
         fwd_bwd.append(clock.seconds(t0, t1))
         optim.append(clock.seconds(t1, t2))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        if cuda and i == 0:
+            first_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+    steady = torch.cuda.max_memory_allocated() if cuda and steps > 1 else None
+    ms = lambda xs: statistics.median(xs[-timed:]) * 1e3  # noqa: E731
+    result = dict(step_ms=ms(times), fwd_bwd_ms=ms(fwd_bwd), optim_ms=ms(optim),
+                  peak_gib=max(first_peak, steady or 0) / 2**30 if cuda else None,
+                  steady_peak_gib=steady / 2**30 if steady is not None else None, losses=losses)
+    if profile:
+        micro = [next(data) for _ in range(accumulate)]
+        result["profile"] = step_profile.kernel_time(lambda: step(micro), cuda)
+        if cuda:
+            result["peak_allocations"] = step_profile.peak_allocations(lambda: step(micro))
     del model, opt, step
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    ms = lambda xs: statistics.median(xs[-timed:]) * 1e3  # noqa: E731
-    return dict(step_ms=ms(times), fwd_bwd_ms=ms(fwd_bwd), optim_ms=ms(optim), peak_gib=peak, losses=losses)
+    return result
 
 
 @dataclass(frozen=True)
@@ -265,6 +281,7 @@ class _Job:
     backend: str | None
     loss_steps: int
     layers: int | None = None
+    profile: bool = False
 
 
 def _spec(model: str, device: str, layers: int | None) -> ModelSpec:
@@ -293,7 +310,8 @@ def _run_job(job: _Job, base: nn.Module, train: torch.Tensor) -> dict:
     batch, seq = _shapes(job.device)
     return run_variant(base, job.variant, job.mode, _data(job, train, batch, seq), steps=job.steps, timed=job.timed,
                        lr=min(3e-3, 1.2 / spec.hidden), device=job.device, backend=job.backend,
-                       size_rules=gpu, accumulate=job.accumulate)  # the CPU stand-ins are below every size rule
+                       size_rules=gpu, accumulate=job.accumulate,  # the CPU stand-ins are below every size rule
+                       profile=job.profile)
 
 
 def _run_isolated(job: _Job) -> dict:
@@ -329,11 +347,13 @@ def _variants_of(spec: ModelSpec, mode: str, gpu: bool, chosen: list[str] | None
 
 def collect(device: str, models: list[str] | None = None, modes: list[str] | None = None,
             loss_steps: int | None = None, backend: str | None = None, variants: list[str] | None = None,
-            accumulate: int = 1, layers: int | None = None) -> list[dict]:
+            accumulate: int = 1, layers: int | None = None, profile: bool = False) -> list[dict]:
     """One row per (model, mode, variant): optimizer-step ms (and its forward+backward and optimizer
-    parts), tokens/s, speedup over ``hf_bf16`` in the same mode, peak GiB, and (eager rows) the final
-    loss and its gap to ``hf_bf16``. ``layers``: decoder layers of every model (default: each
-    model's own; DeepSeek-V3's first is its dense layer)."""
+    parts), tokens/s, speedup over ``hf_bf16`` in the same mode, peak GiB (over the run, and over the
+    steps after the first), and (eager rows) the final loss and its gap to ``hf_bf16``. ``layers``:
+    decoder layers of every model (default: each model's own; DeepSeek-V3's first is its dense
+    layer). ``profile``: each row also gets ``profile`` (device time by kernel category of one more
+    step) and on CUDA ``peak_allocations`` (what is alive at that step's peak), see ``run_variant``."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -363,7 +383,7 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
                 loss_run = mode == "eager" and variant in LOSS_VARIANTS
                 steps = loss_steps if loss_run else timed_steps
                 job = _Job(name, mode, variant, device, steps, min(20, steps - steps // 3), accumulate, backend,
-                           loss_steps, layers)
+                           loss_steps, layers, profile)
                 try:
                     r = _run_isolated(job) if variant == "torchao_moe" else _run_job(job, base, train)
                 except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
@@ -374,7 +394,9 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
                 row = dict(model=name, mode=mode, variant=variant, layers=spec.layers, accumulate=accumulate,
                            step_ms=r["step_ms"],
                            fwd_bwd_ms=r["fwd_bwd_ms"], optim_ms=r["optim_ms"],
-                           tokens_per_s=accumulate * batch * seq / r["step_ms"] * 1e3, peak_gib=r["peak_gib"])
+                           tokens_per_s=accumulate * batch * seq / r["step_ms"] * 1e3, peak_gib=r["peak_gib"],
+                           steady_peak_gib=r["steady_peak_gib"])
+                row.update({k: r[k] for k in ("profile", "peak_allocations") if k in r})
                 if loss_run:
                     row["final_loss"] = statistics.fmean(r["losses"][-10:])
                 rows.append(row)

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 import triton
 
+from . import step_profile
+
 #: kind -> (column header, row key, format); a missing or None value prints "-"
 COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "quant": [("model", "model", "s"), ("kernel", "kernel", "s"), ("shape", "shape", "s"),
@@ -35,7 +37,8 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
               ("layers", "layers", "d"), ("micro-batches", "accumulate", "d"), ("step ms", "step_ms", ".1f"),
               ("fwd+bwd ms", "fwd_bwd_ms", ".1f"),
               ("optimizer ms", "optim_ms", ".1f"), ("tokens/s", "tokens_per_s", ",.0f"), ("vs HF BF16", "speedup", ".2f"),
-              ("peak GiB", "peak_gib", ".2f"), ("loss", "final_loss", ".4f"), ("loss gap", "loss_gap", "+.2%")],
+              ("peak GiB", "peak_gib", ".2f"), ("peak after step 1", "steady_peak_gib", ".2f"),
+              ("loss", "final_loss", ".4f"), ("loss gap", "loss_gap", "+.2%")],
 }
 TITLES = {"quant": "Quantization kernels (bandwidth)", "gemm": "Grouped GEMM, forward+backward",
           "layer": "MoE layer (FP8MoE), forward+backward", "dense": "Dense MLP (FP8Linear), forward+backward",
@@ -100,6 +103,8 @@ def write(out: Path, name: str, meta: dict, results: dict[str, list[dict]]) -> l
         lines += ["", f"Device-to-device copy bandwidth: {meta['copy_gbps']:.0f} GB/s (read + write)."]
     for kind, rows in results.items():
         lines += ["", f"## {TITLES[kind]}", "", table(kind, rows, markdown=True)]
+        if kind == "model":
+            lines += step_profile.markdown(rows)
     paths[1].write_text("\n".join(lines) + "\n")
     png = out / f"{name}_speedups.png"
     if plot(headline(results), png, f"{meta['gpu']}: FP8 speedups"):
