@@ -217,7 +217,8 @@ def markdown(rows: list[dict]) -> list[str]:
             what = "device kernels" if prof["device"] == "cuda" else "CPU operators' self time (smoke run)"
             cats = ", ".join(f"{c} {ms:.1f}" for c, ms in prof["ms"].items())
             calls = "launches" if prof["device"] == "cuda" else "operator calls"
-            lines += ["", f"{prof['total_ms']:.1f} ms of {what} in {prof['kernels']} {calls}: {cats}.", "",
+            busy = f" (the timed steps' median: {r['step_ms']:.1f} ms)" if r.get("step_ms") else ""
+            lines += ["", f"{prof['total_ms']:.1f} ms of {what}{busy} in {prof['kernels']} {calls}: {cats}.", "",
                       "| kernel | category | calls | ms |", "|---|---|---:|---:|"]
             lines += [f"| `{name[:90]}` | {cat} | {calls} | {ms:.2f} |" for name, cat, calls, ms in prof["top"]]
         if peak is not None:
