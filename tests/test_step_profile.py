@@ -128,3 +128,28 @@ def test_peak_allocations_match_the_allocator_gpu():
     assert r["peak_gib"] - r["before_gib"] == pytest.approx(352 / 1024, abs=1e-3)
     site, count, gib = r["sites"][0]
     assert site.startswith("test_step_profile.py:") and "256, 2**20" in site and gib == pytest.approx(0.25)
+
+
+@pytest.mark.gpu
+def test_kernel_time_sorts_a_step_of_ours_and_torch_gpu():
+    """On CUDA: a rowwise quantization (the library's Triton kernel) and a BF16 matmul land in
+    their categories, once per launch, and no annotation range is counted as a kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from moe_fp8.quant import quantize_rowwise
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        with torch.profiler.record_function("an annotation"):
+            for _ in range(2):
+                quantize_rowwise(a)
+                a @ a
+
+    step()  # compiles the kernel
+    s = step_profile.kernel_time(step, cuda=True)
+    assert s["device"] == "cuda" and s["ms"]["moe_fp8 quantization"] > 0, s
+    gemm = sum(ms for cat, ms in s["ms"].items() if cat.startswith("GEMM"))
+    assert gemm > s["ms"]["moe_fp8 quantization"], s  # a 4096^3 matmul outlasts one read of a
+    assert not any(name == "an annotation" for name, *_ in s["top"]), s["top"]
+    assert [calls for name, _, calls, _ in s["top"] if name == "_rowwise_kernel"] == [2], s["top"]

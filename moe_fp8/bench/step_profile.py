@@ -88,9 +88,10 @@ def kernel_category(name: str, library: dict[str, str]) -> str:
 
 
 def _device_events(prof) -> Iterable[tuple[str, float]]:
-    """``(name, µs)`` of every device kernel, copy and memset the profile recorded."""
+    """``(name, µs)`` of every device kernel, copy and memset the profile recorded (not the ranges
+    of ``record_function`` annotations drawn on the device's timeline, which span kernels)."""
     for evt in prof.events():
-        if evt.device_type != torch.autograd.DeviceType.CPU:
+        if evt.device_type != torch.autograd.DeviceType.CPU and not getattr(evt, "is_user_annotation", False):
             yield evt.name, evt.time_range.elapsed_us()
 
 
