@@ -53,16 +53,18 @@ def library_kernel_names() -> dict[str, str]:
     """``{name: category}`` of every Triton kernel (``triton.jit`` function) of the loaded
     ``moe_fp8`` modules: the grouped-GEMM kernels, routing (plan, permute, combine), the optimizer's,
     and the rest (quantization, the fused SwiGLU)."""
-    from triton.runtime.jit import KernelInterface  # a JITFunction, the interpreter's, an autotuner
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import KernelInterface  # a JITFunction, an autotuner (and the interpreter's)
 
+    kernel_types = (KernelInterface, InterpretedFunction)
     names = {}
     for mod_name, module in list(sys.modules.items()):
         if not mod_name.startswith("moe_fp8") or module is None:
             continue
         for fn in vars(module).values():
-            if not isinstance(fn, KernelInterface):
+            if not isinstance(fn, kernel_types):
                 continue
-            while isinstance(getattr(fn, "fn", None), KernelInterface):  # an autotuner's kernel
+            while isinstance(getattr(fn, "fn", None), kernel_types):  # an autotuner's kernel
                 fn = fn.fn
             if fn.fn.__module__ != mod_name:  # imported from the module that defines it
                 continue
