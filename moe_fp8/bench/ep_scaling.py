@@ -27,6 +27,7 @@ import torch.distributed as dist
 from moe_fp8 import FP8MoE
 from moe_fp8.bench.ranks import init_ranks, max_over_ranks
 from moe_fp8.bench.report import run_env, write_report
+from moe_fp8.bench.step_profile import profiled_events
 from moe_fp8.bench.timing import fwd_bwd_step, layer_timer, wall_median_ms
 from moe_fp8.parallel import destination_plan, dispatch_bytes_per_row, expert_parallel_from
 
@@ -38,19 +39,11 @@ def _split_ms(run, cuda: bool) -> dict[str, float] | None:
     """GPU ms of one step by kind: NCCL kernels, routing kernels, the rest (torch.profiler)."""
     if not cuda:
         return None
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
     run()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
     split = {"all-to-all": 0.0, "routing": 0.0, "rest": 0.0}
-    for e in prof.events():
-        if e.device_type.name != "CUDA":  # the kernels themselves, each with its device time range
-            continue
-        us = e.time_range.elapsed_us()
-        name = e.name.lower()
+    for name, us in profiled_events(run, cuda=True):
+        name = name.lower()
         kind = "all-to-all" if "nccl" in name else "routing" if any(k in name for k in ROUTING_KERNELS) else "rest"
         split[kind] += us / 1000
     return split

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["kernel_category", "library_kernel_names", "kernel_time", "replay_peak", "peak_allocations"]
+__all__ = ["kernel_category", "library_kernel_names", "profiled_events", "kernel_time", "replay_peak",
+           "peak_allocations"]
 
 #: (category, pattern on the lower-cased kernel name), first match wins, after the library's own
 #: kernels and Inductor's (``triton_`` prefix)
@@ -122,9 +123,9 @@ def summarize(events: Iterable[tuple[str, float]], library: dict[str, str], top:
                 top=sorted(by_name.values(), key=lambda e: -e[3])[:top])
 
 
-def kernel_time(step: Callable[[], object], cuda: bool) -> dict:
-    """Run ``step()`` once under ``torch.profiler``: :func:`summarize` of its device kernels (on the
-    CPU: of its operators' self time), plus ``"device"``: ``"cuda"`` or ``"cpu"``."""
+def profiled_events(step: Callable[[], object], cuda: bool) -> list[tuple[str, float]]:
+    """Run ``step()`` once under ``torch.profiler``: ``(name, µs)`` of its device kernels, copies and
+    memsets (on the CPU: its operators' self time)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -132,8 +133,13 @@ def kernel_time(step: Callable[[], object], cuda: bool) -> dict:
         step()
         if cuda:
             torch.cuda.synchronize()
-    events = _device_events(prof) if cuda else _cpu_ops(prof)
-    return dict(summarize(events, library_kernel_names()), device="cuda" if cuda else "cpu")
+    return list(_device_events(prof) if cuda else _cpu_ops(prof))
+
+
+def kernel_time(step: Callable[[], object], cuda: bool) -> dict:
+    """:func:`summarize` of :func:`profiled_events` of one ``step()``, plus ``"device"``: ``"cuda"``
+    or ``"cpu"``."""
+    return dict(summarize(profiled_events(step, cuda), library_kernel_names()), device="cuda" if cuda else "cpu")
 
 
 @functools.lru_cache(maxsize=1)
