@@ -103,6 +103,10 @@ def test_scaling_benchmark_quick_on_two_cpu_ranks(tmp_path):
     bf16, fp8 = rows["EP, bf16 dispatch"]["sent_bytes"], rows["EP, fp8 dispatch"]["sent_bytes"]
     assert bf16 > 0 and fp8 * dispatch_bytes_per_row(H, "bf16", top_k=K) == bf16 * dispatch_bytes_per_row(H, "fp8", top_k=K)
     assert rows["EP, fp8 dispatch, sync-free"]["sent_bytes"] == T * dispatch_bytes_per_row(H, "fp8", top_k=K)
+    md = (tmp_path / "ep_scaling_dsv3_w2.md").read_text()
+    ratio = dispatch_bytes_per_row(H, "fp8", top_k=K) / dispatch_bytes_per_row(H, "bf16", top_k=K)
+    assert f"| FP8 dispatch bytes / BF16 dispatch bytes | {ratio:.3f} | <= 0.51 |" in md, md
+    assert "speed over the EP BF16-recipe layer" in md
 
 
 def test_parallel_step_benchmark_quick_on_two_cpu_ranks(tmp_path):
