@@ -2,7 +2,9 @@
 # The H200 runs, in stages that each fit a 10-minute slot, results to one folder.
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
-#   STAGE: tests | ep | epscale | parscale (every GPU, torchrun: moe_fp8.bench.ep_scaling / parallel_step) | parallel | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
+#   STAGE: tests | ep | epscale | parscale (every GPU, torchrun: moe_fp8.bench.ep_scaling / parallel_step; run
+#   parscale on one GPU too, then `python -m moe_fp8.bench.parallel_step --weak-scaling --out DIR` over the
+#   reports gathered in DIR tabulates weak scaling) | parallel | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
 #   python -m moe_fp8.bench presets) | whole MODEL... (the whole-model step of the named models against HF
 #   BF16 and TorchAO, eager and compiled: bench_whole_<first model>.json/.md) | job ACCUMULATE MODEL...
 #   (the whole-model step with 4 decoder layers and ACCUMULATE micro-batches per optimizer step;

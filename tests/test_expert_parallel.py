@@ -121,3 +121,35 @@ def test_parallel_step_benchmark_quick_on_two_cpu_ranks(tmp_path):
         first = [r["losses"] for r in rows if r["recipe"] == recipe]
         assert first[0] == first[1] and all(4.0 < v < 7.0 for v in first[0])
     assert all(r["step_ms"] > 0 and r["tokens_per_s_per_gpu"] > 0 for r in rows)
+
+
+def test_weak_scaling_table_from_the_reports(tmp_path):
+    """``parallel_step --weak-scaling`` tabulates tokens/s per GPU of each W-GPU report over the same
+    (recipe, variant) on one GPU; variants the one-GPU run lacks, and reports of other model sizes,
+    are left out; a missing one-GPU report is named."""
+    from moe_fp8.bench import parallel_step
+
+    def report(stem, env, rows):
+        (tmp_path / f"{stem}.json").write_text(json.dumps(dict(env=env, rows=rows)))
+
+    with pytest.raises(FileNotFoundError, match="parallel_step_dsv3_gpu.json"):
+        parallel_step.weak_scaling(tmp_path, "dsv3")
+    env = dict(layers=4, tokens_per_rank="8 x 1024", dispatch="fp8")
+    report("parallel_step_dsv3_gpu", dict(env, world_size=1, ep=1),
+           [dict(recipe="fp8", variant="fsdp", tokens_per_s_per_gpu=1000.0),
+            dict(recipe="bf16", variant="fsdp", tokens_per_s_per_gpu=800.0)])
+    with pytest.raises(FileNotFoundError, match="no parallel_step_dsv3_w"):
+        parallel_step.weak_scaling(tmp_path, "dsv3")
+    report("parallel_step_dsv3_w4_ep4", dict(env, world_size=4, ep=4, layers=2),  # another model size: left out
+           [dict(recipe="fp8", variant="fsdp", tokens_per_s_per_gpu=1.0)])
+    report("parallel_step_dsv3_w8_ep8", dict(env, world_size=8, ep=8),
+           [dict(recipe="fp8", variant="fsdp", tokens_per_s_per_gpu=870.0),
+            dict(recipe="fp8", variant="fsdp+ac", tokens_per_s_per_gpu=700.0)])
+    report("parallel_step_dsv3_w2_ep2", dict(env, world_size=2, ep=2),
+           [dict(recipe="bf16", variant="fsdp", tokens_per_s_per_gpu=760.0)])
+    rows = parallel_step.weak_scaling(tmp_path, "dsv3")
+    assert [(r["recipe"], r["world_size"], r["efficiency"]) for r in rows] == [("bf16", 2, pytest.approx(0.95)),
+                                                                               ("fp8", 8, pytest.approx(0.87))]
+    _run_module("moe_fp8.bench.parallel_step", "--weak-scaling", "--out", str(tmp_path))
+    md = (tmp_path / "parallel_step_dsv3_weak_scaling.md").read_text()
+    assert "| fp8 | fsdp | 8 | 8 | 870 | 87% |" in md, md

@@ -13,15 +13,19 @@ shard); variants: ``single`` (not parallelized; world size 1 only), ``fsdp`` (``
 Median step time over the last ``timed`` of ``steps`` steps (the slowest rank's), tokens/s per GPU,
 peak memory (``max_memory_allocated``, the largest rank's), and rank 0's losses of the first steps
 (same weights, same batches: the variants must agree). ``--quick``: the CPU stand-in models on
-gloo ranks, a few short steps, to check the script.
+gloo ranks, a few short steps, to check the script. ``--weak-scaling`` runs nothing: it tabulates
+the reports of ``--out`` (one GPU and W GPUs) as tokens/s per GPU over one GPU's
+(``parallel_step_<model>_weak_scaling.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +76,48 @@ def run_variant(base: torch.nn.Module, recipe: str, variant: str, batches: list[
                 losses=[round(v, 4) for v in losses[:3]])
 
 
+def weak_scaling(out: str | Path, model: str) -> list[dict]:
+    """Rows of tokens/s per GPU on W GPUs over one GPU's, per (recipe, variant), from the reports in
+    ``out`` (``parallel_step_<model>_gpu.json`` and every ``parallel_step_<model>_w<W>_ep<E>.json`` of
+    the same layers, tokens per rank and dispatch); the one-GPU reference of a variant is its own row
+    there."""
+    out = Path(out)
+    one = out / f"parallel_step_{model}_gpu.json"
+    if not one.exists():
+        raise FileNotFoundError(f"{one}: the one-GPU run (python -m moe_fp8.bench.parallel_step) is missing")
+    one = json.loads(one.read_text())
+    ref = {(r["recipe"], r["variant"]): r["tokens_per_s_per_gpu"] for r in one["rows"]}
+    same = ("layers", "tokens_per_rank", "dispatch")
+    rows = []
+    for path in out.glob(f"parallel_step_{model}_w*_ep*.json"):
+        report = json.loads(path.read_text())
+        if any(report["env"].get(k) != one["env"].get(k) for k in same):  # another model size or batch
+            continue
+        world, ep = report["env"]["world_size"], report["env"]["ep"]
+        for r in report["rows"]:
+            base = ref.get((r["recipe"], r["variant"]))
+            if base:
+                rows.append(dict(recipe=r["recipe"], variant=r["variant"], world_size=world, ep=ep,
+                                 tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
+                                 efficiency=r["tokens_per_s_per_gpu"] / base))
+    if not rows:
+        raise FileNotFoundError(f"{out}: no parallel_step_{model}_w<W>_ep<E>.json with a variant, layers, tokens "
+                                "per rank and dispatch of the one-GPU run")
+    return sorted(rows, key=lambda r: (r["recipe"], r["variant"], r["world_size"], r["ep"]))
+
+
+def _write_weak_scaling(out: str, model: str) -> None:
+    rows = weak_scaling(out, model)
+    body = ["| recipe | variant | GPUs | ep | tokens/s per GPU | per GPU vs one GPU |", "|---|---|---:|---:|---:|---:|"]
+    body += [f"| {r['recipe']} | {r['variant']} | {r['world_size']} | {r['ep']} | {r['tokens_per_s_per_gpu']:,.0f} | "
+             f"{r['efficiency']:.0%} |" for r in rows]
+    body += ["", "Target: >= 85% per GPU from 1 to 8 GPUs with the FP8 recipe (every rank its own tokens)."]
+    write_report(out, f"parallel_step_{model}_weak_scaling", run_env("cuda" if torch.cuda.is_available() else "cpu"),
+                 rows, f"Weak scaling of the parallelized training step ({model})",
+                 "tokens/s per GPU over the same variant's on one GPU, from the reports in this folder", body)
+    print("\n".join(body))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dsv3", choices=sorted(models.MODELS))
@@ -85,7 +131,12 @@ def main() -> None:
     ap.add_argument("--timed", type=int, default=6)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", "--smoke", action="store_true", help="CPU stand-in models, few short steps")
+    ap.add_argument("--weak-scaling", action="store_true",
+                    help="run nothing: tabulate the reports in --out against the one-GPU run")
     args = ap.parse_args()
+    if args.weak_scaling:
+        _write_weak_scaling(args.out, args.model)
+        return
     rank, world, device, close = init_ranks()
     ep = world if args.ep is None else args.ep
     if ep < 1 or world % ep:
