@@ -5,7 +5,9 @@ graph split by Inductor's partitioner (``min_cut_rematerialization_partition``).
 
 ``python tests/saved_for_backward_probe.py`` (without ``TRITON_INTERPRET``: the kernels must be
 ``triton.jit`` functions) prints one JSON object: case -> the forward's saved tensors as
-``[dtype, shape]`` pairs, and ``"analysis fallbacks"``: the kernels torch could not analyse.
+``[dtype, shape]`` pairs; with transformers, ``"llama decoder"``: the bytes a Llama3-8B-sized
+decoder layer's compiled forward saves, HF's and converted; and ``"analysis fallbacks"``: the
+kernels torch could not analyse.
 """
 
 from __future__ import annotations
@@ -77,21 +79,72 @@ def _moe(cache_weights: bool):
     return lambda x: moe(x)
 
 
+def _keeper(graphs: dict, name: str):
+    """A compiler that keeps the graph as ``graphs[name]`` and runs nothing: meta results of the
+    graph's output shapes."""
+    def compiler(gm, example_inputs):
+        graphs[name] = gm
+        vals = [n.meta.get("val") if n is not None else None
+                for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
+        results = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                   if isinstance(v, torch.Tensor) else v for v in vals]
+        return make_boxed_func(lambda *args: list(results))
+    return compiler
+
+
+_VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "select", "slice",
+          "alias", "reshape", "detach"}
+
+
+def _base(node):
+    """The node whose buffer ``node`` views (``node`` itself when it is no view)."""
+    while node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _llama_saved_bytes(convert: bool) -> tuple[int, list]:
+    """Bytes of the distinct buffers (not parameters) the compiled forward of a Llama3-8B-sized
+    decoder layer (8 x 1024 tokens, flash attention's saved tensors) keeps for the backward, HF's
+    own or converted by ``hf.convert``'s defaults; and the FP8 tensors among them."""
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    from moe_fp8 import hf
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, scale=scaling)[0]
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("probe_meta_attention", attention)
+    config = LlamaConfig(vocab_size=272, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1024,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                         attn_implementation="probe_meta_attention")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if convert:
+        hf.convert(model)
+    graphs = {}
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=_keeper(graphs, "forward"), bw_compiler=_keeper(graphs, "backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    ids = torch.zeros(8, 1024, dtype=torch.long, device="meta")
+    torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(input_ids=ids, use_cache=False)
+    output = next(n for n in graphs["forward"].graph.nodes if n.op == "output")
+    bases = {_base(n) for n in output.args[0][1:] if isinstance(n, torch.fx.Node)}
+    bases = [n for n in bases if n.op != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    nbytes = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in bases)
+    fp8 = [[str(n.meta["val"].dtype), list(n.meta["val"].shape)] for n in bases if "float8" in str(n.meta["val"].dtype)]
+    return nbytes, fp8
+
+
 def _saved(fn, *shapes) -> list:
     graphs = {}
-
-    def keep(name: str):
-        def compiler(gm, example_inputs):  # runs nothing: meta results of the graph's output shapes
-            graphs[name] = gm
-            vals = [n.meta.get("val") for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
-            results = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-                       if isinstance(v, torch.Tensor) else v for v in vals]
-            return make_boxed_func(lambda *args: list(results))
-        return compiler
-
     torch._dynamo.reset()
     args = [torch.empty(s, device="meta", dtype=d, requires_grad=g) for s, d, g in shapes]
-    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+    backend = aot_autograd(fw_compiler=_keeper(graphs, "forward"), bw_compiler=_keeper(graphs, "backward"),
                            partition_fn=min_cut_rematerialization_partition)
     torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)  # the partition is made here
     output = next(n for n in graphs["forward"].graph.nodes if n.op == "output")
@@ -112,6 +165,14 @@ def main() -> None:
             "fp8_moe cached": _saved(_moe(True), ((96, 64), bf16, True)),
             "fp8_moe uncached": _saved(_moe(False), ((96, 64), bf16, True)),
         }
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            hf_bytes, _ = _llama_saved_bytes(False)
+            ours_bytes, ours_fp8 = _llama_saved_bytes(True)
+            report["llama decoder"] = dict(hf_bytes=hf_bytes, ours_bytes=ours_bytes, ours_fp8=ours_fp8)
     report["analysis fallbacks"] = [r.getMessage()[:200] for r in warned.records]
     print(json.dumps(report))
 

@@ -106,3 +106,17 @@ def test_compiled_peak_holds_no_fp8_weight_copies_gpu(case):
     assert fp8_peak - bf16_peak < fp8_bytes / 2, (
         f"{case}: compiled peak {fp8_peak / 2**20:.0f} MiB against BF16's {bf16_peak / 2**20:.0f} MiB "
         f"(the weights' FP8 bytes: {fp8_bytes / 2**20:.0f} MiB)")
+
+
+@pytest.mark.slow(20)
+def test_compiled_llama_decoder_saves_what_hf_saves(saved):
+    """A Llama3-8B-sized decoder layer converted by ``hf.convert``'s defaults: its compiled forward keeps
+    the buffers HF's own keeps (no FP8 copy, no second copy of an input its FP8 and BF16 linears
+    share), plus the FP8 linears' small amaxes."""
+    if "llama decoder" not in saved:
+        pytest.skip("transformers is not installed")
+    r = saved["llama decoder"]
+    assert r["ours_fp8"] == [], f"FP8 tensors saved for backward: {r['ours_fp8']}"
+    assert r["hf_bytes"] > 2**30  # the layer's activations at 8 x 1024 tokens: the probe traced a backward
+    assert 0 <= r["ours_bytes"] - r["hf_bytes"] <= 2**20, (
+        f"converted saves {r['ours_bytes'] / 2**20:.1f} MiB against HF's {r['hf_bytes'] / 2**20:.1f} MiB")
