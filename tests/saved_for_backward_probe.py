@@ -33,6 +33,7 @@ from traced_writes import _sm90_analysis  # noqa: E402
 from moe_fp8 import FP8MoE  # noqa: E402
 from moe_fp8.grouped_gemm import Fp8WeightCache  # noqa: E402
 from moe_fp8.grouped_gemm.op import fp8_grouped_mm  # noqa: E402
+from moe_fp8.kernel_backend import LaunchTarget, configure_launches_for  # noqa: E402
 from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
 
 
@@ -154,8 +155,9 @@ def _saved(fn, *shapes) -> list:
 
 def main() -> None:
     _triton_on_meta()
+    sm90 = configure_launches_for(LaunchTarget("cuda", (9, 0), 132))  # a GPU's tiles and casts, not the interpreter's
     bf16 = torch.bfloat16
-    with _sm90_analysis() as warned:
+    with _sm90_analysis() as warned, sm90:
         report = {
             "fp8_linear": _saved(_dense, ((48, 64), bf16, True), ((128, 64), bf16, True), ((64, 128), bf16, True)),
             "fp8_linear cached": _saved(_dense_cached, ((48, 64), bf16, True), ((128, 64), bf16, True),

@@ -35,12 +35,16 @@ class _Sm90Driver:
 
 
 class _Warnings(logging.Handler):
+    """The warnings logged from ``triton_kernel_wrap.py`` (its logger is ``torch._dynamo``'s in torch
+    2.11, the module's own in 2.13: other records on it are not the analysis')."""
+
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+        if record.pathname.endswith("triton_kernel_wrap.py"):
+            self.records.append(record)
 
 
 @contextlib.contextmanager
@@ -48,7 +52,7 @@ def _sm90_analysis() -> Iterator[_Warnings]:
     """torch's kernel analysis against an sm_90 target; yields the warnings it logs (a fallback)."""
     from torch._higher_order_ops import triton_kernel_wrap
 
-    logger = logging.getLogger(triton_kernel_wrap.__name__)
+    logger = getattr(triton_kernel_wrap, "log", None) or logging.getLogger(triton_kernel_wrap.__name__)
     handler = _Warnings()
     logger.addHandler(handler)
     drivers = triton.runtime.driver
