@@ -184,3 +184,32 @@ def test_bench_whole_model_isolated_variant_cpu(torch_references):
     assert result["step_ms"] > 0 and len(result["losses"]) == 2 and 4.0 < result["losses"][-1] < 6.5
     with pytest.raises(RuntimeError, match="KeyError: 'no_such_model'"):
         models._run_isolated(models._Job("no_such_model", "eager", "hf_bf16", "cpu", 2, 1, 1, None, 2))
+
+
+def test_model_rows_count_dynamo_graphs_and_breaks(tmp_path):
+    """Compiled rows report the graphs Dynamo made and its graph breaks with their reasons, as the
+    difference of the process-wide counters around the run; the markdown lists the reasons."""
+    import torch
+
+    from moe_fp8.bench import models, report
+
+    graphs_before, breaks_before = models._dynamo_counts()
+
+    def f(x):
+        y = x + 1
+        torch._dynamo.graph_break()
+        return y * 2
+
+    torch._dynamo.reset()
+    torch.compile(f, backend="eager")(torch.ones(3))
+    graphs, breaks = models._dynamo_counts()
+    breaks.subtract(breaks_before)
+    assert graphs - graphs_before == 2 and sum(breaks.values()) == 1
+    reason = next(r for r, n in breaks.items() if n == 1)
+    assert "\n" not in reason and reason
+    row = dict(model="m", mode="compiled", variant="v", step_ms=1.0, graphs=2, graph_breaks=1,
+               break_reasons=[f"1 x {reason}"])
+    meta = dict(args="", date="d", gpu="g", torch="t", triton="t", torchao=None, seconds=0.0)
+    report.write(tmp_path, "r", meta, {"model": [row]})
+    md = (tmp_path / "r.md").read_text()
+    assert f"- m compiled v: 1 x {reason}" in md and "| 2 | 1 |" in md

@@ -44,6 +44,7 @@ with ``--variants`` run in every mode named.
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import json
@@ -220,12 +221,23 @@ class _Clock:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
+def _dynamo_counts() -> tuple[int, collections.Counter]:
+    """``(graphs compiled, graph breaks by their reason's first line)`` so far in this process."""
+    from torch._dynamo.utils import counters
+
+    breaks = collections.Counter()
+    for reason, count in counters["graph_break"].items():
+        breaks[reason.strip().splitlines()[0][:160]] += count
+    return counters["stats"]["unique_graphs"], breaks
+
+
 def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, timed: int, lr: float,
                 device: str, backend: str | None, size_rules: bool = True, accumulate: int = 1,
                 profile: bool = False) -> dict:
     """Train a fresh copy of ``base`` for ``steps`` optimizer steps of ``accumulate`` micro-batches
     from ``data``; step, forward+backward and optimizer times, peak memory over the run and over
-    the steps after the first (which compiles), and losses. ``profile``: then one more step under
+    the steps after the first (which compiles), losses, and (compiled modes) the graphs Dynamo
+    compiled and its graph breaks with their reasons. ``profile``: then one more step under
     ``torch.profiler`` (``"profile"``: ``step_profile.kernel_time``) and, on CUDA, one with the
     allocator's history recorded (``"peak_allocations"``: ``step_profile.peak_allocations``)."""
     model = convert(base, variant, backend, size_rules=size_rules)
@@ -239,6 +251,7 @@ def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, t
         torch.cuda.reset_peak_memory_stats()
     losses, times, fwd_bwd, optim = [], [], [], []
     first_peak = None
+    graphs_before, breaks_before = _dynamo_counts()
     for i in range(steps):
         micro = [next(data) for _ in range(accumulate)]
         start = time.perf_counter()
@@ -255,6 +268,11 @@ def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, t
     result = dict(step_ms=ms(times), fwd_bwd_ms=ms(fwd_bwd), optim_ms=ms(optim),
                   peak_gib=max(first_peak, steady or 0) / 2**30 if cuda else None,
                   steady_peak_gib=steady / 2**30 if steady is not None else None, losses=losses)
+    if mode != "eager":
+        graphs, breaks = _dynamo_counts()
+        breaks.subtract(breaks_before)
+        result.update(graphs=graphs - graphs_before, graph_breaks=sum(breaks.values()),
+                      break_reasons=[f"{n} x {reason}" for reason, n in breaks.most_common(3) if n > 0])
     if profile:
         micro = [next(data) for _ in range(accumulate)]
         result["profile"] = step_profile.kernel_time(lambda: step(micro), cuda)
@@ -396,7 +414,8 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
                            fwd_bwd_ms=r["fwd_bwd_ms"], optim_ms=r["optim_ms"],
                            tokens_per_s=accumulate * batch * seq / r["step_ms"] * 1e3, peak_gib=r["peak_gib"],
                            steady_peak_gib=r["steady_peak_gib"])
-                row.update({k: r[k] for k in ("profile", "peak_allocations") if k in r})
+                row.update({k: r[k] for k in ("graphs", "graph_breaks", "break_reasons", "profile", "peak_allocations")
+                            if k in r})
                 if loss_run:
                     row["final_loss"] = statistics.fmean(r["losses"][-10:])
                 rows.append(row)

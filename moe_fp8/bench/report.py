@@ -38,6 +38,7 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
               ("fwd+bwd ms", "fwd_bwd_ms", ".1f"),
               ("optimizer ms", "optim_ms", ".1f"), ("tokens/s", "tokens_per_s", ",.0f"), ("vs HF BF16", "speedup", ".2f"),
               ("peak GiB", "peak_gib", ".2f"), ("peak after step 1", "steady_peak_gib", ".2f"),
+              ("graphs", "graphs", "d"), ("graph breaks", "graph_breaks", "d"),
               ("loss", "final_loss", ".4f"), ("loss gap", "loss_gap", "+.2%")],
 }
 TITLES = {"quant": "Quantization kernels (bandwidth)", "gemm": "Grouped GEMM, forward+backward",
@@ -104,6 +105,10 @@ def write(out: Path, name: str, meta: dict, results: dict[str, list[dict]]) -> l
     for kind, rows in results.items():
         lines += ["", f"## {TITLES[kind]}", "", table(kind, rows, markdown=True)]
         if kind == "model":
+            broken = [r for r in rows if r.get("break_reasons")]
+            if broken:
+                lines += ["", "Graph breaks (the most frequent reasons):", ""]
+                lines += [f"- {_label(r)}: " + "; ".join(r["break_reasons"]) for r in broken]
             lines += step_profile.markdown(rows)
     paths[1].write_text("\n".join(lines) + "\n")
     png = out / f"{name}_speedups.png"
