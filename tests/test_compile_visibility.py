@@ -15,7 +15,7 @@ from moe_fp8.testing import sqnr
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import DeepseekV3Config, Qwen3MoeConfig  # noqa: E402
+from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig  # noqa: E402
 
 H, I, E, K, T = 32, 32, 4, 2, 16
 
@@ -178,6 +178,9 @@ def _config(name: str):
                   num_attention_heads=2, num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
     if name == "qwen3_moe":
         return Qwen3MoeConfig(num_experts=E, intermediate_size=64, norm_topk_prob=True, head_dim=16, **common)
+    if name == "llama":
+        return LlamaConfig(intermediate_size=64, **{k: v for k, v in common.items()
+                                                    if k not in ("moe_intermediate_size", "num_experts_per_tok")})
     return DeepseekV3Config(n_routed_experts=E, intermediate_size=64, n_group=2, topk_group=1, n_shared_experts=1,
                             first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
                             qk_nope_head_dim=8, v_head_dim=16, **common)
@@ -199,7 +202,8 @@ def _converted_layer(name: str, recipe: str, backend: str, device="cpu"):
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(_config(name)).to(device, torch.bfloat16)
     model.config._attn_implementation = "sdpa"
-    hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0, min_fp8_wgrad_size=0)
+    dense = dict(min_dense_size=0) if name == "llama" else {}  # every linear of the dense model in FP8
+    hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0, min_fp8_wgrad_size=0, **dense)
     return _Layer(model)
 
 
@@ -227,10 +231,33 @@ def test_hf_decoder_layer_compiles_with_the_triton_kernels(name, recipe):
         assert not any(cap.library_ops(g) for g in cap.graphs)
 
 
+@pytest.mark.slow(6)
+@pytest.mark.interpreter
+def test_hf_dense_decoder_layer_compiles_with_the_triton_kernels():
+    """A converted Llama decoder layer, every linear an ``FP8Linear``: one forward and one backward
+    graph (fullgraph: no break around the FP8 linears), the quantization kernels and the FP8 GEMMs
+    in them, no opaque library op, results close to eager (the compiled attention and norms may
+    round differently)."""
+    layer = _converted_layer("llama", "rowwise", None)
+    assert sum(type(m).__name__ == "FP8Linear" for m in layer.modules()) == 7
+    x, dy = torch.randn(1, 8, H).bfloat16(), torch.randn(1, 8, H).bfloat16()
+    want, got, cap = _compiled_vs_eager(layer, x, dy)
+    assert sqnr(want[0], got[0]) >= 40 and sqnr(want[1], got[1]) >= 40
+    for n in want[2]:
+        assert sqnr(want[2][n], got[2][n]) >= 30, n
+    fw, bw = (set(cap.kernels(g)) for g in cap.graphs)
+    # x's rows (with its column amax where traced for a GPU), W's forward layout; W's dgrad layout
+    assert fw & {"_rowwise_kernel", "_group_rowwise_amax_kernel"} and "_expert_rowwise_col_amax_kernel" in fw, fw
+    assert "_colwise_kernel" in bw, bw
+    assert not any(cap.library_ops(g) for g in cap.graphs)
+    gemms = [sum(str(n.target) == "aten._scaled_mm.default" for n in g.graph.nodes) for g in cap.graphs]
+    assert gemms == [7, 14], gemms  # each linear's forward; its dgrad and wgrad
+
+
 # ----------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["rowwise", "bf16"])
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "llama"])
 def test_gpu_hf_decoder_layer_inductor(name, recipe):
     """Inductor, fullgraph, forward+backward of a converted decoder layer against eager."""
     layer = _converted_layer(name, recipe, None, device="cuda")
