@@ -34,10 +34,12 @@ Modes: ``eager``, ``compiled`` (``torch.compile(model)``) and ``reduce-overhead`
 An optimizer step is ``accumulate`` micro-batches of forward and backward (the loss divided by
 ``accumulate``), then gradient clipping and fused AdamW. Reported per optimizer step: the median
 step time over the timed steps after warm-up, and its split into forward+backward and optimizer
-(clip + AdamW) time; peak memory is ``max_memory_allocated`` over the run. The loss is the mean of
-the last 10 of ``loss_steps`` steps on byte-level text (the standard library's sources), trained in
-eager mode from the same initial weights on the same batches (``LOSS_VARIANTS``; the other rows
-run 40 micro-batches, at least 12 optimizer steps). ``MODE_VARIANTS`` says which variants each mode runs
+(clip + AdamW) time; peak memory is ``max_memory_allocated`` over the run, and over the steps after
+the first (which compiles); compiled rows count Dynamo's graphs and graph breaks; ``--profile`` adds
+one profiled step per row (``step_profile``). The loss is the mean of the last 10 of ``loss_steps``
+steps on byte-level text (the standard library's sources), trained in eager mode from the same
+initial weights on the same batches (``LOSS_VARIANTS``; the other rows run 40 micro-batches, at
+least 12 optimizer steps). ``MODE_VARIANTS`` says which variants each mode runs
 by default (the ``_fp8_wgrad`` ones and ``ours_fp8_cached_all`` only when named); variants named
 with ``--variants`` run in every mode named.
 """
