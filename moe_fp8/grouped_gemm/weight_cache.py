@@ -97,6 +97,12 @@ class _Entry:
     aux: Quantized = ()  # what a forward that kept nothing leaves for its backward
 
 
+def _quantized(w: torch.Tensor, dtype: torch.dtype, quantize: Callable[[torch.Tensor], Quantized]) -> Quantized:
+    """``quantize`` of ``w`` cast to ``dtype``, outside autograd."""
+    with torch.no_grad():
+        return tuple(quantize(w.detach().to(dtype)))
+
+
 class _StandIn(torch.autograd.Function):
     """``apply(w, dtype)``: an UNINITIALISED tensor of ``w``'s shape and strides in ``dtype``, whose
     gradient flows back to ``w`` cast to ``w``'s dtype (see :meth:`Fp8WeightCache.stand_in`)."""
@@ -178,19 +184,15 @@ class Fp8WeightCache:
         ``quantize(src.to(w.dtype))``. During a CUDA graph capture, or for a ``w`` that is an
         inference tensor: ``quantize`` (of ``src``), and nothing stored or counted.
         """
-        dtype = w.dtype
-        w = getattr(w, "_fp8_cache_source", w)
-        if self.bypassed(w) or w.is_inference():  # see the module docstring
-            with torch.no_grad():
-                return tuple(quantize(w.detach().to(dtype)))
-        anchor, slot = self._slot(w, dtype, key)
-        entry = self._entries.get(slot)
+        found = self._find(w, key)
+        if found is None:  # see the module docstring
+            return _quantized(getattr(w, "_fp8_cache_source", w), w.dtype, quantize)
+        w, dtype, anchor, slot, entry = found
         if entry is not None and entry.value and self._valid(entry, anchor, w):
             self.hits += 1
             return entry.value
         self.misses += 1
-        with torch.no_grad():
-            value = tuple(quantize(w.detach().to(dtype)))
+        value = _quantized(w, dtype, quantize)
         self._store(anchor, w, slot, value, quantize, reused=True)
         return value
 
@@ -202,12 +204,10 @@ class Fp8WeightCache:
         ``training``: the forward runs with gradients enabled (decided where the module is called:
         inside an autograd function, and in a compiled graph, they are off). ``None`` too while a
         CUDA graph is captured and for inference tensors, with nothing recorded."""
-        dtype = w.dtype
-        w = getattr(w, "_fp8_cache_source", w)
-        if self.bypassed(w) or w.is_inference():
+        found = self._find(w, key)
+        if found is None:
             return None
-        anchor, slot = self._slot(w, dtype, key)
-        entry = self._entries.get(slot)
+        w, dtype, anchor, slot, entry = found
         same = entry is not None and self._same_state(entry, anchor, w)
         if torch._C._current_graph_task_id() != -1:  # run by the autograd engine: a recomputation
             if same and entry.value and self._valid(entry, anchor, w):
@@ -229,10 +229,7 @@ class Fp8WeightCache:
             self.hits += 1
             return entry.value
         self.misses += 1
-        value = ()
-        if keep:
-            with torch.no_grad():
-                value = tuple(quantize(w.detach().to(dtype)))
+        value = _quantized(w, dtype, quantize) if keep else ()
         self._store(anchor, w, slot, value, quantize, uses=uses, evals=evals, reused=reused)
         return value or None
 
@@ -240,12 +237,10 @@ class Fp8WeightCache:
         """``(value, aux)`` of ``w``'s entry for settings ``key`` in its current state (each ``()``
         where there is none): the backward's read of what its forward kept (:meth:`serve`) or left
         (:meth:`leave`). A value read counts as a hit."""
-        dtype = w.dtype
-        w = getattr(w, "_fp8_cache_source", w)
-        if self.bypassed(w) or w.is_inference():
+        found = self._find(w, key)
+        if found is None:
             return (), ()
-        anchor, slot = self._slot(w, dtype, key)
-        entry = self._entries.get(slot)
+        w, _, anchor, _, entry = found
         if entry is None or not self._valid(entry, anchor, w):
             return (), ()
         self.hits += bool(entry.value)
@@ -254,11 +249,11 @@ class Fp8WeightCache:
     def leave(self, w: torch.Tensor, key: Hashable, aux: Quantized) -> None:
         """Attach ``aux`` (small tensors a forward that kept nothing made for its backward) to the
         record of ``w``'s current state for settings ``key``; nothing happens without one."""
-        w = getattr(w, "_fp8_cache_source", w)
-        anchor, slot = self._slot(w, w.dtype, key)
-        entry = self._entries.get(slot)
-        if entry is not None and self._valid(entry, anchor, w):
-            entry.aux = tuple(aux)
+        found = self._find(w, key)
+        if found is not None:
+            w, _, anchor, _, entry = found
+            if entry is not None and self._valid(entry, anchor, w):
+                entry.aux = tuple(aux)
 
     def keys(self, w: torch.Tensor) -> list[tuple[torch.dtype, Hashable]]:
         """The ``(dtype, key)`` pairs the cache has seen ``w`` (this very view of its base, in any
@@ -300,6 +295,17 @@ class Fp8WeightCache:
             self._store(anchor, w, slot, value, entry.quantize, reused=True)
             done += 1
         return done
+
+    def _find(self, w: torch.Tensor, key: Hashable) -> tuple | None:
+        """``(w, dtype, anchor, slot, entry)`` for a lookup of ``w`` (its source, for a :meth:`stand_in`,
+        with the stand-in's dtype) under settings ``key`` (``entry``: ``None`` where there is none), or
+        ``None`` where the cache is not used: during a CUDA graph capture, for an inference tensor."""
+        dtype = w.dtype
+        w = getattr(w, "_fp8_cache_source", w)
+        if self.bypassed(w) or w.is_inference():
+            return None
+        anchor, slot = self._slot(w, dtype, key)
+        return w, dtype, anchor, slot, self._entries.get(slot)
 
     @staticmethod
     def _slot(w: torch.Tensor, dtype: torch.dtype, key: Hashable) -> tuple[torch.Tensor, tuple]:
