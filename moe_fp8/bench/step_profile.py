@@ -174,23 +174,30 @@ def replay_peak(trace: list[dict], base: int, top: int = 12) -> dict:
     ``base`` bytes allocated: ``{"peak_gib", "before_gib", "sites": [[site, count, GiB]]}``, the
     allocations made during the trace and alive at its highest point, grouped by :func:`_site`,
     largest first (``before_gib``: what was allocated when the trace began)."""
-    live: dict[int, tuple[int, str]] = {}
-    allocated = peak = base
-    peak_live: dict[int, tuple[int, str]] = {}
-    for event in trace:
-        action, addr = event.get("action"), event.get("addr")
-        if action == "alloc":
-            live[addr] = (event["size"], _site(event.get("frames", [])))
-            allocated += event["size"]
-            if allocated > peak:
-                peak, peak_live = allocated, dict(live)
-        elif action in ("free_requested", "free_completed") and addr in live:
-            allocated -= live.pop(addr)[0]
+    def replay(until: int | None = None) -> tuple[dict[int, dict], int, int]:
+        """(the blocks alive, the highest allocation total, the event index it was reached at)."""
+        live: dict[int, dict] = {}
+        allocated = peak = base
+        at = -1
+        for i, event in enumerate(trace[:until]):
+            action, addr = event.get("action"), event.get("addr")
+            if action == "alloc":
+                live[addr] = event
+                allocated += event["size"]
+                if allocated > peak:
+                    peak, at = allocated, i
+            elif action in ("free_requested", "free_completed") and addr in live:
+                allocated -= live.pop(addr)["size"]
+        return live, peak, at
+
+    _, peak, at = replay()
+    peak_live = replay(at + 1)[0] if at >= 0 else {}  # the blocks alive at the peak: sites named for these only
     sites: dict[str, list] = {}
-    for size, site in peak_live.values():
+    for event in peak_live.values():
+        site = _site(event.get("frames", []))
         entry = sites.setdefault(site, [site, 0, 0.0])
         entry[1] += 1
-        entry[2] += size / 2**30
+        entry[2] += event["size"] / 2**30
     return dict(peak_gib=peak / 2**30, before_gib=base / 2**30,
                 sites=sorted(sites.values(), key=lambda e: -e[2])[:top])
 
