@@ -9,7 +9,12 @@ import torch
 from moe_fp8.routing import combine, make_dispatch_plan, permute
 from moe_fp8.kernel_backend import use_triton
 from moe_fp8.routing.combine_kernels import combine_kernel
+from moe_fp8.quant.formats import E4M3FN
+from moe_fp8.quant.reference import quantize_rowwise
+from moe_fp8.routing.combine_ops import combine_backward_quantize
 from moe_fp8.routing.reference import combine_reference, permute_reference
+
+from quant_kernel_cases import FORMAT_IDS, FORMATS
 
 from test_routing_plan import random_topk_ids
 
@@ -159,3 +164,44 @@ def test_bad_input():
         combine(y.to(torch.int32), plan, w)
     with pytest.raises(TypeError, match="plan"):
         combine(y, None, w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("kind, P, weighted, pow2", [
+    ("balanced", 1, True, False), ("skewed", 16, True, True), ("empty", 16, True, False),
+    ("balanced", 16, False, False), ("one", 1, False, True),
+])
+def test_backward_quantize_is_the_backward_then_quantize_rowwise(kind, P, weighted, pow2, fmt):
+    """grad_y and grad_w are the plain backward's bits; q and scale are quantize_rowwise(grad_y) exactly
+    (padding rows included: zero codes, the zero row's scale). Gradient rows span 1e-6..1e6."""
+    T, E, k, H = 21, 8, 3, 72
+    plan, y, w = setup(T, E, k, H, P, kind, seed=7 + P)
+    w = w if weighted else None
+    g = torch.Generator().manual_seed(8)
+    go = (torch.randn(T, H, generator=g) * torch.pow(10.0, torch.randint(-6, 7, (T, 1), generator=g))).bfloat16()
+    go[0] = 0
+    torch.full((plan.num_rows + 3, H), float("nan"))  # dirty the allocator
+    grad_y, grad_w, q, scale = combine_backward_quantize(go, y if weighted else None, plan, w, fmt, pow2)
+    yr = y.clone().requires_grad_()
+    wr = w.clone().requires_grad_() if weighted else None
+    ref_gy, ref_gw = torch.autograd.grad(combine(yr, plan, wr), (yr, wr) if weighted else (yr,), go) + (None,) * (
+        not weighted)
+    assert torch.equal(grad_y.view(torch.int16), ref_gy.view(torch.int16))
+    assert (grad_w is None) == (not weighted) and (grad_w is None or torch.equal(grad_w, ref_gw))
+    ref_q, ref_s = quantize_rowwise(ref_gy, fmt, pow2=pow2)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
+
+
+def test_backward_quantize_loops_over_wide_rows(monkeypatch):
+    """Rows wider than one block (tile shrunk): both passes loop over H."""
+    import moe_fp8.routing.combine_ops as ops
+
+    monkeypatch.setattr(ops, "_BWD_TILE", 64)
+    T, E, k, H = 9, 4, 2, 300
+    plan, y, w = setup(T, E, k, H, 16, "skewed", seed=3)
+    go = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).bfloat16() * 1e3
+    grad_y, _, q, scale = combine_backward_quantize(go, y, plan, w, E4M3FN)
+    ref_q, ref_s = quantize_rowwise(grad_y, E4M3FN)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
+    yr = y.clone().requires_grad_()
+    assert torch.equal(grad_y, torch.autograd.grad(combine(yr, plan, w), yr, go)[0])

@@ -9,6 +9,7 @@ import moe_fp8.routing.permute_ops as permute_ops
 from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.reference import quantize_rowwise
 from moe_fp8.routing import RouterConfig, combine, make_dispatch_plan, permute, permute_quantize, route
+from moe_fp8.routing.combine_ops import combine_backward_quantize
 from moe_fp8.routing.reference import (
     combine_backward_reference,
     combine_reference,
@@ -68,6 +69,11 @@ def test_pipeline_matches_references(name, P):
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), "combine must be deterministic"
     gy2, gw2 = torch.autograd.grad(out2, (y, w), go)
     assert torch.equal(gy2.view(torch.int16), gy.view(torch.int16)) and torch.equal(gw2, gw)
+    # the quantizing backward: the same grad_y bits, and quantize_rowwise of them exactly
+    gy_q, gw_q, q, s = combine_backward_quantize(go, y.detach(), plan, w.detach(), E4M3FN)
+    assert torch.equal(gy_q.view(torch.int16), gy.view(torch.int16)) and torch.equal(gw_q, gw)
+    q_ref, s_ref = quantize_rowwise(gy, E4M3FN)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
 @pytest.mark.parametrize("E", [8, 128, 256])

@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..quant.kernels.common import to_fp8
+from ..quant.triton_helpers import fp8_scales
 from .permute_kernels import write_padding_rows
 
 __all__ = ["combine_kernel", "combine_backward_kernel", "cast_rne"]
@@ -47,12 +49,17 @@ def combine_kernel(
 
 @triton.jit
 def combine_backward_kernel(
-    g_ptr, y_ptr, w_ptr, grad_y_ptr, grad_w_ptr, pair_to_row_ptr, pad_rows_ptr,
-    num_tokens, H, num_pad_rows,
+    g_ptr, y_ptr, w_ptr, grad_y_ptr, grad_w_ptr, q_ptr, scale_ptr, pair_to_row_ptr, pad_rows_ptr,
+    num_tokens, H, num_pad_rows, pad_scale,
     TOPK: tl.constexpr, TOPK_POW2: tl.constexpr, BLOCK_H: tl.constexpr, PAD_ROWS: tl.constexpr,
+    QUANTIZE: tl.constexpr, POW2: tl.constexpr, OUT_DTYPE: tl.constexpr, HW_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr, FP8_NEG_ZERO: tl.constexpr,
 ):
     """Grid ``(T + padding programs,)``: token ``t`` writes ``grad_y[row_j] = w_j * g[t]`` and
-    ``grad_w[t, j] = <g[t], y[row_j]>`` (fp32, fixed reduction order); the rest zero ``pad_rows``."""
+    ``grad_w[t, j] = <g[t], y[row_j]>`` (fp32, fixed reduction order); the rest zero ``pad_rows``.
+    ``QUANTIZE``: also each ``grad_y`` row's FP8 codes (``q``) and scale: the amax over the rounded
+    row in the first pass, then the row recomputed from ``g[t]`` (the same bits) and quantized."""
     pid = tl.program_id(0)
     if pid < num_tokens:
         t = pid.to(tl.int64)
@@ -63,6 +70,7 @@ def combine_backward_kernel(
         live = rows >= 0
         cols = tl.arange(0, BLOCK_H)
         dots = tl.zeros([TOPK_POW2, BLOCK_H], dtype=tl.float32)
+        amax = tl.zeros([TOPK_POW2], dtype=tl.float32)
         for c in range(0, H, BLOCK_H):
             cc = c + cols
             m = cc < H
@@ -71,10 +79,25 @@ def combine_backward_kernel(
             offs = rows[:, None] * H + cc[None, :]
             y = tl.load(y_ptr + offs, mask=tile, other=0.0).to(tl.float32)
             dots += y * g[None, :]
-            tl.store(grad_y_ptr + offs, cast_rne(w[:, None] * g[None, :], grad_y_ptr.dtype.element_ty), mask=tile)
+            grad_y = cast_rne(w[:, None] * g[None, :], grad_y_ptr.dtype.element_ty)
+            tl.store(grad_y_ptr + offs, grad_y, mask=tile)
+            if QUANTIZE:
+                amax = tl.maximum(amax, tl.max(tl.abs(grad_y.to(tl.float32)), axis=1))
         tl.store(grad_w_ptr + t * TOPK + slots, cast_rne(tl.sum(dots, axis=1), grad_w_ptr.dtype.element_ty), mask=smask)
+        if QUANTIZE:
+            inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
+            tl.store(scale_ptr + rows, scale, mask=live)
+            for c in range(0, H, BLOCK_H):
+                cc = c + cols
+                m = cc < H
+                g = tl.load(g_ptr + t * H + cc, mask=m, other=0.0).to(tl.float32)
+                grad_y = cast_rne(w[:, None] * g[None, :], grad_y_ptr.dtype.element_ty)
+                q = to_fp8(grad_y, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
+                           FP8_SUB_SCALE, FP8_NEG_ZERO)
+                tl.store(q_ptr + rows[:, None] * H + cc[None, :], q, mask=live[:, None] & m[None, :])
     else:
-        write_padding_rows(
-            grad_y_ptr, grad_y_ptr, pad_rows_ptr, (pid - num_tokens) * PAD_ROWS, num_pad_rows, H, 0.0,
-            False, PAD_ROWS, BLOCK_H,
-        )
+        first = (pid - num_tokens) * PAD_ROWS
+        write_padding_rows(grad_y_ptr, grad_y_ptr, pad_rows_ptr, first, num_pad_rows, H, 0.0, False, PAD_ROWS, BLOCK_H)
+        if QUANTIZE:
+            write_padding_rows(q_ptr, scale_ptr, pad_rows_ptr, first, num_pad_rows, H, pad_scale, True, PAD_ROWS,
+                               BLOCK_H)

@@ -24,15 +24,17 @@ import torch
 
 from ..checks import check_same_device, check_tensor
 from ..launch import launch
-from ..quant.reference import HIGH_PRECISION_DTYPES
+from ..quant.formats import Float8Format, resolve_format
+from ..quant.kernels.common import format_constexprs
+from ..quant.reference import HIGH_PRECISION_DTYPES, quantize_rowwise
 from ..kernel_backend import device_guard, eager_triton_op, use_triton
 from ..launch_math import cdiv, next_power_of_2
 from .combine_kernels import combine_backward_kernel, combine_kernel
-from .permute_ops import _permute_op
+from .permute_ops import _permute_both_op, _permute_op
 from .plan import DispatchPlan
-from .reference import combine_backward_reference, combine_reference
+from .reference import combine_backward_reference, combine_reference, padding_scale
 
-__all__ = ["combine"]
+__all__ = ["combine", "combine_backward_quantize"]
 
 _FWD_BLOCK_H = 1024
 _FWD_WARPS = 4
@@ -70,35 +72,67 @@ def _(y, pair_to_row, row_to_pair, pad_rows, weights, top_k):
     return y.new_empty(pair_to_row.shape[0] // top_k, y.shape[1])
 
 
-@eager_triton_op("moe_fp8::routing_combine_backward")
-def _combine_backward_op(
-    grad_out: torch.Tensor, y: torch.Tensor, pair_to_row: torch.Tensor, pad_rows: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_combine_backward(
+    grad_out: torch.Tensor, y: torch.Tensor, pair_to_row: torch.Tensor, pad_rows: torch.Tensor,
+    weights: torch.Tensor, fmt: Float8Format | None, pow2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_y, grad_w, q, scale)`` from the backward kernel; ``fmt``: also ``grad_y``'s rowwise
+    FP8 ``q (M, H)`` and ``scale (M,)`` (else both ``None``)."""
     T, k = weights.shape
     M, H = y.shape
-    if not use_triton(combine_backward_kernel, y):
-        return combine_backward_reference(grad_out, y, pair_to_row, weights, k)
     grad_y = torch.empty_like(y)
     grad_w = torch.empty_like(weights)
+    quantize = fmt is not None
+    q = torch.empty(M, H, dtype=fmt.torch_dtype, device=y.device) if quantize else None
+    scale = torch.empty(M, dtype=torch.float32, device=y.device) if quantize else None
     num_pad = pad_rows.numel()
     grid = T + cdiv(num_pad, _PAD_ROWS_PER_PROGRAM)
-    if H == 0:
-        return grad_y, grad_w.zero_()
-    if grid == 0:
-        return grad_y, grad_w
+    if H == 0 or grid == 0:
+        if quantize:
+            scale.fill_(padding_scale(fmt, pow2))  # rows of no element, or padding rows only: zero rows
+        return grad_y, grad_w.zero_() if H == 0 else grad_w, q, scale
     k_pow2 = next_power_of_2(k)
     block = min(next_power_of_2(H), max(128, _BWD_TILE // k_pow2))
     with device_guard(y):
         launch(combine_backward_kernel)[(grid,)](
-            grad_out, y, weights, grad_y, grad_w, pair_to_row, pad_rows, T, H, num_pad,
-            TOPK=k, TOPK_POW2=k_pow2, BLOCK_H=block, PAD_ROWS=_PAD_ROWS_PER_PROGRAM, num_warps=_BWD_WARPS,
+            grad_out, y, weights, grad_y, grad_w, q if quantize else y, scale if quantize else y, pair_to_row,
+            pad_rows, T, H, num_pad, padding_scale(fmt, pow2) if quantize else 0.0,
+            TOPK=k, TOPK_POW2=k_pow2, BLOCK_H=block, PAD_ROWS=_PAD_ROWS_PER_PROGRAM, QUANTIZE=quantize, POW2=pow2,
+            num_warps=_BWD_WARPS, **format_constexprs(fmt if quantize else resolve_format("e4m3fn"), y.device),
         )
-    return grad_y, grad_w
+    return grad_y, grad_w, q, scale
+
+
+@eager_triton_op("moe_fp8::routing_combine_backward")
+def _combine_backward_op(
+    grad_out: torch.Tensor, y: torch.Tensor, pair_to_row: torch.Tensor, pad_rows: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(combine_backward_kernel, y):
+        return combine_backward_reference(grad_out, y, pair_to_row, weights, weights.shape[1])
+    return _launch_combine_backward(grad_out, y, pair_to_row, pad_rows, weights, None, False)[:2]
 
 
 @_combine_backward_op.register_fake
 def _(grad_out, y, pair_to_row, pad_rows, weights):
     return torch.empty_like(y), torch.empty_like(weights)
+
+
+@eager_triton_op("moe_fp8::routing_combine_backward_quantize")
+def _combine_backward_quantize_op(
+    grad_out: torch.Tensor, y: torch.Tensor, pair_to_row: torch.Tensor, pad_rows: torch.Tensor,
+    weights: torch.Tensor, fmt: str, pow2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    f = resolve_format(fmt)
+    if not use_triton(combine_backward_kernel, y):
+        grad_y, grad_w = combine_backward_reference(grad_out, y, pair_to_row, weights, weights.shape[1])
+        return grad_y, grad_w, *quantize_rowwise(grad_y, f, pow2=pow2)
+    return _launch_combine_backward(grad_out, y, pair_to_row, pad_rows, weights, f, pow2)
+
+
+@_combine_backward_quantize_op.register_fake
+def _(grad_out, y, pair_to_row, pad_rows, weights, fmt, pow2):
+    return (torch.empty_like(y), torch.empty_like(weights), y.new_empty(y.shape, dtype=resolve_format(fmt).torch_dtype),
+            y.new_empty(y.shape[0], dtype=torch.float32))
 
 
 def _combine_setup(ctx, inputs, output):
@@ -179,3 +213,25 @@ def combine(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | None = 
     else:
         check_same_device(y=y, plan=plan.pair_to_row)
     return _combine_op(y.contiguous(), plan.pair_to_row, plan.row_to_pair, plan.pad_rows, weights, k)
+
+
+def combine_backward_quantize(
+    grad_out: torch.Tensor, y: torch.Tensor | None, plan: DispatchPlan, weights: torch.Tensor | None,
+    fmt: Float8Format, pow2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`combine` and the rowwise FP8 quantization of ``grad_y``, in one launch.
+
+    Args:
+        grad_out: ``(T, H)`` gradient of the combined output, row-major.
+        y: the ``(M, H)`` expert outputs combined (read for ``grad_w``; ``None`` with unit weights).
+        weights: ``(T, k)`` router weights, or ``None`` for unit weights.
+    Returns:
+        ``grad_y (M, H)`` in ``grad_out``'s dtype (the bits of :func:`combine`'s backward; padding
+        rows 0), ``grad_w (T, k)`` (``None`` with unit weights), and ``grad_y``'s rowwise FP8
+        ``q (M, H)``, ``scale (M,)``: exactly ``quantize_rowwise(grad_y, fmt, pow2=pow2)``.
+    """
+    if weights is None:
+        rows, q, scale = _permute_both_op(grad_out, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, plan.top_k,
+                                          fmt.name, pow2)
+        return rows, None, q, scale
+    return _combine_backward_quantize_op(grad_out, y, plan.pair_to_row, plan.pad_rows, weights, fmt.name, pow2)
