@@ -310,15 +310,17 @@ def test_capture_bypasses_the_weight_cache_of_fp32_parameters(monkeypatch):
 def test_fp32_module_on_bf16_only_backend(fake_cuda, monkeypatch):
     """fp32 parameters and input, no autocast, on the ``cuda`` backend (faked on the CPU: takes
     bf16 only): the grouped GEMMs get bf16, the module returns fp32, the cache still hits."""
-    import moe_fp8.layers.experts as experts_mod
+    import moe_fp8.grouped_gemm.with_neighbors as with_neighbors
+    from moe_fp8.grouped_gemm.op import grouped_mm_arguments
 
     seen = []
 
-    def recording(x, w, offs, **kw):
+    def recording(x, w, offs, **kw):  # every grouped GEMM's arguments, fused with its neighbours or not
         seen.append((x.dtype, w.dtype))
-        return fp8_grouped_mm(x, w, offs, **kw)
+        return grouped_mm_arguments(x, w, offs, **kw)
 
-    monkeypatch.setattr(experts_mod, "fp8_grouped_mm", recording)
+    monkeypatch.setattr(with_neighbors, "grouped_mm_arguments", recording)
+    monkeypatch.setattr("moe_fp8.grouped_gemm.op.grouped_mm_arguments", recording)
     torch.manual_seed(7)
     moe = FP8MoE(H, I, E, K, backend="cuda")  # fp32 parameters
     x, dy = torch.randn(T, H), torch.randn(T, H)

@@ -46,7 +46,7 @@ from .compiled_cache import mm_2d3d_cached_weight
 from .padding import padded_offsets, padded_rows
 from .quantized_weight import QuantizedExpertWeight
 
-__all__ = ["FP8GroupedMM", "dequantize_rows"]
+__all__ = ["FP8GroupedMM", "dequantize_rows", "grouped_mm_backward", "grouped_mm_forward", "takes_grad_rows"]
 
 _NONES = (None,) * 12  # gradients of the non-tensor arguments of ``apply``
 _DEQUANTIZE_ELEMENTS = 1 << 26  # elements per chunk of dequantize_rows (its fp32 temporary: 256 MB)
@@ -113,102 +113,133 @@ class FP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
                 save_x_fp8=False, cached=None):
-        ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
-        ctx.w_dtype = w.dtype
-        ctx.empty = x.shape[0] == 0
-        if ctx.empty:  # static shape: no GEMM to run, dw = 0
-            ctx.save_for_backward(x, w)
-            return x.new_zeros(0, w.shape[1], dtype=out_dtype)
-        if scaling is None:
-            ctx.save_for_backward(x, w, offs)
-            return same_or_cast(lib.bf16_mm_2d3d(backend, x, w, offs, True), out_dtype)
-        fused = get_backend(backend).fused_quant
-        ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant
-        ctx.w_operands = None
-        ctx.cached = cached
-        if cached is not None:  # the parameter itself: the GEMMs read its FP8 layouts from the cache
-            param = w.transpose(1, 2) if cached[0] else w
-            q_fwd, s_fwd, q_bwd, s_bwd = param, None, param, None
-        elif ctx.w_saved:
-            q_fwd, s_fwd, col_amax = lib.quantize_weight_forward_layout(w, fmt, pow2, fused)
-            q_bwd, s_bwd = w, col_amax
-        elif isinstance(w, QuantizedExpertWeight):  # FP8 operands made elsewhere: the dgrad layout read in backward
-            q_fwd, s_fwd = w.layout("forward", fmt, pow2)
-            q_bwd = s_bwd = None
-            ctx.w_operands = w.operands
-        else:
-            if w_quant is None:
-                w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
-            q_fwd, s_fwd, q_bwd, s_bwd = w_quant
-        # x's per-group column amax, so that the wgrad writes x, and grad_out (whose amax the dgrad's
-        # row quantization takes alike), without a reduction of its own
-        x_amax = None
-        # x_quant alone is saved (save_x_fp8): x is never read, and the wgrad reduces its own amaxes
-        ctx.x_deq = save_x_fp8
-        want_amax = (scaling == "rowwise" and fp8_wgrad and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
-                     and not save_x_fp8 and _rows_give_group_amax(fused, x.shape[1], w.shape[1]))
-        if x_quant is not None:
-            xq, xs = x_quant
-            if want_amax and _upstream_amax_pays(x.shape[0], offs.shape[0]):  # one more read of x
-                x_amax = lib.group_amax(x, offs, fused)
-        elif want_amax:  # from x's row quantization, the same read
-            xq, xs, x_amax = lib.quantize_activation_group_amax(x, offs, fmt, pow2, fused)
-        else:
-            xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused, _routed_rows(offs, scaling))
-        if cached is not None:
-            out = mm_2d3d_cached_weight(backend, xq, xs, q_fwd, cached[0], offs, out_dtype, False, scaling, fmt, pow2,
-                                        fused, cached[1])
-        else:
-            out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
-        ctx.x_dtype = x.dtype
-        # tensorwise FP8 wgrad takes x's FP8 bytes as they are (one scale for the tensor): x is saved
-        # in FP8, with its scale in the amax's place
-        ctx.x_fp8 = scaling == "tensorwise" and fp8_wgrad
-        keep_fp8 = ctx.x_fp8 or ctx.x_deq
-        ctx.save_for_backward(xq if keep_fp8 else x, offs, q_bwd, s_bwd, xs if keep_fp8 else x_amax)
+        out, saved = grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2,
+                                        out_dtype, save_w, save_x_fp8, cached)
+        ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if ctx.empty:
-            x, w = ctx.saved_tensors
-            dx = torch.zeros_like(x) if need_dx else None
-            dw = torch.zeros_like(w) if need_dw else None
-            return dx, dw, *_NONES
-        grad_out = grad_out.contiguous()
-        if ctx.scaling is None:
-            x, w, offs = ctx.saved_tensors
-            g = grad_out.to(x.dtype)
-            dx = lib.bf16_mm_2d3d(ctx.backend, g, w, offs, False) if need_dx else None
-            dw = lib.bf16_mm_2d2d(ctx.backend, g, x, offs) if need_dw else None
-            return dx, dw, *_NONES
-        x, offs, q_bwd, s_bwd, x_extra = ctx.saved_tensors
-        if ctx.x_fp8:  # tensorwise: the wgrad reuses the FP8 x of the forward and grad_out of the dgrad
-            dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, False) if need_dx else (None, None)
-            dw = _wgrad_tensorwise(ctx, grad_out, g_fp8, (x, x_extra), offs) if need_dw else None
-            return dx, dw, *_NONES
-        if ctx.x_deq:  # the saved FP8 rows of x stand in for x: dequantized, in x's dtype
-            x, x_extra = dequantize_rows(x, x_extra, ctx.x_dtype) if need_dw else x, None
-        # with x's amax from the forward, the dgrad's row quantization of grad_out reduces grad_out's
-        # per-group column amax too (only both together pay: BENCHMARKS.md)
-        group_amax = x_extra is not None and need_dx and need_dw
-        dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, group_amax) if need_dx else (None, None)
-        g_amax = g_fp8[2] if group_amax else None
-        dw = _wgrad(ctx, grad_out, x, offs, g_amax, x_extra if group_amax else None) if need_dw else None
-        return dx, dw, *_NONES
+        return (*grouped_mm_backward(ctx, ctx.saved_tensors, grad_out), *_NONES)
+
+
+def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
+                       save_x_fp8=False, cached=None) -> tuple[torch.Tensor, tuple]:
+    """:class:`FP8GroupedMM`'s forward on the autograd context ``ctx`` of any Function whose first
+    two inputs are ``x`` and ``w``: ``(out, tensors to save)``; the caller saves them (with its own)
+    and hands them back to :func:`grouped_mm_backward`."""
+    ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
+    ctx.w_dtype = w.dtype
+    ctx.empty = x.shape[0] == 0
+    if ctx.empty:  # static shape: no GEMM to run, dw = 0
+        return x.new_zeros(0, w.shape[1], dtype=out_dtype), (x, w)
+    if scaling is None:
+        return same_or_cast(lib.bf16_mm_2d3d(backend, x, w, offs, True), out_dtype), (x, w, offs)
+    fused = get_backend(backend).fused_quant
+    ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant
+    ctx.w_operands = None
+    ctx.cached = cached
+    if cached is not None:  # the parameter itself: the GEMMs read its FP8 layouts from the cache
+        param = w.transpose(1, 2) if cached[0] else w
+        q_fwd, s_fwd, q_bwd, s_bwd = param, None, param, None
+    elif ctx.w_saved:
+        q_fwd, s_fwd, col_amax = lib.quantize_weight_forward_layout(w, fmt, pow2, fused)
+        q_bwd, s_bwd = w, col_amax
+    elif isinstance(w, QuantizedExpertWeight):  # FP8 operands made elsewhere: the dgrad layout read in backward
+        q_fwd, s_fwd = w.layout("forward", fmt, pow2)
+        q_bwd = s_bwd = None
+        ctx.w_operands = w.operands
+    else:
+        if w_quant is None:
+            w_quant = lib.quantize_weight(w, scaling, fmt, pow2, fused)
+        q_fwd, s_fwd, q_bwd, s_bwd = w_quant
+    # x's per-group column amax, so that the wgrad writes x, and grad_out (whose amax the dgrad's
+    # row quantization takes alike), without a reduction of its own
+    x_amax = None
+    # x_quant alone is saved (save_x_fp8): x is never read, and the wgrad reduces its own amaxes
+    ctx.x_deq = save_x_fp8
+    want_amax = (scaling == "rowwise" and fp8_wgrad and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
+                 and not save_x_fp8 and _rows_give_group_amax(fused, x.shape[1], w.shape[1]))
+    if x_quant is not None:
+        xq, xs = x_quant
+        if want_amax and _upstream_amax_pays(x.shape[0], offs.shape[0]):  # one more read of x
+            x_amax = lib.group_amax(x, offs, fused)
+    elif want_amax:  # from x's row quantization, the same read
+        xq, xs, x_amax = lib.quantize_activation_group_amax(x, offs, fmt, pow2, fused)
+    else:
+        xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused, _routed_rows(offs, scaling))
+    if cached is not None:
+        out = mm_2d3d_cached_weight(backend, xq, xs, q_fwd, cached[0], offs, out_dtype, False, scaling, fmt, pow2,
+                                    fused, cached[1])
+    else:
+        out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
+    ctx.x_dtype = x.dtype
+    # tensorwise FP8 wgrad takes x's FP8 bytes as they are (one scale for the tensor): x is saved
+    # in FP8, with its scale in the amax's place
+    ctx.x_fp8 = scaling == "tensorwise" and fp8_wgrad
+    keep_fp8 = ctx.x_fp8 or ctx.x_deq
+    return out, (xq if keep_fp8 else x, offs, q_bwd, s_bwd, xs if keep_fp8 else x_amax)
+
+
+def takes_grad_rows(ctx, saved: tuple) -> bool:
+    """Whether :func:`grouped_mm_backward` takes grad_out's rowwise FP8 from upstream: row scales,
+    the dgrad wanted, and no per-group column amax of grad_out wanted from its row quantization
+    (the FP8 wgrad with x's amax from the forward reduces it there)."""
+    if ctx.empty or ctx.scaling != "rowwise" or not ctx.needs_input_grad[0]:
+        return False
+    return ctx.x_deq or saved[4] is None or not ctx.needs_input_grad[1]
+
+
+def grouped_mm_backward(ctx, saved: tuple, grad_out: torch.Tensor,
+                        g_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dw)`` from :func:`grouped_mm_forward`'s ``ctx`` and saved tensors; ``g_fp8``: grad_out's
+    rowwise FP8 ``(q, scale)``, made upstream, for the dgrad (only where :func:`takes_grad_rows`)."""
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if ctx.empty:
+        x, w = saved
+        dx = torch.zeros_like(x) if need_dx else None
+        dw = torch.zeros_like(w) if need_dw else None
+        return dx, dw
+    grad_out = grad_out.contiguous()
+    if ctx.scaling is None:
+        x, w, offs = saved
+        g = grad_out.to(x.dtype)
+        dx = lib.bf16_mm_2d3d(ctx.backend, g, w, offs, False) if need_dx else None
+        dw = lib.bf16_mm_2d2d(ctx.backend, g, x, offs) if need_dw else None
+        return dx, dw
+    x, offs, q_bwd, s_bwd, x_extra = saved
+    if ctx.x_fp8:  # tensorwise: the wgrad reuses the FP8 x of the forward and grad_out of the dgrad
+        dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, False) if need_dx else (None, None)
+        dw = _wgrad_tensorwise(ctx, grad_out, g_fp8, (x, x_extra), offs) if need_dw else None
+        return dx, dw
+    if ctx.x_deq:  # the saved FP8 rows of x stand in for x: dequantized, in x's dtype
+        x, x_extra = dequantize_rows(x, x_extra, ctx.x_dtype) if need_dw else x, None
+    # with x's amax from the forward, the dgrad's row quantization of grad_out reduces grad_out's
+    # per-group column amax too (only both together pay: BENCHMARKS.md)
+    group_amax = x_extra is not None and need_dx and need_dw
+    if g_fp8 is not None and group_amax:
+        raise ValueError("g_fp8: this backward reduces grad_out's group amax in its own row quantization")
+    dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, group_amax, g_fp8) if need_dx else (None, None)
+    g_amax = g_fp8[2] if group_amax else None
+    dw = _wgrad(ctx, grad_out, x, offs, g_amax, x_extra if group_amax else None) if need_dw else None
+    return dx, dw
 
 
 def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor | None, offs: torch.Tensor,
-           group_amax: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+           group_amax: bool, upstream: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in x's dtype, and grad_out's FP8
     ``(q, scale)``, with ``group_amax`` also its per-group column amax ``(E, N)`` fp32. ``q_bwd,
     s_bwd``: the saved dgrad layout, or ``w`` and its amax over N (``ctx.w_saved``) to quantize it
     here (freed on return, before the wgrad runs), or ``None`` to read it from the
     ``QuantizedExpertWeight``'s operands (``ctx.w_operands``), or the parameter whose dgrad layout
-    the compiled cache holds (``ctx.cached``)."""
+    the compiled cache holds (``ctx.cached``). ``upstream``: grad_out's rowwise FP8, quantized by
+    the kernel that made grad_out (not quantized again here)."""
     fused = get_backend(ctx.backend).fused_quant
-    if group_amax:
+    if upstream is not None:
+        g_fp8 = upstream
+    elif group_amax:
         g_fp8 = lib.quantize_activation_group_amax(grad_out, offs, ctx.fmt, ctx.pow2, fused)
     else:
         rows = _routed_rows(offs, ctx.scaling)

@@ -16,7 +16,7 @@ from .compiled_cache import cached_weight_layouts
 from .quantized_weight import QuantizedExpertWeight
 from .weight_cache import Fp8WeightCache
 
-__all__ = ["CHECK_OFFSETS_ENV_VAR", "fp8_grouped_mm"]
+__all__ = ["CHECK_OFFSETS_ENV_VAR", "fp8_grouped_mm", "grouped_mm_arguments"]
 
 #: set to 1 to check GPU offsets' values (non-decreasing, <= M) at the cost of a host sync per call.
 CHECK_OFFSETS_ENV_VAR = "MOE_FP8_CHECK_OFFSETS"
@@ -88,6 +88,28 @@ def fp8_grouped_mm(
     a device-side assert or an out-of-bounds access. CPU offsets are checked (in eager mode).
     A dispatch plan's offsets (``make_dispatch_plan``), valid by construction, are taken as they are.
     """
+    return FP8GroupedMM.apply(*grouped_mm_arguments(
+        x, w, offs, recipe=recipe, backend=backend, out_dtype=out_dtype, weight_cache=weight_cache, x_fp8=x_fp8,
+        save_x_fp8=save_x_fp8,
+    ))
+
+
+def grouped_mm_arguments(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    recipe: str | Float8Recipe = "rowwise",
+    backend: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    weight_cache: Fp8WeightCache | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    save_x_fp8: bool = False,
+) -> tuple:
+    """:func:`fp8_grouped_mm`'s arguments checked and resolved into the 14 inputs of
+    ``FP8GroupedMM.apply`` (``x, w, offs, w_quant, x_fp8, scaling, fp8_wgrad, backend, fmt, pow2,
+    out_dtype, save_w, save_x_fp8, cached``), which any Function built on ``grouped_mm_forward``
+    takes first."""
     rec = get_recipe(recipe)
     if rec.grad_format is not None:
         raise ValueError(f"recipe: grad_format={rec.grad_format!r} is not supported by fp8_grouped_mm (use None)")
@@ -147,10 +169,8 @@ def fp8_grouped_mm(
     x, w_mat = (x if save_x_fp8 else x.contiguous()), _matrix_layout(w)
     save_w = (not quantized and w_quant is None and cached is None and rec.scaling == "rowwise" and w_mat is w
               and (_kept_alive(w) or torch.compiler.is_compiling()))
-    return FP8GroupedMM.apply(
-        x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
-        bool(save_x_fp8), cached,
-    )
+    return (x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
+            bool(save_x_fp8), cached)
 
 
 def _kept_alive(w: torch.Tensor) -> bool:

@@ -34,7 +34,7 @@ from .permute_ops import _permute_both_op, _permute_op
 from .plan import DispatchPlan
 from .reference import combine_backward_reference, combine_reference, padding_scale
 
-__all__ = ["combine", "combine_backward_quantize"]
+__all__ = ["combine", "combine_backward_quantize", "combine_backward_rows"]
 
 _FWD_BLOCK_H = 1024
 _FWD_WARPS = 4
@@ -141,13 +141,28 @@ def _combine_setup(ctx, inputs, output):
     ctx.top_k = top_k
 
 
+def combine_backward_rows(
+    grad_out: torch.Tensor, y: torch.Tensor | None, pair_to_row: torch.Tensor, row_to_pair: torch.Tensor,
+    pad_rows: torch.Tensor, weights: torch.Tensor | None, top_k: int, fmt: Float8Format | None = None,
+    pow2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The combine's backward on a plan's tensors: ``(grad_y, grad_w, q, scale)``; ``grad_w`` is
+    ``None`` with unit weights (``weights=None``), ``q, scale`` (``grad_y``'s rowwise FP8, from the
+    same launch) ``None`` without ``fmt``."""
+    grad_out = grad_out.contiguous()
+    if weights is None and fmt is None:
+        return _permute_op(grad_out, pair_to_row, row_to_pair, pad_rows, top_k), None, None, None
+    if weights is None:
+        rows, q, scale = _permute_both_op(grad_out, pair_to_row, row_to_pair, pad_rows, top_k, fmt.name, pow2)
+        return rows, None, q, scale
+    if fmt is None:
+        return (*_combine_backward_op(grad_out, y, pair_to_row, pad_rows, weights), None, None)
+    return _combine_backward_quantize_op(grad_out, y, pair_to_row, pad_rows, weights, fmt.name, pow2)
+
+
 def _combine_backward(ctx, grad_out):
     y, pair_to_row, row_to_pair, pad_rows, weights = ctx.saved_tensors
-    grad_out = grad_out.contiguous()
-    if weights is None:
-        grad_y, grad_w = _permute_op(grad_out, pair_to_row, row_to_pair, pad_rows, ctx.top_k), None
-    else:
-        grad_y, grad_w = _combine_backward_op(grad_out, y, pair_to_row, pad_rows, weights)
+    grad_y, grad_w, _, _ = combine_backward_rows(grad_out, y, pair_to_row, row_to_pair, pad_rows, weights, ctx.top_k)
     return grad_y, None, None, None, grad_w, None
 
 
@@ -230,8 +245,5 @@ def combine_backward_quantize(
         rows 0), ``grad_w (T, k)`` (``None`` with unit weights), and ``grad_y``'s rowwise FP8
         ``q (M, H)``, ``scale (M,)``: exactly ``quantize_rowwise(grad_y, fmt, pow2=pow2)``.
     """
-    if weights is None:
-        rows, q, scale = _permute_both_op(grad_out, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, plan.top_k,
-                                          fmt.name, pow2)
-        return rows, None, q, scale
-    return _combine_backward_quantize_op(grad_out, y, plan.pair_to_row, plan.pad_rows, weights, fmt.name, pow2)
+    return combine_backward_rows(grad_out, y, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, weights, plan.top_k,
+                                 fmt, pow2)

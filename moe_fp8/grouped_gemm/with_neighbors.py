@@ -1,0 +1,115 @@
+"""The expert MLP's two grouped GEMMs fused with the ops around them, for their gradients' sake.
+
+``fp8_grouped_mm_swiglu``: ``h = x @ w[g].T`` then ``a = silu(gate) * up`` with ``a``'s rowwise FP8
+(the first GEMM and the fused SwiGLU + quantization). ``fp8_grouped_mm_combine``: ``y = a @ w[g].T``
+then the router-weighted combine of ``y`` into tokens. Forward they run the same kernels as
+``fp8_grouped_mm`` followed by ``SwiGLUQuantize`` / ``combine``. Backward, the kernel that makes
+the GEMM's output gradient (the SwiGLU backward, the combine backward) also writes its rowwise FP8
+rows and scales, and the GEMM's dgrad takes them instead of quantizing the gradient again: one
+launch and one read of the gradient fewer per GEMM (the same bits). That holds where the GEMM's
+backward takes upstream rows (``takes_grad_rows``: row scales and no per-group amax of the gradient
+wanted from its row quantization, so the ``rowwise_gw_hp`` recipe, or ``rowwise`` whose forward
+found no fused group amax); elsewhere the backward runs as unfused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.formats import resolve_format
+from ..quant.swiglu import swiglu_backward, swiglu_backward_quantize, swiglu_quantize
+from ..routing.combine_ops import _combine_op, combine_backward_rows
+from ..routing.plan import DispatchPlan
+from .autograd import grouped_mm_backward, grouped_mm_forward, takes_grad_rows
+from .op import grouped_mm_arguments
+
+__all__ = ["fp8_grouped_mm_combine", "fp8_grouped_mm_swiglu"]
+
+_GEMM_INPUTS = 14  # the inputs of ``grouped_mm_arguments``, first in every Function here
+_NONES = (None,) * (_GEMM_INPUTS - 2)
+
+
+class _GroupedMMSwiGLU(torch.autograd.Function):
+    """``apply(*gemm_inputs) -> (a, q, scale)``; ``q, scale`` carry no gradient."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        h, saved = grouped_mm_forward(ctx, *inputs)
+        a, q, scale = swiglu_quantize(h, ctx.fmt, pow2=ctx.pow2)
+        ctx.n_saved = len(saved)
+        ctx.save_for_backward(*saved, h)
+        ctx.mark_non_differentiable(q, scale)
+        return a, q, scale
+
+    @staticmethod
+    def backward(ctx, grad_a, _grad_q, _grad_scale):
+        *saved, h = ctx.saved_tensors
+        if takes_grad_rows(ctx, saved):
+            grad_h, q, scale = swiglu_backward_quantize(h, grad_a, ctx.fmt, pow2=ctx.pow2)
+            dx, dw = grouped_mm_backward(ctx, saved, grad_h, (q, scale))
+        else:
+            dx, dw = grouped_mm_backward(ctx, saved, swiglu_backward(h, grad_a))
+        return dx, dw, *_NONES
+
+
+class _GroupedMMCombine(torch.autograd.Function):
+    """``apply(*gemm_inputs, pair_to_row, row_to_pair, pad_rows, weights, top_k) -> (T, H)``."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        pair_to_row, row_to_pair, pad_rows, weights, top_k = inputs[_GEMM_INPUTS:]
+        y, saved = grouped_mm_forward(ctx, *inputs[:_GEMM_INPUTS])
+        out = _combine_op(y, pair_to_row, row_to_pair, pad_rows, weights, top_k)
+        ctx.top_k = top_k
+        ctx.save_for_backward(*saved, y if weights is not None else None, pair_to_row, row_to_pair, pad_rows, weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        *saved, y, pair_to_row, row_to_pair, pad_rows, weights = ctx.saved_tensors
+        fmt = resolve_format(ctx.fmt) if takes_grad_rows(ctx, saved) else None
+        grad_y, grad_w, q, scale = combine_backward_rows(grad_out, y, pair_to_row, row_to_pair, pad_rows, weights,
+                                                         ctx.top_k, fmt, ctx.pow2)
+        dx, dw = grouped_mm_backward(ctx, saved, grad_y, None if fmt is None else (q, scale))
+        return dx, dw, *_NONES, None, None, None, grad_w, None
+
+
+def fp8_grouped_mm_swiglu(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, **kwargs
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``silu(gate) * up`` of ``[gate | up] = fp8_grouped_mm(x, w, offs, **kwargs)`` and its rowwise FP8.
+
+    Takes :func:`fp8_grouped_mm`'s arguments, with a row-scaled FP8 recipe (``rowwise``,
+    ``rowwise_gw_hp``); ``w``: ``(E, 2I, K)``. Returns ``a (M, I)`` (differentiable, the GEMM's
+    dtype), ``q (M, I)`` fp8 and ``scale (M,)`` fp32, exactly ``quantize_rowwise(a)`` in the GEMM's
+    format and ``pow2`` setting (what the next ``fp8_grouped_mm`` takes as ``x_fp8``).
+    """
+    args = grouped_mm_arguments(x, w, offs, **kwargs)
+    _check_row_scales(args)  # N: a multiple of 16, so gate and up halves
+    return _GroupedMMSwiGLU.apply(*args)
+
+
+def fp8_grouped_mm_combine(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: DispatchPlan,
+                           weights: torch.Tensor | None, **kwargs) -> torch.Tensor:
+    """``combine(fp8_grouped_mm(x, w, offs, **kwargs), plan, weights)``: ``(T, N)`` in the GEMM's dtype.
+
+    Takes :func:`fp8_grouped_mm`'s arguments, with a row-scaled FP8 recipe, ``offs`` the plan's
+    offsets and ``x`` in the plan's row layout; ``weights``: ``(T, k)`` router weights or ``None``
+    (unit weights). Differentiable in ``x``, ``w`` and ``weights``.
+    """
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan: expected DispatchPlan, got {type(plan).__name__}")
+    if x.shape[0] != plan.row_to_pair.shape[0]:
+        raise ValueError(f"x: expected {plan.row_to_pair.shape[0]} rows (plan.num_rows), got shape {tuple(x.shape)}")
+    args = grouped_mm_arguments(x, w, offs, **kwargs)
+    _check_row_scales(args)
+    T, k = plan.pair_to_row.shape[0] // plan.top_k, plan.top_k
+    if weights is not None:
+        if weights.shape != (T, k):
+            raise ValueError(f"weights: expected shape {(T, k)}, got {tuple(weights.shape)}")
+        weights = weights.contiguous()
+    return _GroupedMMCombine.apply(*args, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, weights, k)
+
+
+def _check_row_scales(args: tuple) -> None:
+    if args[5] != "rowwise":
+        raise ValueError(f"recipe: expected a recipe with row scales (rowwise, rowwise_gw_hp), got scaling {args[5]!r}")

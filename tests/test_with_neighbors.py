@@ -1,0 +1,135 @@
+"""The grouped GEMMs fused with the SwiGLU and the combine (``grouped_gemm.with_neighbors``): outputs and
+every gradient bit for bit those of the separate ops, whichever backward path runs (the gradients' FP8
+rows from the SwiGLU / combine backward, or quantized in the GEMM where it wants their group amax),
+on fresh random routing with empty experts, skewed loads, unit weights and input scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_fp8.grouped_gemm.autograd as gemm_autograd
+import moe_fp8.grouped_gemm.with_neighbors as with_neighbors
+from moe_fp8 import FP8GroupedExperts, fp8_grouped_mm
+from moe_fp8.grouped_gemm.with_neighbors import fp8_grouped_mm_combine, fp8_grouped_mm_swiglu
+from moe_fp8.quant.formats import E4M3FN
+from moe_fp8.quant.swiglu import SwiGLUQuantize
+from moe_fp8.routing import combine, make_dispatch_plan
+
+from test_routing_plan import random_topk_ids
+
+pytestmark = pytest.mark.interpreter
+
+T, H, I, E, K = 40, 64, 32, 4, 2
+
+
+def _step(experts: FP8GroupedExperts, x, ids, weights, scales, dy, fused: bool):
+    """Output and gradients (x, weights, scales, parameters) of one forward + backward."""
+    experts.fused_grad_quant = fused
+    experts.zero_grad()
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weights, scales)]
+    out = experts(leaves[0], ids, leaves[1], input_scales=leaves[2])
+    out.backward(dy)
+    return [out] + [t.grad for t in leaves if t is not None] + [p.grad for p in experts.parameters()]
+
+
+def _counting(monkeypatch) -> dict:
+    """Counts of the fused backward kernels' calls (``swiglu``, ``combine``: with FP8 rows)."""
+    calls = {"swiglu": 0, "combine": 0}
+    swiglu, rows = with_neighbors.swiglu_backward_quantize, with_neighbors.combine_backward_rows
+
+    def swiglu_counted(*a, **kw):
+        calls["swiglu"] += 1
+        return swiglu(*a, **kw)
+
+    def rows_counted(*a, **kw):
+        calls["combine"] += a[7] is not None
+        return rows(*a, **kw)
+
+    monkeypatch.setattr(with_neighbors, "swiglu_backward_quantize", swiglu_counted)
+    monkeypatch.setattr(with_neighbors, "combine_backward_rows", rows_counted)
+    return calls
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+@pytest.mark.parametrize("case", ["router_weights", "unit_weights", "input_scales", "fp8_saved_input", "cached",
+                                  "group_amax"])
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty"])
+def test_fused_backward_gives_the_bits_of_the_separate_ops(recipe, case, kind, monkeypatch):
+    seed = sum(map(ord, recipe + case + kind))
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    experts = FP8GroupedExperts(E, H, I, recipe=recipe, backend="triton", cache_weights=case == "cached",
+                                fp8_saved_input=case == "fp8_saved_input").to(torch.bfloat16)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = random_topk_ids(T, E, K, kind, seed=seed)
+    weights = torch.rand(T, K, generator=g) if case not in ("unit_weights", "input_scales") else None
+    scales = torch.rand(T, K, generator=g).bfloat16() + 0.5 if case == "input_scales" else None
+    dy = (torch.randn(T, H, generator=g) * torch.pow(10.0, torch.randint(-3, 4, (T, 1), generator=g))).bfloat16()
+    if case == "group_amax":  # the forward reduces x's group amax, so the dgrads reduce grad_out's themselves
+        monkeypatch.setattr(gemm_autograd, "UPSTREAM_AMAX_MIN_ROWS_PER_GROUP", 1)
+    calls = _counting(monkeypatch)
+    steps = 2 if case == "cached" else 1  # the second step's GEMMs read the cached weights
+    separate = [_step(experts, x, ids, weights, scales, dy, False) for _ in range(steps)][-1]
+    assert calls == {"swiglu": 0, "combine": 0}
+    fused = [_step(experts, x, ids, weights, scales, dy, True) for _ in range(steps)][-1]
+    for i, (a, b) in enumerate(zip(separate, fused, strict=True)):
+        assert torch.equal(a, b), i
+    fused_rows = not (case == "group_amax" and recipe == "rowwise")
+    assert calls == {"swiglu": steps * fused_rows, "combine": steps * fused_rows}
+
+
+def _gemm_inputs(seed: int, n: int, kind: str = "skewed"):
+    g = torch.Generator().manual_seed(seed)
+    ids = random_topk_ids(T, E, K, kind, seed=seed)
+    plan = make_dispatch_plan(ids, E)
+    x = torch.randn(plan.num_rows, H, generator=g).bfloat16()
+    w = (torch.randn(E, n, H, generator=g) * 0.1).bfloat16()
+    return plan, x, w, g
+
+
+def _grads(out, leaves, dy):
+    return torch.autograd.grad(out, leaves, dy)
+
+
+def test_swiglu_function_matches_gemm_then_swiglu():
+    plan, x, w, g = _gemm_inputs(1, 2 * I)
+    da = torch.randn(plan.num_rows, I, generator=g).bfloat16()
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    a, q, s = fp8_grouped_mm_swiglu(x1, w1, plan.offsets, recipe="rowwise_gw_hp", backend="triton")
+    assert not q.requires_grad and not s.requires_grad and q.dtype == E4M3FN.torch_dtype
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    h = fp8_grouped_mm(x2, w2, plan.offsets, recipe="rowwise_gw_hp", backend="triton")
+    a2, q2, s2 = SwiGLUQuantize.apply(h, E4M3FN, True)
+    assert torch.equal(a, a2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    for got, want in zip(_grads(a, (x1, w1), da), _grads(a2, (x2, w2), da)):
+        assert torch.equal(got, want)
+
+
+def test_combine_function_matches_gemm_then_combine():
+    plan, x, w, g = _gemm_inputs(2, H, "empty")
+    weights = torch.rand(T, K, generator=g)
+    dy = torch.randn(T, H, generator=g).bfloat16()
+    leaves1 = [t.clone().requires_grad_() for t in (x, w, weights)]
+    out = fp8_grouped_mm_combine(leaves1[0], leaves1[1], plan.offsets, plan, leaves1[2], recipe="rowwise_gw_hp",
+                                 backend="triton")
+    leaves2 = [t.clone().requires_grad_() for t in (x, w, weights)]
+    y = fp8_grouped_mm(leaves2[0], leaves2[1], plan.offsets, recipe="rowwise_gw_hp", backend="triton")
+    out2 = combine(y, plan, leaves2[2])
+    assert out.shape == (T, H) and torch.equal(out, out2)
+    for got, want in zip(_grads(out, leaves1, dy), _grads(out2, leaves2, dy)):
+        assert torch.equal(got, want)
+
+
+def test_bad_input():
+    plan, x, w, _ = _gemm_inputs(3, 2 * I)
+    with pytest.raises(ValueError, match="recipe: expected a recipe with row scales"):
+        fp8_grouped_mm_swiglu(x, w, plan.offsets, recipe="tensorwise", backend="triton")
+    with pytest.raises(ValueError, match="recipe: expected a recipe with row scales"):
+        fp8_grouped_mm_combine(x, w, plan.offsets, plan, None, recipe="bf16", backend="triton")
+    with pytest.raises(TypeError, match="plan: expected DispatchPlan"):
+        fp8_grouped_mm_combine(x, w, plan.offsets, tuple(plan), None, backend="triton")
+    with pytest.raises(ValueError, match="x: expected"):
+        fp8_grouped_mm_combine(x[1:], w, plan.offsets, plan, None, backend="triton")
+    with pytest.raises(ValueError, match="weights: expected shape"):
+        fp8_grouped_mm_combine(x, w, plan.offsets, plan, torch.rand(T, K + 1), backend="triton")
