@@ -125,11 +125,14 @@ def test_bench_whole_model_kind_cpu(torch_references):
     assert set(by_variant) == on_cpu and all("error" not in r for r in rows), rows
     assert set(models.VARIANTS) - set(models.MODE_VARIANTS["eager"]) == {"ours_fp8_experts_fp8_wgrad",
                                                                         "ours_fp8_experts_fp8_wgrad_cached",
-                                                                        "ours_fp8_cached_all"}
+                                                                        "ours_fp8_cached_all",
+                                                                        "ours_fp8_experts_cached_unfused"}
     base = models.build(models._spec("qwen3_h1024", "cpu", None), 32, "cpu")
-    for variant, recipe in [("ours_fp8_experts", "rowwise_gw_hp"), ("ours_fp8_experts_fp8_wgrad_cached", "rowwise")]:
+    for variant, recipe in [("ours_fp8_experts", "rowwise_gw_hp"), ("ours_fp8_experts_fp8_wgrad_cached", "rowwise"),
+                            ("ours_fp8_experts_cached_unfused", "rowwise_gw_hp")]:
         experts = [m for m in models.convert(base, variant, None).modules() if type(m).__name__ == "FP8GroupedExperts"]
-        assert experts and {(m.recipe.name, m.cache_weights) for m in experts} == {(recipe, "cached" in variant)}
+        assert experts and {(m.recipe.name, m.cache_weights, m.fused_grad_quant) for m in experts} == {
+            (recipe, "cached" in variant, "unfused" not in variant)}
     assert by_variant["hf_bf16"]["speedup"] == 1.0
     for name in models.LOSS_VARIANTS:
         assert 4.0 < by_variant[name]["final_loss"] < 6.5  # a byte-level model after 3 steps: ~ln(272)

@@ -18,8 +18,6 @@ from moe_fp8.routing import combine, make_dispatch_plan
 
 from test_routing_plan import random_topk_ids
 
-pytestmark = pytest.mark.interpreter
-
 T, H, I, E, K = 40, 64, 32, 4, 2
 
 
@@ -51,6 +49,7 @@ def _counting(monkeypatch) -> dict:
     return calls
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
 @pytest.mark.parametrize("case", ["router_weights", "unit_weights", "input_scales", "fp8_saved_input", "cached",
                                   "group_amax"])
@@ -92,6 +91,7 @@ def _grads(out, leaves, dy):
     return torch.autograd.grad(out, leaves, dy)
 
 
+@pytest.mark.interpreter
 def test_swiglu_function_matches_gemm_then_swiglu():
     plan, x, w, g = _gemm_inputs(1, 2 * I)
     da = torch.randn(plan.num_rows, I, generator=g).bfloat16()
@@ -106,6 +106,7 @@ def test_swiglu_function_matches_gemm_then_swiglu():
         assert torch.equal(got, want)
 
 
+@pytest.mark.interpreter
 def test_combine_function_matches_gemm_then_combine():
     plan, x, w, g = _gemm_inputs(2, H, "empty")
     weights = torch.rand(T, K, generator=g)
@@ -133,3 +134,25 @@ def test_bad_input():
         fp8_grouped_mm_combine(x[1:], w, plan.offsets, plan, None, backend="triton")
     with pytest.raises(ValueError, match="weights: expected shape"):
         fp8_grouped_mm_combine(x, w, plan.offsets, plan, torch.rand(T, K + 1), backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe, tokens, hidden, inter, experts, top_k", [
+    ("rowwise_gw_hp", 4096, 2048, 768, 128, 8),  # Qwen3-30B-A3B experts: the fused backward
+    ("rowwise", 4096, 7168, 2048, 8, 8),  # DeepSeek-V3 experts, E = 8: the dgrads reduce the group amax
+])
+def test_fused_backward_bits_on_gpu(recipe, tokens, hidden, inter, experts, top_k, monkeypatch):
+    torch.manual_seed(0)
+    layer = FP8GroupedExperts(experts, hidden, inter, recipe=recipe, cache_weights=False).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, device="cuda")
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    calls = _counting(monkeypatch)
+    separate = _step(layer, x, ids, weights, None, dy, False)
+    fused = _step(layer, x, ids, weights, None, dy, True)
+    for i, (a, b) in enumerate(zip(separate, fused, strict=True)):
+        assert torch.equal(a, b), i
+    expected = int(recipe == "rowwise_gw_hp")
+    assert calls == {"swiglu": expected, "combine": expected}

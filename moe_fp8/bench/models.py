@@ -23,7 +23,8 @@ where the size rules say FP8 pays, experts below them on the BF16 grouped path, 
 built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_cached`` and
 ``ours_fp8_experts_cached`` / ``ours_fp8_experts_fp8_wgrad_cached`` (the same with the expert
 weights' FP8 cache on: quantized once per optimizer step, eager or compiled; one more BF16-sized copy
-of them held), ``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache
+of them held), ``ours_fp8_experts_cached_unfused`` (``ours_fp8_experts_cached`` with the gradients'
+row quantization in separate kernels: ``FP8GroupedExperts.fused_grad_quant=False``), ``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache
 on too: ``cache_dense_weights=True``), ``torchao_rowwise`` and
 ``torchao_rowwise_gw_hp`` (TorchAO's ``convert_to_float8_training`` on the dense linears, its own
 size filter; experts as built) and ``torchao_moe`` (``torchao_rowwise`` plus TorchAO's FP8 grouped
@@ -62,19 +63,22 @@ from torch import nn
 
 from ..demo.corpus import VOCAB, batches, load_split
 from ..layers.convert import MIN_DENSE_SIZE
+from ..layers.experts import FP8GroupedExperts
 from ..layers.hf_convert import MIN_BF16_EXPERT_SIZE, MIN_EXPERT_SIZE
 from . import step_profile, torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_experts_cached",
             "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all",
-            "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
+            "ours_fp8_experts_cached_unfused", "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: variants that change MoE experts only (skipped for a dense model) and TorchAO's (GPU only)
 EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours_fp8_experts_cached",
-                   "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "torchao_moe")
+                   "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_experts_cached_unfused",
+                   "torchao_moe")
 TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs by default (the others in eager only), and those trained for ``loss_steps``
-MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v and v != "ours_fp8_cached_all"),
+MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v and "_unfused" not in v
+                                 and v != "ours_fp8_cached_all"),
                  "compiled": ("hf_bf16", "ours_fp8", "ours_fp8_experts", "ours_fp8_cached", "ours_fp8_experts_cached",
                               "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
                  "reduce-overhead": ("hf_bf16", "ours_fp8")}
@@ -167,8 +171,11 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
     if variant == "ours_bf16":
         hf.convert(model, recipe="bf16", backend=backend, cache_weights=False)
     elif variant.startswith("ours_fp8_experts"):
-        hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached"), dense=False,
+        hf.convert(model, recipe="rowwise", backend=backend, cache_weights="_cached" in variant, dense=False,
                    min_expert_size=0, **({"min_fp8_wgrad_size": 0} if "_fp8_wgrad" in variant else {}))
+        for module in model.modules() if variant.endswith("_unfused") else ():
+            if isinstance(module, FP8GroupedExperts):
+                module.fused_grad_quant = False
     elif variant.startswith("ours_fp8"):
         cache_all = variant == "ours_fp8_cached_all"
         hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached") or cache_all,

@@ -10,6 +10,9 @@ Forward for tokens ``x (T, H)`` routed to ``topk_ids (T, k)``:
 5. ``y = a @ W_down[e].T``: FP8 grouped GEMM ``(M, H)``;
 6. combine: un-permute and sum each token's k rows weighted by the router (deterministic).
 
+Backward, with row scales, the combine's backward and the SwiGLU's also write their gradients'
+rowwise FP8, which the GEMMs' dgrads take (``grouped_gemm.with_neighbors``).
+
 Parameters use the Hugging Face transformers 5.x names and layouts, so a converted model shares
 them: ``gate_up_proj (E, 2I, H)`` (gate rows first, then up) and ``down_proj (E, H, I)``
 (``nn.Linear`` layout), or with ``in_out_layout=True`` Llama 4's ``(E, H, 2I)`` / ``(E, I, H)``.
