@@ -49,6 +49,7 @@ def _counting(monkeypatch) -> dict:
     return calls
 
 
+@pytest.mark.slow(4)
 @pytest.mark.interpreter
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
 @pytest.mark.parametrize("case", ["router_weights", "unit_weights", "input_scales", "fp8_saved_input", "cached",

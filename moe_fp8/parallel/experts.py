@@ -58,8 +58,8 @@ class ExpertParallelExperts(FP8GroupedExperts):
         that rank returns the sum of its experts' outputs for it (rounded to the GEMM dtype): with
         one rank, or when a token's experts share a rank, the result is the single process's bit
         for bit; otherwise it differs by that rounding of the per-rank partial sums.
-        checkpoint: recompute the local experts' grouped GEMMs and SwiGLU in backward instead of
-            keeping their activations (non-reentrant ``torch.utils.checkpoint`` around
+        checkpoint: recompute the local experts' grouped GEMMs, SwiGLU and combine in backward instead
+            of keeping their activations (non-reentrant ``torch.utils.checkpoint`` around
             :meth:`grouped_mlp`; the received rows are kept). The recompute runs no collective and
             no host sync, and routes nothing again; checkpointing the whole layer instead repeats
             the routing, the exchanges and the host copy in backward. A plain attribute, settable.
@@ -185,12 +185,11 @@ class ExpertParallelExperts(FP8GroupedExperts):
             token = plan.row_to_pair.long().clamp(min=0) // plan.top_k
             x_fp8 = (q.view(torch.uint8).index_select(0, token).view(q.dtype), scale.index_select(0, token))
             x_perm = permute_stand_in(rows, plan)
+        combine_with = (plan, weights)
         if self.checkpoint and torch.is_grad_enabled():
-            y = torch.utils.checkpoint.checkpoint(self.grouped_mlp, x_perm, plan.offsets, x_fp8, self.fp8_saved_input,
-                                                  use_reentrant=False)
-        else:
-            y = self.grouped_mlp(x_perm, plan.offsets, x_fp8, self.fp8_saved_input)
-        return combine(y, plan, weights)
+            return torch.utils.checkpoint.checkpoint(self.grouped_mlp, x_perm, plan.offsets, x_fp8,
+                                                     self.fp8_saved_input, combine_with, use_reentrant=False)
+        return self.grouped_mlp(x_perm, plan.offsets, x_fp8, self.fp8_saved_input, combine_with)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         w1, w2 = super()._weights()
