@@ -108,14 +108,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def workload(fmt) -> None:
     """Launch every kernel of the library at least once, in the layouts training uses: FP8MoE
-    (rowwise, weights cached and not), the grouped GEMM in each FP8 recipe, FP8Linear, and the
+    (rowwise, weights cached and not, the gradients' FP8 rows from the SwiGLU and combine backwards
+    and from the dgrads), the grouped GEMM in each FP8 recipe, FP8Linear, and the
     zeroing kernels, and the fused AdamW + quantize step. Shapes are small but wide enough (256) for the GPU's widest tiles."""
     torch.manual_seed(0)
     bf16 = torch.bfloat16
     H, I, E, T = 256, 256, 4, 64
-    for cache in (True, False):
+    for cache, fused in ((True, True), (False, True), (False, False)):  # fused: the gradients' rows from upstream
         moe = FP8MoE(H, I, E, 2, shared_expert_hidden_size=0, recipe="rowwise", backend="triton", fmt=fmt,
                      cache_weights=cache, dtype=bf16)
+        moe.experts.fused_grad_quant = fused
         x = torch.randn(T, H, dtype=bf16, requires_grad=True)
         moe(x).sum().backward()
     offs = torch.tensor([20, 20, 50, 64], dtype=torch.int32)
