@@ -59,6 +59,23 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
+def _quantize_written_rows(
+    src_row, q_row, row_ok, width, inv_scale, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, HW_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
+    FP8_NEG_ZERO: tl.constexpr,
+):
+    """Columns ``[0, width)`` of the rows ``src_row`` (pointers ``(BLOCK_M, 1)``, just written by this
+    program, so in L2) quantized with ``inv_scale (BLOCK_M,)`` into the rows ``q_row``."""
+    for c0 in range(0, width, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = row_ok[:, None] & (cols < width)[None, :]
+        v = tl.load(src_row + cols[None, :], mask=mask, other=0.0)
+        q = to_fp8(v, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                   FP8_NEG_ZERO)
+        tl.store(q_row + cols[None, :], q, mask=mask)
+
+
+@triton.jit
 def _swiglu_quant_kernel(
     h_ptr, a_ptr, q_ptr, scale_ptr, M, I, stride_h, stride_a, stride_q,
     POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -83,13 +100,9 @@ def _swiglu_quant_kernel(
     inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
     tl.store(scale_ptr + rows64, scale, mask=row_ok)
     # Pass 2: re-read the rounded a (just written, in L2) and quantize it.
-    for i0 in range(0, I, BLOCK_I):
-        cols = i0 + tl.arange(0, BLOCK_I)
-        mask = row_ok[:, None] & (cols < I)[None, :]
-        a = tl.load(a_ptr + rows64[:, None] * stride_a + cols[None, :], mask=mask, other=0.0)
-        q = to_fp8(a, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
-                   FP8_NEG_ZERO)
-        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
+    _quantize_written_rows(a_ptr + rows64[:, None] * stride_a, q_ptr + rows64[:, None] * stride_q, row_ok, I,
+                           inv_scale, BLOCK_I, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
+                           FP8_NEG_ZERO)
 
 
 @triton.jit
@@ -146,13 +159,8 @@ def _swiglu_bwd_quant_kernel(
     inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
     # Pass 2: re-read the rounded grad_h (just written, in L2) and quantize it, both halves.
-    for i0 in range(0, 2 * I, BLOCK_I):
-        cols = i0 + tl.arange(0, BLOCK_I)
-        mask = row_ok[:, None] & (cols < 2 * I)[None, :]
-        g = tl.load(gh_row + cols[None, :], mask=mask, other=0.0)
-        q = to_fp8(g, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
-                   FP8_NEG_ZERO)
-        tl.store(q_row + cols[None, :], q, mask=mask)
+    _quantize_written_rows(gh_row, q_row, row_ok, 2 * I, inv_scale, BLOCK_I, OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
+                           FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
 
 
 def _check_h(h: torch.Tensor) -> int:
