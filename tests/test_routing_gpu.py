@@ -69,9 +69,11 @@ def test_pipeline_matches_references(name, P):
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), "combine must be deterministic"
     gy2, gw2 = torch.autograd.grad(out2, (y, w), go)
     assert torch.equal(gy2.view(torch.int16), gy.view(torch.int16)) and torch.equal(gw2, gw)
-    # the quantizing backward: the same grad_y bits, and quantize_rowwise of them exactly
+    # the quantizing backward: the same grad_y bits, and quantize_rowwise of them exactly; grad_w is
+    # the same fp32 dot, summed in the order the compiler picks for each kernel
     gy_q, gw_q, q, s = combine_backward_quantize(go, y.detach(), plan, w.detach(), E4M3FN)
-    assert torch.equal(gy_q.view(torch.int16), gy.view(torch.int16)) and torch.equal(gw_q, gw)
+    assert torch.equal(gy_q.view(torch.int16), gy.view(torch.int16))
+    torch.testing.assert_close(gw_q, gw, rtol=1e-5, atol=1e-5 * gw.abs().max().item())
     q_ref, s_ref = quantize_rowwise(gy, E4M3FN)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 

@@ -1,5 +1,6 @@
 """The grouped GEMMs fused with the SwiGLU and the combine (``grouped_gemm.with_neighbors``): outputs and
-every gradient bit for bit those of the separate ops, whichever backward path runs (the gradients' FP8
+every gradient bit for bit those of the separate ops (on the GPU the router weights' fp32 gradient to
+within its summation order), whichever backward path runs (the gradients' FP8
 rows from the SwiGLU / combine backward, or quantized in the GEMM where it wants their group amax),
 on fresh random routing with empty experts, skewed loads, unit weights and input scales."""
 
@@ -153,6 +154,9 @@ def test_fused_backward_bits_on_gpu(recipe, tokens, hidden, inter, experts, top_
     calls = _counting(monkeypatch)
     separate = _step(layer, x, ids, weights, None, dy, False)
     fused = _step(layer, x, ids, weights, None, dy, True)
+    # the router weights' gradient: an fp32 dot product summed in the order each kernel's compiler picks
+    w_sep, w_fused = separate.pop(2), fused.pop(2)
+    torch.testing.assert_close(w_fused, w_sep, rtol=1e-5, atol=1e-5 * w_sep.abs().max().item())
     for i, (a, b) in enumerate(zip(separate, fused, strict=True)):
         assert torch.equal(a, b), i
     expected = int(recipe == "rowwise_gw_hp")

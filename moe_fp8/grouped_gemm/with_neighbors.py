@@ -6,7 +6,9 @@ then the router-weighted combine of ``y`` into tokens. Forward they run the same
 ``fp8_grouped_mm`` followed by ``SwiGLUQuantize`` / ``combine``. Backward, the kernel that makes
 the GEMM's output gradient (the SwiGLU backward, the combine backward) also writes its rowwise FP8
 rows and scales, and the GEMM's dgrad takes them instead of quantizing the gradient again: one
-launch and one read of the gradient fewer per GEMM (the same bits). That holds where the GEMM's
+launch and one read of the gradient fewer per GEMM (the same bits; on a GPU the router weights'
+gradient, an fp32 dot product the combine backward also computes, may be summed in another order
+than in the non-quantizing kernel: equal to within fp32 rounding). That holds where the GEMM's
 backward takes upstream rows (``takes_grad_rows``: row scales and no per-group amax of the gradient
 wanted from its row quantization, so the ``rowwise_gw_hp`` recipe, or ``rowwise`` whose forward
 found no fused group amax); elsewhere the backward runs as unfused.
