@@ -34,6 +34,7 @@ __all__ = [
     "col_amax_fits",
     "launch_expert_rowwise_col_amax",
     "launch_group_rowwise_amax",
+    "activation_rows_per_program",
 ]
 
 # Largest row held in registers in one piece; longer rows loop over K twice, TWO_PASS_BLOCK_K
@@ -49,6 +50,11 @@ TILE_ELEMENTS = 4096
 # ran at 84-91% of copy where K >= 2048 (71% at K = 768); one stage ran at 44-82%.
 ROWS_PER_PROGRAM = 128
 ROW_STAGES = 3
+# The activation form (one group per expert, or one group for a dense linear) takes fewer rows per
+# program where 128 would leave fewer than this many programs: a dense linear's 8192 token rows made
+# 64 programs, and the kernel ran at about 42% of the copy bandwidth on an H100 (most multiprocessors
+# idle; Llama3-8B sizes, 2026-12-05, ``bench_job_acc4_llama3_8b_profile.md``).
+MIN_ACTIVATION_PROGRAMS = 512
 
 
 @triton.jit
@@ -370,6 +376,16 @@ def launch_expert_rowwise_col_amax(
     )
 
 
+def activation_rows_per_program(M: int) -> int:
+    """Rows per program of :func:`launch_group_rowwise_amax` for ``M`` rows: ``ROWS_PER_PROGRAM``, or the
+    largest power of two that still makes ``MIN_ACTIVATION_PROGRAMS`` programs (at least 1). Decided by
+    comparisons only, so a traced ``M`` (a ``SymInt``) is guarded on a range of sizes."""
+    rows = ROWS_PER_PROGRAM
+    while rows > 1 and M < rows * MIN_ACTIVATION_PROGRAMS:
+        rows //= 2
+    return rows
+
+
 def launch_group_rowwise_amax(
     x: torch.Tensor,
     q: torch.Tensor | None,
@@ -379,7 +395,7 @@ def launch_group_rowwise_amax(
     fmt: Float8Format,
     pow2: bool,
     *,
-    rows_per_program: int = ROWS_PER_PROGRAM,
+    rows_per_program: int | None = None,
     stages: int = ROW_STAGES,
     hw_cast: bool | None = None,
 ) -> None:
@@ -388,8 +404,10 @@ def launch_group_rowwise_amax(
     group of rows given by the int32 end offsets ``offs (G,)`` (on the device, never synced), merged
     into ``amax_bits (G, K)`` int32 (fp32 bits; pass zeros): what the wgrad's per-group column scales
     of ``x`` need (``colwise.launch_group_colwise(amax_bits=...)``). ``q = scale = None``: the amax
-    alone (the rows are read, nothing else is written; rows past the groups are not read)."""
+    alone (the rows are read, nothing else is written; rows past the groups are not read).
+    ``rows_per_program``: ``None`` for :func:`activation_rows_per_program`."""
     M, K = x.shape
+    rows_per_program = rows_per_program or activation_rows_per_program(M)
     cfg, rows = _col_amax_config(M, K, rows_per_program, TILE_ELEMENTS, None)
     if M == 0:
         return
