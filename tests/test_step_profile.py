@@ -93,6 +93,7 @@ def test_replay_peak_finds_the_live_set_at_the_highest_point(tmp_path):
                      "model.py:2 buf1 = empty_strided_cuda((8192, 14336))": (2, 1.0),
                      "inductor cabc.py:1 buf12 = empty_strided_cuda((4096, 4096), (4096, 1))": (1, 1.5)}
     assert [s[2] for s in r["sites"]] == sorted((s[2] for s in r["sites"]), reverse=True)
+    assert r["files"] == [["model.py", 3, 2.0], ["inductor cabc.py", 1, 1.5]]
 
 
 def test_kernel_time_on_the_cpu_counts_operators():

@@ -171,9 +171,11 @@ def _site(frames: list[dict]) -> str:
 
 def replay_peak(trace: list[dict], base: int, top: int = 12) -> dict:
     """Replay the allocator's ``trace`` (``torch.cuda.memory._snapshot()["device_traces"][i]``) from
-    ``base`` bytes allocated: ``{"peak_gib", "before_gib", "sites": [[site, count, GiB]]}``, the
-    allocations made during the trace and alive at its highest point, grouped by :func:`_site`,
-    largest first (``before_gib``: what was allocated when the trace began)."""
+    ``base`` bytes allocated: ``{"peak_gib", "before_gib", "sites": [[site, count, GiB]], "files":
+    [[file, count, GiB]]}``, the allocations made during the trace and alive at its highest point,
+    grouped by :func:`_site` (the ``top`` largest) and, all of them, by the file of that site (an
+    Inductor graph's: its forward's saved tensors, its backward's transients), largest first
+    (``before_gib``: what was allocated when the trace began)."""
     def replay(until: int | None = None) -> tuple[dict[int, dict], int, int]:
         """(the blocks alive, the highest allocation total, the event index it was reached at)."""
         live: dict[int, dict] = {}
@@ -193,13 +195,16 @@ def replay_peak(trace: list[dict], base: int, top: int = 12) -> dict:
     _, peak, at = replay()
     peak_live = replay(at + 1)[0] if at >= 0 else {}  # the blocks alive at the peak: sites named for these only
     sites: dict[str, list] = {}
+    files: dict[str, list] = {}
     for event in peak_live.values():
         site = _site(event.get("frames", []))
-        entry = sites.setdefault(site, [site, 0, 0.0])
-        entry[1] += 1
-        entry[2] += event["size"] / 2**30
+        for key, groups in ((site, sites), (site.split(":")[0], files)):
+            entry = groups.setdefault(key, [key, 0, 0.0])
+            entry[1] += 1
+            entry[2] += event["size"] / 2**30
     return dict(peak_gib=peak / 2**30, before_gib=base / 2**30,
-                sites=sorted(sites.values(), key=lambda e: -e[2])[:top])
+                sites=sorted(sites.values(), key=lambda e: -e[2])[:top],
+                files=sorted(files.values(), key=lambda e: -e[2]))
 
 
 def peak_allocations(step: Callable[[], object], max_entries: int = 1_000_000) -> dict:
@@ -242,4 +247,7 @@ def markdown(rows: list[dict]) -> list[str]:
                           f"{peak['before_gib']:.2f} allocated before the step; alive at the peak, made during it:",
                       "", "| made by | blocks | GiB |", "|---|---:|---:|"]
             lines += [f"| `{site}` | {count} | {gib:.3f} |" for site, count, gib in peak["sites"]]
+            lines += ["", "By file (an Inductor graph's, or the line's):", "", "| file | blocks | GiB |",
+                      "|---|---:|---:|"]
+            lines += [f"| `{name}` | {count} | {gib:.3f} |" for name, count, gib in peak.get("files", [])]
     return lines
