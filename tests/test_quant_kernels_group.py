@@ -341,3 +341,17 @@ def test_group_colwise_many_groups_gpu():
     offs = _offsets(8192, 128, "skewed", seed=6, device="cuda")
     _check_dual(a, b, offs, False, E4M3FN)
     _check_single(b, offs, True, E4M3FN)
+
+
+def test_activation_rows_per_program_keeps_the_gpu_busy():
+    """128 rows per program down to the count that still makes MIN_ACTIVATION_PROGRAMS programs
+    (a dense linear's 8192 token rows: 32 rows, 256 programs), a power of two, at least 1."""
+    from moe_fp8.quant.kernels.rowwise import MIN_ACTIVATION_PROGRAMS, ROWS_PER_PROGRAM, activation_rows_per_program
+
+    assert [activation_rows_per_program(m) for m in (0, 1, 511, 512, 8192, 32768, 1 << 20)] == [1, 1, 1, 2, 32, 128,
+                                                                                                 128]
+    for m in [*range(1, 70000, 997), 16383, 16384, 32767]:
+        rows = activation_rows_per_program(m)
+        assert rows & (rows - 1) == 0 and rows <= ROWS_PER_PROGRAM
+        assert rows == 1 or m >= rows * MIN_ACTIVATION_PROGRAMS  # enough programs of whole row blocks
+        assert rows == ROWS_PER_PROGRAM or m < 2 * rows * MIN_ACTIVATION_PROGRAMS  # the largest such
