@@ -6,7 +6,7 @@ Dense linears call it with one group over ``M`` = tokens rows; the grouped GEMMs
 expert over the routed rows. Fewer rows per program give more programs (the GPU's multiprocessors
 busy) and more atomics (one per column and program).
 
-    python benchmarks/sweep_group_rowwise_rows.py --out DIR
+    PYTHONPATH=. python benchmarks/sweep_group_rowwise_rows.py --out DIR   (or with the package installed)
 """
 
 from __future__ import annotations
