@@ -67,7 +67,7 @@ def main() -> None:
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     (args.out / "sweep_group_rowwise_rows.json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
-    lines = [f"# Rows per program of the group-amax row quantization", "",
+    lines = ["# Rows per program of the group-amax row quantization", "",
              f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']}", "",
              "| shape | M | K | groups | rows per program | programs | µs | GB/s | % of copy |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from moe_fp8 import FP8GroupedExperts, FP8MoE, fp8_grouped_mm
+from moe_fp8 import FP8GroupedExperts, FP8MoE
 from moe_fp8.routing import RouterConfig
 from moe_fp8.testing import reference_moe_forward, sqnr
 from test_backends import fake_cuda  # noqa: F401  (fixture: the cuda backend faked on the CPU)

@@ -11,7 +11,7 @@ from moe_fp8.kernel_backend import use_triton
 from moe_fp8.routing.combine_kernels import combine_kernel
 from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.reference import quantize_rowwise
-from moe_fp8.routing.combine_ops import combine_backward_quantize
+from moe_fp8.routing.combine_ops import combine_backward_rows
 from moe_fp8.routing.reference import combine_reference, permute_reference
 
 from quant_kernel_cases import FORMAT_IDS, FORMATS
@@ -166,6 +166,12 @@ def test_bad_input():
         combine(y, None, w)
 
 
+def _backward_rows(grad_out, y, plan, weights, fmt, pow2=False):
+    """The combine's backward with grad_y's FP8 rows, on ``plan``'s tensors."""
+    return combine_backward_rows(grad_out, y, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, weights, plan.top_k,
+                                 fmt, pow2)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("kind, P, weighted, pow2", [
     ("balanced", 1, True, False), ("skewed", 16, True, True), ("empty", 16, True, False),
@@ -181,7 +187,7 @@ def test_backward_quantize_is_the_backward_then_quantize_rowwise(kind, P, weight
     go = (torch.randn(T, H, generator=g) * torch.pow(10.0, torch.randint(-6, 7, (T, 1), generator=g))).bfloat16()
     go[0] = 0
     torch.full((plan.num_rows + 3, H), float("nan"))  # dirty the allocator
-    grad_y, grad_w, q, scale = combine_backward_quantize(go, y if weighted else None, plan, w, fmt, pow2)
+    grad_y, grad_w, q, scale = _backward_rows(go, y if weighted else None, plan, w, fmt, pow2)
     yr = y.clone().requires_grad_()
     wr = w.clone().requires_grad_() if weighted else None
     ref_gy, ref_gw = torch.autograd.grad(combine(yr, plan, wr), (yr, wr) if weighted else (yr,), go) + (None,) * (
@@ -200,7 +206,7 @@ def test_backward_quantize_loops_over_wide_rows(monkeypatch):
     T, E, k, H = 9, 4, 2, 300
     plan, y, w = setup(T, E, k, H, 16, "skewed", seed=3)
     go = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).bfloat16() * 1e3
-    grad_y, _, q, scale = combine_backward_quantize(go, y, plan, w, E4M3FN)
+    grad_y, _, q, scale = _backward_rows(go, y, plan, w, E4M3FN)
     ref_q, ref_s = quantize_rowwise(grad_y, E4M3FN)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
     yr = y.clone().requires_grad_()

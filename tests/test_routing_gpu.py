@@ -9,7 +9,7 @@ import moe_fp8.routing.permute_ops as permute_ops
 from moe_fp8.quant.formats import E4M3FN
 from moe_fp8.quant.reference import quantize_rowwise
 from moe_fp8.routing import RouterConfig, combine, make_dispatch_plan, permute, permute_quantize, route
-from moe_fp8.routing.combine_ops import combine_backward_quantize
+from moe_fp8.routing.combine_ops import combine_backward_rows
 from moe_fp8.routing.reference import (
     combine_backward_reference,
     combine_reference,
@@ -71,7 +71,8 @@ def test_pipeline_matches_references(name, P):
     assert torch.equal(gy2.view(torch.int16), gy.view(torch.int16)) and torch.equal(gw2, gw)
     # the quantizing backward: the same grad_y bits, and quantize_rowwise of them exactly; grad_w is
     # the same fp32 dot, summed in the order the compiler picks for each kernel
-    gy_q, gw_q, q, s = combine_backward_quantize(go, y.detach(), plan, w.detach(), E4M3FN)
+    gy_q, gw_q, q, s = combine_backward_rows(go, y.detach(), plan.pair_to_row, plan.row_to_pair, plan.pad_rows,
+                                             w.detach(), k, E4M3FN)
     assert torch.equal(gy_q.view(torch.int16), gy.view(torch.int16))
     torch.testing.assert_close(gw_q, gw, rtol=1e-5, atol=1e-5 * gw.abs().max().item())
     q_ref, s_ref = quantize_rowwise(gy, E4M3FN)

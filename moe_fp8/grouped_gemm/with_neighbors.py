@@ -38,7 +38,6 @@ class _GroupedMMSwiGLU(torch.autograd.Function):
     def forward(ctx, *inputs):
         h, saved = grouped_mm_forward(ctx, *inputs)
         a, q, scale = swiglu_quantize(h, ctx.fmt, pow2=ctx.pow2)
-        ctx.n_saved = len(saved)
         ctx.save_for_backward(*saved, h)
         ctx.mark_non_differentiable(q, scale)
         return a, q, scale

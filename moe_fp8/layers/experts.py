@@ -27,10 +27,11 @@ from torch.distributed.tensor import DTensor
 from ..checks import check_multiple_of, check_tensor
 from ..grouped_gemm import Fp8WeightCache, QuantizedExpertWeight, compiled_weight_cache, fp8_grouped_mm, select_backend
 from ..quant import formats, quantize_rowwise
-from ..quant.recipes import get_recipe
 from ..grouped_gemm.with_neighbors import fp8_grouped_mm_combine, fp8_grouped_mm_swiglu
+from ..quant.recipes import get_recipe
 from ..quant.swiglu import SwiGLUQuantize
-from ..routing import DispatchPlan, combine, make_dispatch_plan, permute, permute_quantize, permute_stand_in, permute_with_fp8
+from ..routing import (DispatchPlan, combine, make_dispatch_plan, permute, permute_quantize, permute_stand_in,
+                       permute_with_fp8)
 from .param_checks import check_parameters
 
 __all__ = ["FP8GroupedExperts"]
@@ -164,9 +165,7 @@ class FP8GroupedExperts(nn.Module):
         x, out_dtype = self.gemm_input(hidden_states, top_k_index, input_scales)
         plan = make_dispatch_plan(top_k_index, self.num_experts)
         x_perm, x_fp8 = self.permuted_rows(x, plan, input_scales, stand_in=self.fp8_saved_input)
-        out = self.grouped_mlp(x_perm, plan.offsets, x_fp8, save_x_fp8=self.fp8_saved_input,
-                               combine_with=(plan, top_k_weights))
-        return out.to(out_dtype)
+        return self.grouped_mlp(x_perm, plan, top_k_weights, x_fp8, save_x_fp8=self.fp8_saved_input).to(out_dtype)
 
     def gemm_input(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    input_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.dtype]:
@@ -218,30 +217,28 @@ class FP8GroupedExperts(nn.Module):
             return x_perm, quantize_rowwise(x_perm.detach(), fmt, pow2=pow2) if fp8_rows else None
         return x_perm, None
 
-    def grouped_mlp(self, x_perm: torch.Tensor, offsets: torch.Tensor,
-                    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, save_x_fp8: bool = False,
-                    combine_with: tuple[DispatchPlan, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """``down(silu(gate) * up)`` of each expert on its rows: ``x_perm (M, H)`` grouped by the int32
-        END ``offsets (E,)``, with ``x_fp8`` its rowwise FP8 ``(q, scale)`` or ``None`` (quantized in
-        the GEMM); ``save_x_fp8``: the first GEMM saves ``x_fp8``, not ``x_perm`` (which it then
-        never reads). Returns ``(M, H)`` bf16 (the GEMMs' dtype); rows past ``offsets[-1]`` are 0.
-        ``combine_with = (plan, weights)``: returns ``combine(y, plan, weights)``, ``(T, H)``, instead.
-        With row scales (and ``fused_grad_quant``) the SwiGLU backward and the combine backward
-        write the gradients' FP8 rows the GEMMs' dgrads take (``grouped_gemm.with_neighbors``)."""
+    def grouped_mlp(self, x_perm: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | None,
+                    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, save_x_fp8: bool = False) -> torch.Tensor:
+        """``combine(down(silu(gate) * up), plan, weights)``: each expert's SwiGLU MLP on its rows of
+        ``x_perm (M, H)`` (in ``plan``'s row layout, grouped by ``plan.offsets``), combined into
+        tokens with the ``(T, k)`` router ``weights`` (``None``: unit weights). ``x_fp8``: the rows'
+        rowwise FP8 ``(q, scale)``, or ``None`` (quantized in the GEMM); ``save_x_fp8``: the first
+        GEMM saves ``x_fp8``, not ``x_perm`` (which it then never reads). Returns ``(T, H)`` bf16
+        (the GEMMs' dtype). With row scales (and ``fused_grad_quant``) the SwiGLU backward and the
+        combine backward write the gradients' FP8 rows the GEMMs' dgrads take
+        (``grouped_gemm.with_neighbors``)."""
         recipe, fp8_rows = self.recipe, self.recipe.scaling == "rowwise"
         gemm = dict(recipe=recipe, backend=self.backend)
         w1, w2 = self._weights()
         cache = self._caches if self._reads_cache(w1, x_perm) else (None, None)
         w1 = _cast(w1, x_perm.dtype, cache[0])
-        save = save_x_fp8 and x_fp8 is not None
+        offsets, save = plan.offsets, save_x_fp8 and x_fp8 is not None
         if fp8_rows and self.fused_grad_quant:
             a, a_q, a_scale = fp8_grouped_mm_swiglu(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8,
                                                     save_x_fp8=save, **gemm)
             w2 = _cast(w2, a.dtype, cache[1])
-            if combine_with is not None:
-                return fp8_grouped_mm_combine(a, w2, offsets, *combine_with, weight_cache=cache[1],
-                                              x_fp8=(a_q, a_scale), **gemm)
-            return fp8_grouped_mm(a, w2, offsets, weight_cache=cache[1], x_fp8=(a_q, a_scale), **gemm)
+            return fp8_grouped_mm_combine(a, w2, offsets, plan, weights, weight_cache=cache[1], x_fp8=(a_q, a_scale),
+                                          **gemm)
         h = fp8_grouped_mm(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8, save_x_fp8=save, **gemm)
         if fp8_rows:
             a, a_q, a_scale = SwiGLUQuantize.apply(h, formats.resolve_format(self.fmt, x_perm.device),
@@ -252,8 +249,7 @@ class FP8GroupedExperts(nn.Module):
             a, a_fp8 = nn.functional.silu(gate) * up, None
         # The grouped GEMMs write bf16; fp32 modules (no autocast) get their dtype back at the end.
         w2 = _cast(w2, a.dtype, cache[1])
-        y = fp8_grouped_mm(a, w2, offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm)
-        return y if combine_with is None else combine(y, *combine_with)
+        return combine(fp8_grouped_mm(a, w2, offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm), plan, weights)
 
     def _reads_cache(self, w1: torch.Tensor, x_perm: torch.Tensor) -> bool:
         """Whether the GEMMs read the weights through the caches (FP8 recipes only; eagerly a weight

@@ -185,11 +185,10 @@ class ExpertParallelExperts(FP8GroupedExperts):
             token = plan.row_to_pair.long().clamp(min=0) // plan.top_k
             x_fp8 = (q.view(torch.uint8).index_select(0, token).view(q.dtype), scale.index_select(0, token))
             x_perm = permute_stand_in(rows, plan)
-        combine_with = (plan, weights)
         if self.checkpoint and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self.grouped_mlp, x_perm, plan.offsets, x_fp8,
-                                                     self.fp8_saved_input, combine_with, use_reentrant=False)
-        return self.grouped_mlp(x_perm, plan.offsets, x_fp8, self.fp8_saved_input, combine_with)
+            return torch.utils.checkpoint.checkpoint(self.grouped_mlp, x_perm, plan, weights, x_fp8,
+                                                     self.fp8_saved_input, use_reentrant=False)
+        return self.grouped_mlp(x_perm, plan, weights, x_fp8, self.fp8_saved_input)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         w1, w2 = super()._weights()

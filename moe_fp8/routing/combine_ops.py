@@ -34,7 +34,7 @@ from .permute_ops import _permute_both_op, _permute_op
 from .plan import DispatchPlan
 from .reference import combine_backward_reference, combine_reference, padding_scale
 
-__all__ = ["combine", "combine_backward_quantize", "combine_backward_rows"]
+__all__ = ["combine", "combine_backward_rows"]
 
 _FWD_BLOCK_H = 1024
 _FWD_WARPS = 4
@@ -229,21 +229,3 @@ def combine(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | None = 
         check_same_device(y=y, plan=plan.pair_to_row)
     return _combine_op(y.contiguous(), plan.pair_to_row, plan.row_to_pair, plan.pad_rows, weights, k)
 
-
-def combine_backward_quantize(
-    grad_out: torch.Tensor, y: torch.Tensor | None, plan: DispatchPlan, weights: torch.Tensor | None,
-    fmt: Float8Format, pow2: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The backward of :func:`combine` and the rowwise FP8 quantization of ``grad_y``, in one launch.
-
-    Args:
-        grad_out: ``(T, H)`` gradient of the combined output, row-major.
-        y: the ``(M, H)`` expert outputs combined (read for ``grad_w``; ``None`` with unit weights).
-        weights: ``(T, k)`` router weights, or ``None`` for unit weights.
-    Returns:
-        ``grad_y (M, H)`` in ``grad_out``'s dtype (the bits of :func:`combine`'s backward; padding
-        rows 0), ``grad_w (T, k)`` (``None`` with unit weights), and ``grad_y``'s rowwise FP8
-        ``q (M, H)``, ``scale (M,)``: exactly ``quantize_rowwise(grad_y, fmt, pow2=pow2)``.
-    """
-    return combine_backward_rows(grad_out, y, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, weights, plan.top_k,
-                                 fmt, pow2)

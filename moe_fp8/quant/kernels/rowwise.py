@@ -52,8 +52,8 @@ ROWS_PER_PROGRAM = 128
 ROW_STAGES = 3
 # The activation form (one group per expert, or one group for a dense linear) takes fewer rows per
 # program where 128 would leave fewer than this many programs: a dense linear's 8192 token rows made
-# 64 programs, and the kernel ran at about 42% of the copy bandwidth on an H100 (most multiprocessors
-# idle; Llama3-8B sizes, 2026-12-05, ``bench_job_acc4_llama3_8b_profile.md``). Swept on the H100
+# 64 programs for 132 multiprocessors (Llama3-8B sizes, 2026-12-05,
+# ``bench_job_acc4_llama3_8b_profile.md``). Swept on the H100
 # (``sweep_group_rowwise_rows.md``): 32 rows per program were the best or within 10% of it on the
 # dense shapes (8192 rows of 4096, 7168, 14336); each program adds one atomic per column.
 MIN_ACTIVATION_PROGRAMS = 256
