@@ -4,6 +4,7 @@ Covers jagged groups of any size, empty groups (first, middle, last), rows past 
 single-tensor and dual launches, column-major and row-major outputs, and the padded layout.
 """
 
+import itertools
 import pytest
 import torch
 from hypothesis import given, settings
@@ -343,15 +344,18 @@ def test_group_colwise_many_groups_gpu():
     _check_single(b, offs, True, E4M3FN)
 
 
-def test_activation_rows_per_program_keeps_the_gpu_busy():
-    """128 rows per program down to the count that still makes MIN_ACTIVATION_PROGRAMS programs
-    (a dense linear's 8192 token rows: 32 rows, 256 programs), a power of two, at least 1."""
-    from moe_fp8.quant.kernels.rowwise import MIN_ACTIVATION_PROGRAMS, ROWS_PER_PROGRAM, activation_rows_per_program
+def test_col_amax_rows_per_program_keeps_the_gpu_busy():
+    """128 rows per program down to the count that still makes MIN_COL_AMAX_PROGRAMS programs over
+    E groups of N rows (a dense linear's 8192 token rows: 32 rows, 256 programs; a dense 4096 x 4096
+    weight: 16 rows), a power of two, at least 1."""
+    from moe_fp8.quant.kernels.rowwise import MIN_COL_AMAX_PROGRAMS, ROWS_PER_PROGRAM, col_amax_rows_per_program
 
-    assert [activation_rows_per_program(m) for m in (0, 1, 511, 512, 8192, 32768, 1 << 20)] == [1, 1, 1, 2, 32, 128,
-                                                                                                 128]
-    for m in [*range(1, 70000, 997), 16383, 16384, 32767]:
-        rows = activation_rows_per_program(m)
+    assert [col_amax_rows_per_program(m) for m in (0, 1, 511, 512, 8192, 32768, 1 << 20)] == [1, 1, 1, 2, 32, 128,
+                                                                                               128]
+    assert [col_amax_rows_per_program(n, e) for n, e in ((4096, 1), (14336, 1), (4096, 8), (1536, 128))] == [
+        16, 32, 128, 128]
+    for n, e in itertools.product([*range(1, 70000, 997), 16383, 16384, 32767], (1, 3, 8)):
+        rows = col_amax_rows_per_program(n, e)
         assert rows & (rows - 1) == 0 and rows <= ROWS_PER_PROGRAM
-        assert rows == 1 or m >= rows * MIN_ACTIVATION_PROGRAMS  # enough programs of whole row blocks
-        assert rows == ROWS_PER_PROGRAM or m < 2 * rows * MIN_ACTIVATION_PROGRAMS  # the largest such
+        assert rows == 1 or e * n >= rows * MIN_COL_AMAX_PROGRAMS  # enough programs of whole row blocks
+        assert rows == ROWS_PER_PROGRAM or e * n < 2 * rows * MIN_COL_AMAX_PROGRAMS  # the largest such

@@ -58,6 +58,7 @@ def test_summarize_adds_time_per_category_and_kernel():
     assert s["ms"]["moe_fp8 quantization"] == pytest.approx(0.4)
     assert s["top"][1] == ["_rowwise_kernel", "moe_fp8 quantization", 2, pytest.approx(0.4)]
     assert len(s["top"]) == 3
+    assert [k[0] for k in s["by_kernel"]] == ["nvjet_tst_x", "_rowwise_kernel", "triton_poi_fused_0", "mystery"]
 
 
 def _frame(path, line: int, name: str = "f") -> dict:

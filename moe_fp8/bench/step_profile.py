@@ -106,8 +106,9 @@ def _cpu_ops(prof) -> Iterable[tuple[str, float]]:
 
 
 def summarize(events: Iterable[tuple[str, float]], library: dict[str, str], top: int = 15) -> dict:
-    """``{"ms": {category: ms}, "total_ms", "kernels": count, "top": [[name, category, calls, ms]]}``
-    of ``(name, µs)`` events; categories and ``top`` sorted by time, longest first."""
+    """``{"ms": {category: ms}, "total_ms", "kernels": count, "top": [[name, category, calls, ms]],
+    "by_kernel": [...]}`` of ``(name, µs)`` events: ``top`` the ``top`` longest of ``by_kernel`` (every
+    kernel name); categories and both lists sorted by time, longest first."""
     by_category: dict[str, float] = defaultdict(float)
     by_name: dict[str, list] = {}
     count = 0
@@ -119,8 +120,8 @@ def summarize(events: Iterable[tuple[str, float]], library: dict[str, str], top:
         entry[2] += 1
         entry[3] += us / 1e3
     ms = dict(sorted(by_category.items(), key=lambda kv: -kv[1]))
-    return dict(ms=ms, total_ms=sum(ms.values()), kernels=count,
-                top=sorted(by_name.values(), key=lambda e: -e[3])[:top])
+    by_kernel = sorted(by_name.values(), key=lambda e: -e[3])
+    return dict(ms=ms, total_ms=sum(ms.values()), kernels=count, top=by_kernel[:top], by_kernel=by_kernel)
 
 
 def profiled_events(step: Callable[[], object], cuda: bool) -> list[tuple[str, float]]:

@@ -34,7 +34,7 @@ __all__ = [
     "col_amax_fits",
     "launch_expert_rowwise_col_amax",
     "launch_group_rowwise_amax",
-    "activation_rows_per_program",
+    "col_amax_rows_per_program",
 ]
 
 # Largest row held in registers in one piece; longer rows loop over K twice, TWO_PASS_BLOCK_K
@@ -50,13 +50,12 @@ TILE_ELEMENTS = 4096
 # ran at 84-91% of copy where K >= 2048 (71% at K = 768); one stage ran at 44-82%.
 ROWS_PER_PROGRAM = 128
 ROW_STAGES = 3
-# The activation form (one group per expert, or one group for a dense linear) takes fewer rows per
-# program where 128 would leave fewer than this many programs: a dense linear's 8192 token rows made
-# 64 programs for 132 multiprocessors (Llama3-8B sizes, 2026-12-05,
-# ``bench_job_acc4_llama3_8b_profile.md``). Swept on the H100
-# (``sweep_group_rowwise_rows.md``): 32 rows per program were the best or within 10% of it on the
-# dense shapes (8192 rows of 4096, 7168, 14336); each program adds one atomic per column.
-MIN_ACTIVATION_PROGRAMS = 256
+# Both column-amax kernels take fewer rows per program where 128 would leave fewer than this many
+# programs: a dense linear's 8192 token rows (one group) made 64 programs for 132 multiprocessors, a
+# dense 4096 x 4096 weight (one expert) 32 (Llama3-8B sizes, 2026-12-05,
+# ``bench_job_acc4_llama3_8b_profile.md``; swept in ``sweep_col_amax_kernels.md``). Each program adds
+# one atomic per column.
+MIN_COL_AMAX_PROGRAMS = 256
 
 
 @triton.jit
@@ -355,7 +354,7 @@ def launch_expert_rowwise_col_amax(
     fmt: Float8Format,
     pow2: bool,
     *,
-    rows_per_program: int = ROWS_PER_PROGRAM,
+    rows_per_program: int | None = None,
     num_warps: int | None = None,
     stages: int = ROW_STAGES,
     tile: int = TILE_ELEMENTS,
@@ -366,9 +365,11 @@ def launch_expert_rowwise_col_amax(
     ``w (E, N, K)`` any strides, ``K`` with :func:`col_amax_fits`; fills ``q (E, N, K)`` contiguous
     and ``scale (E, N)`` as ``launch_rowwise`` does (amax over K), and merges the amax over N of
     each expert column into ``amax_bits (E, K)`` int32 (fp32 bits; pass zeros). ``rows_per_program``
-    (a multiple of the row block) trades programs for atomics: ``E * K`` per ``rows_per_program`` rows.
+    (a multiple of the row block; ``None`` for :func:`col_amax_rows_per_program`) trades programs for
+    atomics: ``E * K`` per ``rows_per_program`` rows.
     """
     E, N, K = w.shape
+    rows_per_program = rows_per_program or col_amax_rows_per_program(N, E)
     cfg, rows = _col_amax_config(N, K, rows_per_program, tile, num_warps)
     if E * N == 0:
         return
@@ -378,12 +379,13 @@ def launch_expert_rowwise_col_amax(
     )
 
 
-def activation_rows_per_program(M: int) -> int:
-    """Rows per program of :func:`launch_group_rowwise_amax` for ``M`` rows: ``ROWS_PER_PROGRAM``, or the
-    largest power of two that still makes ``MIN_ACTIVATION_PROGRAMS`` programs (at least 1). Decided by
-    comparisons only, so a traced ``M`` (a ``SymInt``) is guarded on a range of sizes."""
+def col_amax_rows_per_program(N: int, E: int = 1) -> int:
+    """Rows per program of the column-amax kernels over ``E`` groups of ``N`` rows (activations: one
+    group of ``M`` rows): ``ROWS_PER_PROGRAM``, or the largest power of two below it that still makes
+    ``MIN_COL_AMAX_PROGRAMS`` programs (at least 1). Decided by comparisons only, so a traced ``N``
+    (a ``SymInt``) is guarded on a range of sizes."""
     rows = ROWS_PER_PROGRAM
-    while rows > 1 and M < rows * MIN_ACTIVATION_PROGRAMS:
+    while rows > 1 and E * N < rows * MIN_COL_AMAX_PROGRAMS:
         rows //= 2
     return rows
 
@@ -398,7 +400,9 @@ def launch_group_rowwise_amax(
     pow2: bool,
     *,
     rows_per_program: int | None = None,
+    num_warps: int | None = None,
     stages: int = ROW_STAGES,
+    tile: int = TILE_ELEMENTS,
     hw_cast: bool | None = None,
 ) -> None:
     """``launch_rowwise`` of ``x (M, K)`` (any strides, ``K`` with :func:`col_amax_fits`) into
@@ -407,10 +411,11 @@ def launch_group_rowwise_amax(
     into ``amax_bits (G, K)`` int32 (fp32 bits; pass zeros): what the wgrad's per-group column scales
     of ``x`` need (``colwise.launch_group_colwise(amax_bits=...)``). ``q = scale = None``: the amax
     alone (the rows are read, nothing else is written; rows past the groups are not read).
-    ``rows_per_program``: ``None`` for :func:`activation_rows_per_program`."""
+    ``rows_per_program``: ``None`` for :func:`col_amax_rows_per_program`; ``num_warps`` and ``tile``
+    (elements per loop step) as in :func:`rowwise_config`."""
     M, K = x.shape
-    rows_per_program = rows_per_program or activation_rows_per_program(M)
-    cfg, rows = _col_amax_config(M, K, rows_per_program, TILE_ELEMENTS, None)
+    rows_per_program = rows_per_program or col_amax_rows_per_program(M)
+    cfg, rows = _col_amax_config(M, K, rows_per_program, tile, num_warps)
     if M == 0:
         return
     G = offs.numel()

@@ -1,0 +1,134 @@
+"""The two row quantizations that also reduce column amaxes, swept on the GPU: rows per program,
+warps and elements per loop step (``tile``). GB/s over the bytes each must move (the input read
+once, the FP8 rows, scales and amaxes written once) as a fraction of the copy bandwidth of the same
+run; median GPU time of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), so the host's
+launch time, which a training step hides behind the GPU's work, is not counted.
+
+* ``launch_group_rowwise_amax`` (activations, gradients): one group over ``M`` token rows for a dense
+  linear, one group per expert over the routed rows for the grouped GEMMs.
+* ``launch_expert_rowwise_col_amax`` (weights, forward layout): ``E`` experts of ``N`` rows; a dense
+  linear's weight is one expert.
+
+Fewer rows per program make more programs (the multiprocessors busy) and more atomics (one per
+column and program). ``default`` marks the configuration the launchers pick.
+
+    PYTHONPATH=. python benchmarks/sweep_col_amax_kernels.py --out DIR   (or with the package installed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from moe_fp8.quant.formats import resolve_format
+from moe_fp8.quant.kernels import rowwise
+
+ACTIVATIONS = [  # (name, M, K, groups)
+    ("Llama3-8B x (dense)", 8192, 4096, 1),
+    ("Llama3-8B MLP grad (dense)", 8192, 14336, 1),
+    ("DeepSeek-V3 dense x", 8192, 7168, 1),
+    ("Qwen3-30B-A3B routed x", 65536, 2048, 128),
+    ("DeepSeek-V3 routed x", 65536, 7168, 32),
+]
+WEIGHTS = [  # (name, E, N, K)
+    ("Llama3-8B q_proj (dense)", 1, 4096, 4096),
+    ("Llama3-8B gate_proj (dense)", 1, 14336, 4096),
+    ("Llama3-8B down_proj (dense)", 1, 4096, 14336),
+    ("DeepSeek-V3 w1, 8 experts", 8, 4096, 7168),
+    ("Qwen3-30B-A3B w1, 128 experts", 128, 1536, 2048),
+]
+ROWS = (8, 16, 32, 64, 128)
+WARPS_TILE = ((None, rowwise.TILE_ELEMENTS), (16, 4096), (16, 16384))
+
+
+def gpu_ms(fn) -> float:
+    fn()
+    return do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def copy_gbs(x: torch.Tensor) -> float:
+    out = torch.empty_like(x)
+    return 2 * x.numel() * x.element_size() / gpu_ms(lambda: out.copy_(x)) / 1e6
+
+
+def sweep_activations(fmt) -> list[dict]:
+    rows_out = []
+    for name, M, K, G in ACTIVATIONS:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        offs = torch.linspace(M / G, M, G, device="cuda").round().to(torch.int32)
+        q = torch.empty(M, K, device="cuda", dtype=fmt.torch_dtype)
+        scale = torch.empty(M, device="cuda", dtype=torch.float32)
+        bits = torch.zeros(G, K, device="cuda", dtype=torch.int32)
+        copy, nbytes = copy_gbs(x), M * K * 3 + M * 4 + G * K * 4
+        default = (rowwise.col_amax_rows_per_program(M), None, rowwise.TILE_ELEMENTS)
+        for rows, (warps, tile) in itertools.product(ROWS, WARPS_TILE):
+            def step():
+                bits.zero_()
+                rowwise.launch_group_rowwise_amax(x, q, scale, bits, offs, fmt, True, rows_per_program=rows,
+                                                  num_warps=warps, tile=tile)
+
+            rows_out.append(_row("activation", name, (M, K, G), rows, warps, tile, (rows, warps, tile) == default,
+                                 gpu_ms(step), nbytes, copy))
+    return rows_out
+
+
+def sweep_weights(fmt) -> list[dict]:
+    rows_out = []
+    for name, E, N, K in WEIGHTS:
+        w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+        q = torch.empty(E, N, K, device="cuda", dtype=fmt.torch_dtype)
+        scale = torch.empty(E, N, device="cuda", dtype=torch.float32)
+        bits = torch.zeros(E, K, device="cuda", dtype=torch.int32)
+        copy, nbytes = copy_gbs(w), E * N * K * 3 + E * N * 4 + E * K * 4
+        default = (rowwise.col_amax_rows_per_program(N, E), None, rowwise.TILE_ELEMENTS)
+        for rows, (warps, tile) in itertools.product(ROWS, WARPS_TILE):
+            def step():
+                bits.zero_()
+                rowwise.launch_expert_rowwise_col_amax(w, q, scale, bits, fmt, True, rows_per_program=rows,
+                                                       num_warps=warps, tile=tile)
+
+            rows_out.append(_row("weight", name, (E * N, K, E), rows, warps, tile, (rows, warps, tile) == default,
+                                 gpu_ms(step), nbytes, copy))
+    return rows_out
+
+
+def _row(kernel, name, shape, rows, warps, tile, default, ms, nbytes, copy) -> dict:
+    M, K, G = shape
+    gbs = nbytes / ms / 1e6
+    row = dict(kernel=kernel, shape=name, M=M, K=K, groups=G, rows_per_program=rows, num_warps=warps or "auto",
+               tile=tile, default=default, us=ms * 1e3, gbs=gbs, pct_copy=100 * gbs / copy)
+    print(f"{kernel:10s} {name:30s} rows {rows:4d} warps {row['num_warps']!s:4s} tile {tile:5d}{' *' if default else '  '}"
+          f" {ms * 1e3:8.1f} us {100 * gbs / copy:5.1f}% of copy", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    fmt = resolve_format(None, torch.device("cuda"))
+    rows_out = sweep_activations(fmt) + sweep_weights(fmt)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    (args.out / "sweep_col_amax_kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
+    lines = ["# Row quantization with column amax: rows per program, warps, tile", "",
+             f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
+             "CUDA-graph replays, median · `*`: the launcher's default", "",
+             "| kernel | shape | M | K | groups | rows per program | warps | tile | µs | GB/s | % of copy |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['kernel']} | {r['shape']} | {r['M']} | {r['K']} | {r['groups']} | {r['rows_per_program']}"
+              f"{' *' if r['default'] else ''} | {r['num_warps']} | {r['tile']} | {r['us']:.1f} | {r['gbs']:.0f} | "
+              f"{r['pct_copy']:.0f}% |" for r in rows_out]
+    (args.out / "sweep_col_amax_kernels.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
