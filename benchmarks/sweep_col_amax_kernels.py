@@ -45,7 +45,7 @@ WEIGHTS = [  # (name, E, N, K)
     ("Qwen3-30B-A3B w1, 128 experts", 128, 1536, 2048),
 ]
 ROWS = (8, 16, 32, 64, 128)
-WARPS_TILE = ((None, rowwise.TILE_ELEMENTS), (16, 4096), (16, 16384))
+WARPS_TILE = ((None, rowwise.TILE_ELEMENTS), (16, rowwise.TILE_ELEMENTS))
 
 
 def gpu_ms(fn) -> float:
