@@ -95,6 +95,8 @@ def test_replay_peak_finds_the_live_set_at_the_highest_point(tmp_path):
                      "inductor cabc.py:1 buf12 = empty_strided_cuda((4096, 4096), (4096, 1))": (1, 1.5)}
     assert [s[2] for s in r["sites"]] == sorted((s[2] for s in r["sites"]), reverse=True)
     assert r["files"] == [["model.py", 3, 2.0], ["inductor cabc.py", 1, 1.5]]
+    assert r["all_sites"] == r["sites"]  # fewer sites than top
+    assert step_profile.replay_peak(trace, base=3 * gib, top=1)["all_sites"] == r["sites"]
 
 
 def test_kernel_time_on_the_cpu_counts_operators():

@@ -172,9 +172,9 @@ def _site(frames: list[dict]) -> str:
 
 def replay_peak(trace: list[dict], base: int, top: int = 12) -> dict:
     """Replay the allocator's ``trace`` (``torch.cuda.memory._snapshot()["device_traces"][i]``) from
-    ``base`` bytes allocated: ``{"peak_gib", "before_gib", "sites": [[site, count, GiB]], "files":
-    [[file, count, GiB]]}``, the allocations made during the trace and alive at its highest point,
-    grouped by :func:`_site` (the ``top`` largest) and, all of them, by the file of that site (an
+    ``base`` bytes allocated: ``{"peak_gib", "before_gib", "sites": [[site, count, GiB]], "all_sites",
+    "files": [[file, count, GiB]]}``, the allocations made during the trace and alive at its highest
+    point, grouped by :func:`_site` (``sites`` the ``top`` largest of ``all_sites``) and by the file of that site (an
     Inductor graph's: its forward's saved tensors, its backward's transients), largest first
     (``before_gib``: what was allocated when the trace began)."""
     def replay(until: int | None = None) -> tuple[dict[int, dict], int, int]:
@@ -203,8 +203,8 @@ def replay_peak(trace: list[dict], base: int, top: int = 12) -> dict:
             entry = groups.setdefault(key, [key, 0, 0.0])
             entry[1] += 1
             entry[2] += event["size"] / 2**30
-    return dict(peak_gib=peak / 2**30, before_gib=base / 2**30,
-                sites=sorted(sites.values(), key=lambda e: -e[2])[:top],
+    all_sites = sorted(sites.values(), key=lambda e: -e[2])
+    return dict(peak_gib=peak / 2**30, before_gib=base / 2**30, sites=all_sites[:top], all_sites=all_sites,
                 files=sorted(files.values(), key=lambda e: -e[2]))
 
 
