@@ -13,6 +13,7 @@ Fewer rows per program make more programs (the multiprocessors busy) and more at
 column and program). ``default`` marks the configuration the launchers pick.
 
     PYTHONPATH=. python benchmarks/sweep_col_amax_kernels.py --out DIR   (or with the package installed)
+    ... --quick: the launchers' defaults and 128 rows per program only
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def copy_gbs(x: torch.Tensor) -> float:
     return 2 * x.numel() * x.element_size() / gpu_ms(lambda: out.copy_(x)) / 1e6
 
 
-def sweep_activations(fmt) -> list[dict]:
+def sweep_activations(fmt, configs) -> list[dict]:
     rows_out = []
     for name, M, K, G in ACTIVATIONS:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -68,7 +69,7 @@ def sweep_activations(fmt) -> list[dict]:
         bits = torch.zeros(G, K, device="cuda", dtype=torch.int32)
         copy, nbytes = copy_gbs(x), M * K * 3 + M * 4 + G * K * 4
         default = (rowwise.col_amax_rows_per_program(M), None, rowwise.TILE_ELEMENTS)
-        for rows, (warps, tile) in itertools.product(ROWS, WARPS_TILE):
+        for rows, warps, tile in configs(default):
             def step():
                 bits.zero_()
                 rowwise.launch_group_rowwise_amax(x, q, scale, bits, offs, fmt, True, rows_per_program=rows,
@@ -79,7 +80,7 @@ def sweep_activations(fmt) -> list[dict]:
     return rows_out
 
 
-def sweep_weights(fmt) -> list[dict]:
+def sweep_weights(fmt, configs) -> list[dict]:
     rows_out = []
     for name, E, N, K in WEIGHTS:
         w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
@@ -88,7 +89,7 @@ def sweep_weights(fmt) -> list[dict]:
         bits = torch.zeros(E, K, device="cuda", dtype=torch.int32)
         copy, nbytes = copy_gbs(w), E * N * K * 3 + E * N * 4 + E * K * 4
         default = (rowwise.col_amax_rows_per_program(N, E), None, rowwise.TILE_ELEMENTS)
-        for rows, (warps, tile) in itertools.product(ROWS, WARPS_TILE):
+        for rows, warps, tile in configs(default):
             def step():
                 bits.zero_()
                 rowwise.launch_expert_rowwise_col_amax(w, q, scale, bits, fmt, True, rows_per_program=rows,
@@ -112,9 +113,16 @@ def _row(kernel, name, shape, rows, warps, tile, default, ms, nbytes, copy) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--quick", action="store_true", help="the defaults and 128 rows per program only")
     args = parser.parse_args()
     fmt = resolve_format(None, torch.device("cuda"))
-    rows_out = sweep_activations(fmt) + sweep_weights(fmt)
+
+    def configs(default):
+        if args.quick:
+            return sorted({default, (rowwise.ROWS_PER_PROGRAM, None, rowwise.TILE_ELEMENTS)})
+        return [(rows, warps, tile) for rows, (warps, tile) in itertools.product(ROWS, WARPS_TILE)]
+
+    rows_out = sweep_activations(fmt, configs) + sweep_weights(fmt, configs)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
