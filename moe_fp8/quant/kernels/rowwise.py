@@ -53,8 +53,9 @@ ROW_STAGES = 3
 # Both column-amax kernels take fewer rows per program where 128 would leave fewer than this many
 # programs: a dense linear's 8192 token rows (one group) made 64 programs for 132 multiprocessors, a
 # dense 4096 x 4096 weight (one expert) 32 (Llama3-8B sizes, 2026-12-05,
-# ``bench_job_acc4_llama3_8b_profile.md``; swept in ``sweep_col_amax_kernels.md``). Each program adds
-# one atomic per column.
+# ``bench_job_acc4_llama3_8b_profile.md``). At 256 the activation kernel's calls in that step took
+# 13.4 ms instead of 20.1 (``bench_job_acc4_llama3_8b_rows.md``). Each program adds one atomic per
+# column; ``benchmarks/sweep_col_amax_kernels.py`` sweeps the trade.
 MIN_COL_AMAX_PROGRAMS = 256
 
 
