@@ -269,14 +269,16 @@ def test_group_colwise_property_cpu(sizes, tail, chunk, padded, pow2, seed):
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
     tail=st.integers(0, 20),
     rows=st.sampled_from([1, 4, 16]),
+    tile=st.sampled_from([64, 4096]),
     K=st.integers(0, 40),
     pow2=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_group_rowwise_amax_property_cpu(sizes, tail, rows, K, pow2, seed):
+def test_group_rowwise_amax_property_cpu(sizes, tail, rows, tile, K, pow2, seed):
     """Row quantization with per-group column amax for any group sizes (empty ones, groups spanning
-    programs of ``rows`` rows and programs spanning groups), rows past the groups, K = 0: the
-    reference's row bytes (every element written) and ``reference.group_amax``."""
+    programs of ``rows`` rows and programs spanning groups), rows past the groups, K = 0, one row or
+    several per loop step (``tile``): the reference's row bytes (every element written) and
+    ``reference.group_amax``."""
     offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
     M = int(offs[-1]) + tail
     x = hard_input((M, K), seed=seed) if M * K else torch.zeros(M, K, dtype=torch.bfloat16)
@@ -285,14 +287,15 @@ def test_group_rowwise_amax_property_cpu(sizes, tail, rows, K, pow2, seed):
     for t in (q, s):
         t.view(torch.uint8).fill_(0x55)
     amax = torch.zeros(len(sizes), K)
-    launch_group_rowwise_amax(x, q, s, amax.view(torch.int32), offs, E4M3FN, pow2, rows_per_program=rows, stages=1)
+    launch_group_rowwise_amax(x, q, s, amax.view(torch.int32), offs, E4M3FN, pow2, rows_per_program=rows, stages=1,
+                              tile=tile)
     rq, rs = ref.quantize_rowwise(x, E4M3FN, pow2=pow2)
     assert_same(q, rq, "q")
     assert_same(s, rs, "scale")
     assert_same(amax, ref.group_amax(x, offs), "amax")
     alone = torch.zeros(len(sizes), K)  # q = scale = None: the amax alone
     launch_group_rowwise_amax(x, None, None, alone.view(torch.int32), offs, E4M3FN, pow2, rows_per_program=rows,
-                              stages=1)
+                              stages=1, tile=tile)
     assert_same(alone, ref.group_amax(x, offs), "amax alone")
 
 
