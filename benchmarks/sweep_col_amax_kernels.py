@@ -1,8 +1,9 @@
 """The two row quantizations that also reduce column amaxes, swept on the GPU: rows per program,
 warps and elements per loop step (``tile``). GB/s over the bytes each must move (the input read
 once, the FP8 rows, scales and amaxes written once) as a fraction of the copy bandwidth of the same
-run; median GPU time of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), so the host's
-launch time, which a training step hides behind the GPU's work, is not counted.
+run (``moe_fp8.bench.quant.copy_gbps``); median GPU time of CUDA-graph replays
+(``moe_fp8.bench.quant.kernel_us``), so the host's launch time, which a training step hides behind
+the GPU's work, is not counted.
 
 * ``launch_group_rowwise_amax`` (activations, gradients): one group over ``M`` token rows for a dense
   linear, one group per expert over the routed rows for the grouped GEMMs.
@@ -26,8 +27,8 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench_cudagraph
 
+from moe_fp8.bench.quant import copy_gbps, kernel_us
 from moe_fp8.quant.formats import resolve_format
 from moe_fp8.quant.kernels import rowwise
 
@@ -49,17 +50,7 @@ ROWS = (8, 16, 32, 64, 128)
 WARPS_TILE = ((None, rowwise.TILE_ELEMENTS), (16, rowwise.TILE_ELEMENTS))
 
 
-def gpu_ms(fn) -> float:
-    fn()
-    return do_bench_cudagraph(fn, rep=20, return_mode="median")
-
-
-def copy_gbs(x: torch.Tensor) -> float:
-    out = torch.empty_like(x)
-    return 2 * x.numel() * x.element_size() / gpu_ms(lambda: out.copy_(x)) / 1e6
-
-
-def sweep_activations(fmt, configs) -> list[dict]:
+def sweep_activations(fmt, configs, copy: float) -> list[dict]:
     rows_out = []
     for name, M, K, G in ACTIVATIONS:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -67,7 +58,7 @@ def sweep_activations(fmt, configs) -> list[dict]:
         q = torch.empty(M, K, device="cuda", dtype=fmt.torch_dtype)
         scale = torch.empty(M, device="cuda", dtype=torch.float32)
         bits = torch.zeros(G, K, device="cuda", dtype=torch.int32)
-        copy, nbytes = copy_gbs(x), M * K * 3 + M * 4 + G * K * 4
+        nbytes = M * K * 3 + M * 4 + G * K * 4
         default = (rowwise.col_amax_rows_per_program(M), None, rowwise.TILE_ELEMENTS)
         for rows, warps, tile in configs(default):
             def step():
@@ -76,18 +67,18 @@ def sweep_activations(fmt, configs) -> list[dict]:
                                                   num_warps=warps, tile=tile)
 
             rows_out.append(_row("activation", name, (M, K, G), rows, warps, tile, (rows, warps, tile) == default,
-                                 gpu_ms(step), nbytes, copy))
+                                 kernel_us(step), nbytes, copy))
     return rows_out
 
 
-def sweep_weights(fmt, configs) -> list[dict]:
+def sweep_weights(fmt, configs, copy: float) -> list[dict]:
     rows_out = []
     for name, E, N, K in WEIGHTS:
         w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
         q = torch.empty(E, N, K, device="cuda", dtype=fmt.torch_dtype)
         scale = torch.empty(E, N, device="cuda", dtype=torch.float32)
         bits = torch.zeros(E, K, device="cuda", dtype=torch.int32)
-        copy, nbytes = copy_gbs(w), E * N * K * 3 + E * N * 4 + E * K * 4
+        nbytes = E * N * K * 3 + E * N * 4 + E * K * 4
         default = (rowwise.col_amax_rows_per_program(N, E), None, rowwise.TILE_ELEMENTS)
         for rows, warps, tile in configs(default):
             def step():
@@ -96,17 +87,17 @@ def sweep_weights(fmt, configs) -> list[dict]:
                                                        num_warps=warps, tile=tile)
 
             rows_out.append(_row("weight", name, (E * N, K, E), rows, warps, tile, (rows, warps, tile) == default,
-                                 gpu_ms(step), nbytes, copy))
+                                 kernel_us(step), nbytes, copy))
     return rows_out
 
 
-def _row(kernel, name, shape, rows, warps, tile, default, ms, nbytes, copy) -> dict:
+def _row(kernel, name, shape, rows, warps, tile, default, us, nbytes, copy) -> dict:
     M, K, G = shape
-    gbs = nbytes / ms / 1e6
+    gbs = nbytes / us / 1e3
     row = dict(kernel=kernel, shape=name, M=M, K=K, groups=G, rows_per_program=rows, num_warps=warps or "auto",
-               tile=tile, default=default, us=ms * 1e3, gbs=gbs, pct_copy=100 * gbs / copy)
+               tile=tile, default=default, us=us, gbs=gbs, pct_copy=100 * gbs / copy)
     print(f"{kernel:10s} {name:30s} rows {rows:4d} warps {row['num_warps']!s:4s} tile {tile:5d}{' *' if default else '  '}"
-          f" {ms * 1e3:8.1f} us {100 * gbs / copy:5.1f}% of copy", flush=True)
+          f" {us:8.1f} us {100 * gbs / copy:5.1f}% of copy", flush=True)
     return row
 
 
@@ -122,14 +113,15 @@ def main() -> None:
             return sorted({default, (rowwise.ROWS_PER_PROGRAM, None, rowwise.TILE_ELEMENTS)})
         return [(rows, warps, tile) for rows, (warps, tile) in itertools.product(ROWS, WARPS_TILE)]
 
-    rows_out = sweep_activations(fmt, configs) + sweep_weights(fmt, configs)
+    copy = copy_gbps()
+    rows_out = sweep_activations(fmt, configs, copy) + sweep_weights(fmt, configs, copy)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     (args.out / "sweep_col_amax_kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
     lines = ["# Row quantization with column amax: rows per program, warps, tile", "",
              f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
-             "CUDA-graph replays, median · `*`: the launcher's default", "",
+             f"CUDA-graph replays, median · copy {copy:.0f} GB/s · `*`: the launcher's default", "",
              "| kernel | shape | M | K | groups | rows per program | warps | tile | µs | GB/s | % of copy |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['kernel']} | {r['shape']} | {r['M']} | {r['K']} | {r['groups']} | {r['rows_per_program']}"

@@ -17,6 +17,7 @@ aligned groups of a padded buffer).
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
 import triton
@@ -49,7 +50,9 @@ def _torchao():
     return kernels, torchao.__version__
 
 
-def _time_us(fn) -> float:
+def kernel_us(fn: Callable[[], object]) -> float:
+    """Median µs of ``fn``'s GPU work, replayed from a CUDA graph (the host's launch time not
+    counted); eager calls where capture fails; a wall-clock call on the CPU (smoke runs)."""
     if DEVICE != "cuda":  # smoke run
         return wall_median_ms(fn, calls=1) * 1e3
     try:
@@ -59,13 +62,13 @@ def _time_us(fn) -> float:
         return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
-def _copy_gbps() -> float:
+def copy_gbps() -> float:
     """Device-to-device copy of 1 GiB, timed eagerly: captured in a CUDA graph the copy becomes a
     memcpy node that ran at 2.7 TB/s instead of 4.2 on one H200 (2026-11)."""
     src = torch.randn(1 << (29 if DEVICE == "cuda" else 16), device=DEVICE, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     us = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median") * 1e3 if DEVICE == "cuda" else (
-        _time_us(lambda: dst.copy_(src)))
+        kernel_us(lambda: dst.copy_(src)))
     return 2 * src.numel() * 2 / us / 1e3
 
 
@@ -84,8 +87,8 @@ class Table:
         """Times ``ours_fn`` and the TorchAO callables ``ao_fns`` (their medians summed: TorchAO's
         counterpart may be two kernels) and adds the row, if ``kernel`` is wanted."""
         if self.wants(kernel):
-            ao_us = sum(_time_us(f) for f in ao_fns) if ao_fns else None
-            self.add(model, kernel, shape, nbytes, _time_us(ours_fn), ao_us, **extra)
+            ao_us = sum(kernel_us(f) for f in ao_fns) if ao_fns else None
+            self.add(model, kernel, shape, nbytes, kernel_us(ours_fn), ao_us, **extra)
 
     def add(self, model, kernel, shape, nbytes, ours_us, ao_us=None, **extra):
         row = dict(model=model, kernel=kernel, shape=shape, bytes=nbytes, ours_us=round(ours_us, 2),
@@ -101,7 +104,7 @@ class Table:
 
 def run(models, ao, kernels: list[str] | None = None) -> Table:
     """Times every kernel (or those whose names contain one of ``kernels``) on each model in turn."""
-    table = Table(_copy_gbps(), kernels)
+    table = Table(copy_gbps(), kernels)
     print(f"device-to-device copy: {table.copy:.0f} GB/s (read + write)", flush=True)
     gen = torch.Generator().manual_seed(0)
 
