@@ -35,6 +35,23 @@ if INTERPRETING and _SITE not in os.environ.get("PYTHONPATH", "").split(os.paths
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
 
 
+def _import_kernel_modules() -> None:
+    """Import every module that defines a Triton kernel now, while ``TRITON_INTERPRET`` holds its session
+    value: kernels are decorated at import, so one first imported inside a test that turns the
+    interpreter off (``torch_references``) would stay a GPU kernel for the rest of the session."""
+    import importlib
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "moe_fp8"
+    for path in sorted(root.rglob("*.py")):
+        if "@triton.jit" in path.read_text():
+            importlib.import_module(".".join(("moe_fp8", *path.relative_to(root).with_suffix("").parts)))
+
+
+if INTERPRETING:
+    _import_kernel_modules()
+
+
 def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
     """Why Triton's interpreter cannot run our kernels with these versions, or ``None``.
 
