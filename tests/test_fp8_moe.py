@@ -400,7 +400,8 @@ def test_empty_and_one_expert_routing():
     w = torch.rand(9, 2)
     out = experts(x, ids, w)
     ref = reference_moe_forward(x, ids, w, experts.gate_up_proj, experts.down_proj)
-    assert sqnr(ref, out) >= OUT_SQNR
+    # 9 tokens average little of the FP8 rounding: 21.9-26 dB over 60 seeds (a wrong route: ~0 dB)
+    assert sqnr(ref, out) >= 20
     assert experts(x[:0], ids[:0], w[:0]).shape == (0, H)
 
 
