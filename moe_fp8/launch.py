@@ -39,7 +39,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-__all__ = ["launch", "fast_launch", "fast_launch_enabled", "interpreted_trace", "FAST_LAUNCH_VERSIONS"]
+__all__ = ["launch", "fast_launch", "fast_launch_enabled", "interpreted_trace", "kernel_input", "FAST_LAUNCH_VERSIONS"]
 
 FAST_LAUNCH_VERSIONS = ((3, 4), (3, 5), (3, 6), (3, 7), (3, 8), (3, 9))
 """Triton versions (major, minor) whose ``JITFunction.run`` launches the way the direct launch mirrors."""
@@ -102,6 +102,20 @@ def interpreted_trace(t: torch.Tensor) -> bool:
     input written in the backward by a launch that depends on the backward's tensors is more than
     torch 2.9 takes (the forward must return it), so the callers keep such launches apart there."""
     return _INTERPRET and not t.is_cuda and _tracing_context()
+
+
+def kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the input of Triton kernels that only read it: eagerly ``t`` itself, under
+    ``torch.compile`` an ``as_strided`` of ``t`` onto its own storage (the same elements).
+
+    Inductor hands a kernel launch a view of a pointwise result it has not yet written out as a
+    copy of its own, which the kernel computing the result writes as one more output: a view read
+    by two launches (a gradient's row quantization and the weight gradient's operands) costs two
+    extra writes of the tensor. ``as_strided`` makes Inductor write the result once, in a fixed
+    layout, and pass every launch that buffer."""
+    if not torch.compiler.is_compiling() or interpreted_trace(t):  # interpreted launches count t as written
+        return t
+    return t.as_strided(t.shape, t.stride())  # at t's own storage offset (traceable inside autograd.Function)
 
 
 def _tracing(args: tuple, kwargs: dict) -> bool:

@@ -37,7 +37,7 @@ from torch import nn
 from ..checks import check_multiple_of
 from ..grouped_gemm import Fp8WeightCache, compiled_weight_cache, quant_seam
 from ..kernel_backend import triton_runs_on
-from ..launch import interpreted_trace
+from ..launch import interpreted_trace, kernel_input
 from ..quant import formats
 from ..quant.kernels.rowwise import col_amax_fits
 from ..quant.recipes import Float8Recipe, get_recipe
@@ -92,10 +92,10 @@ class _FP8LinearFn(torch.autograd.Function):
         offs = x_amax = w_amax = None
         if act_amax:
             offs = _one_group(m, x.device)
-            x_q, x_s, x_amax = quant_seam.quantize_activation_group_amax(x, offs, fmt, pow2, True)
+            x_q, x_s, x_amax = quant_seam.quantize_activation_group_amax(kernel_input(x), offs, fmt, pow2, True)
             x_s = x_s[:, None]
         else:
-            x_q, x_s = quantize_rows(x, recipe.scaling, fmt, pow2)
+            x_q, x_s = quantize_rows(kernel_input(x), recipe.scaling, fmt, pow2)
         ctx.recipe, ctx.fmt, ctx.grad_fmt, ctx.kernels = recipe, fmt, grad_fmt, kernels
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.cache, ctx.w_dgrad = (cache if isinstance(cache, bool) else None), None
@@ -116,7 +116,7 @@ class _FP8LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, offs, x_amax, w_amax = ctx.saved_tensors
         recipe, grad_fmt = ctx.recipe, ctx.grad_fmt
-        grad_out = grad_out.contiguous()
+        grad_out = kernel_input(grad_out.contiguous())  # read by the dgrad's and the wgrad's quantization
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         tensorwise_wgrad = need_dw and recipe.fp8_wgrad and recipe.scaling == "tensorwise"
         g = g_amax = None

@@ -1,0 +1,117 @@
+"""Under ``torch.compile`` a tensor that our Triton kernels read is written once by the Inductor
+kernel that computes it (``moe_fp8.launch.kernel_input``), not once more for each launch that reads
+it: the generated code of a compiled forward + backward holds no Inductor kernel that stores one
+value to two outputs."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_fp8 import FP8Linear, FP8MoE
+
+_KERNEL = re.compile(r"def (triton_\w+)\(.*?\):\n(.*?)(?=\n'''|\Z)", re.S)
+_STORE = re.compile(r"tl\.store\((\w+) \+ \(?(.*?)\)?, (\w+)[,)]")
+
+
+def duplicate_stores(code: str) -> dict[str, list[str]]:
+    """``{kernel: [value, ...]}``: the Inductor kernels in ``code`` that store a value to two outputs."""
+    found = {}
+    for name, body in _KERNEL.findall(code):
+        values = [value for _, _, value in _STORE.findall(body)]
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            found[name] = repeated
+    return found
+
+
+def test_duplicate_stores_finds_a_repeated_value():
+    code = ("def triton_poi_fused_mul_0(in_ptr0, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):\n"
+            "    tmp0 = tl.load(in_ptr0 + (x0), None)\n    tmp1 = tmp0 * tmp0\n"
+            "    tl.store(out_ptr0 + (x0), tmp1, None)\n    tl.store(out_ptr1 + (x0), tmp1, None)\n'''\n"
+            "def triton_poi_fused_add_1(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):\n"
+            "    tmp0 = tl.load(in_ptr0 + (x0), None)\n    tl.store(out_ptr0 + (x0), tmp0, None)\n'''\n")
+    assert duplicate_stores(code) == {"triton_poi_fused_mul_0": ["tmp1"]}
+
+
+def test_kernel_input_keeps_the_elements_under_compile(monkeypatch):
+    """Under ``torch.compile`` (Inductor, here its CPU code) ``kernel_input`` is an ``as_strided`` of
+    the tensor onto its storage that reads the same elements: rows at a storage offset, a flat
+    slice re-viewed, a transpose, all views of a pointwise result not yet written out."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from moe_fp8 import launch
+
+    monkeypatch.setattr(launch, "_INTERPRET", False)  # CPU tensors as a GPU's: no interpreted launches
+
+    def f(a):
+        p = a * 2
+        return (launch.kernel_input(p[1:]) + 1, launch.kernel_input(p.view(-1)[8:].view(-1, 8)) * 3,
+                launch.kernel_input(p.t()) - 1)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    a = torch.randn(6, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)(a)
+    assert sum("as_strided" in str(n.target) for n in graphs[0].graph.nodes) == 3
+    for eager, out in zip(f(a), compiled):
+        assert torch.equal(eager, out)
+
+
+class _SwiGLU(nn.Module):
+    """A Llama-style MLP of ``FP8Linear`` layers: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate, self.up = FP8Linear(hidden, inter, bias=False), FP8Linear(hidden, inter, bias=False)
+        self.down = FP8Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def _generated_code(model: nn.Module, x: torch.Tensor) -> str:
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+
+    def step():
+        out = compiled(x)
+        out = out[0] if isinstance(out, tuple) else out
+        (out.float() * torch.linspace(-1, 1, out.shape[-1], device=x.device)).sum().backward()
+
+    _, codes = run_and_get_code(step)
+    return "\n".join(codes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense_swiglu", "moe"])
+def test_compiled_step_writes_each_kernel_input_once(kind):
+    torch.manual_seed(0)
+    if kind == "dense_swiglu":
+        model = _SwiGLU(256, 512).to("cuda", torch.bfloat16)
+    else:
+        model = FP8MoE(256, 128, num_experts=8, top_k=2).to("cuda", torch.bfloat16)
+    # the input comes out of a pointwise op, as a norm's output does in a decoder layer
+    h = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    class _Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, h):
+            out = self.inner(h * torch.rsqrt(h.float().square().mean(-1, keepdim=True) + 1e-6).to(h.dtype))
+            return h + (out[0] if isinstance(out, tuple) else out)
+
+    code = _generated_code(_Block(), h)
+    assert "def triton_" in code, "nothing compiled by Inductor"
+    assert duplicate_stores(code) == {}, duplicate_stores(code)
