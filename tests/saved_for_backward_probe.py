@@ -67,6 +67,21 @@ def _dense_cached(x, wa, wb):
                       weight_cache=cache)
 
 
+def _dense_stack(x, wa, wb):
+    """Two rowwise FP8 linears of one shape with a SiLU between: their launches' outputs have equal
+    shapes, which the compiled graph's common-subexpression pass may merge."""
+    return fp8_linear(F.silu(fp8_linear(x, wa, fmt="e4m3fn")), wb, fmt="e4m3fn")
+
+
+def _moe_stack():
+    """Two uncached rowwise ``FP8MoE`` layers of one shape (4 experts, top-2), one after the other."""
+    torch.manual_seed(0)
+    first, second = (FP8MoE(64, 64, 4, 2, backend="triton", cache_weights=False).to(device="meta",
+                                                                                     dtype=torch.bfloat16)
+                     for _ in range(2))
+    return lambda x: second(first(x))
+
+
 def _experts(x, w, offs):
     """The rowwise grouped GEMM without a weight cache (the weight's dgrad layout made in backward)."""
     return fp8_grouped_mm(x, w, offs, backend="triton")
@@ -153,6 +168,30 @@ def _saved(fn, *shapes) -> list:
     return [[str(n.meta["val"].dtype), list(n.meta["val"].shape)] for n in saved]
 
 
+def _written_twice(fn, *shapes) -> list:
+    """``[graph, argument, factory, shape]`` for each buffer that two traced launches are handed to
+    write (a functionalized launch writes a copy of a buffer that is also another's: a merged
+    allocation, copied before every launch but one)."""
+    graphs = {}
+    torch._dynamo.reset()
+    args = [torch.empty(s, device="meta", dtype=d, requires_grad=g) for s, d, g in shapes]
+    backend = aot_autograd(fw_compiler=_keeper(graphs, "forward"), bw_compiler=_keeper(graphs, "backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    found = []
+    for name, gm in sorted(graphs.items()):
+        writers: dict = {}
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target):
+                for arg in n.kwargs["tensors_to_clone"]:
+                    source = n.kwargs["kwargs"][arg]
+                    if isinstance(source, torch.fx.Node):
+                        writers.setdefault(source, []).append(arg)
+        found += [[name, args[0], str(src.target), list(src.meta["val"].shape)]
+                  for src, args in writers.items() if len(args) > 1]
+    return found
+
+
 def main() -> None:
     _triton_on_meta()
     sm90 = configure_launches_for(LaunchTarget("cuda", (9, 0), 132))  # a GPU's tiles and casts, not the interpreter's
@@ -166,6 +205,11 @@ def main() -> None:
                                      ((4,), torch.int32, False)),
             "fp8_moe cached": _saved(_moe(True), ((96, 64), bf16, True)),
             "fp8_moe uncached": _saved(_moe(False), ((96, 64), bf16, True)),
+            "written twice": {
+                "fp8_linear stack": _written_twice(_dense_stack, ((48, 64), bf16, True), ((64, 64), bf16, True),
+                                                   ((64, 64), bf16, True)),
+                "fp8_moe stack": _written_twice(_moe_stack(), ((96, 64), bf16, True)),
+            },
         }
         try:
             import transformers  # noqa: F401

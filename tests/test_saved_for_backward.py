@@ -46,6 +46,15 @@ def test_no_fp8_weight_copy_is_saved(saved, case):
         assert ["torch.bfloat16", shape] in tensors, f"{case}: the weight {shape} is not among {tensors}"
 
 
+@pytest.mark.slow(20)
+@pytest.mark.parametrize("case", ["fp8_linear stack", "fp8_moe stack"])
+def test_no_buffer_is_written_by_two_launches(saved, case):
+    """Each tensor a compiled launch writes is allocated for that launch alone. Factory calls of one
+    shape that the graph's common-subexpression pass merges (``empty_strided``, ``zeros``, ``full``)
+    would hand one buffer to several launches, and Inductor would copy it before each write."""
+    assert saved["written twice"][case] == []
+
+
 def _compiled_peak(fn, x, weights, extra=()) -> int:
     """Bytes allocated above the inputs at the peak of a compiled forward + backward (after a warm-up)."""
     import torch

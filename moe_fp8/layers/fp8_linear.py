@@ -55,8 +55,9 @@ DENSE_RECIPES = ("rowwise", "rowwise_gw_hp", "tensorwise")
 
 
 def _one_group(rows: int, device: torch.device) -> torch.Tensor:
-    """``(1,)`` int32 end offset ``[rows]``: the token rows as the one group of the group-amax kernels."""
-    return torch.full((1,), rows, dtype=torch.int32, device=device)
+    """``(1,)`` int32 end offset ``[rows]``: the token rows as the one group of the group-amax kernels
+    (filled in place: the compiled graph merges equal ``torch.full`` calls into one buffer)."""
+    return torch.empty((1,), dtype=torch.int32, device=device).fill_(rows)
 
 
 def _wgrad_from_amaxes(grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, g_amax: torch.Tensor,

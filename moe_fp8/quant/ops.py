@@ -53,8 +53,10 @@ def _format(fmt, device: torch.device) -> Float8Format:
 def _amax_bits(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Zeroed int32 buffer for a kernel's atomic max of fp32 amax bits, viewed as fp32 only AFTER the
     launch: a kernel under torch.compile mutates the buffer it is given, and a dtype view handed to
-    it would have to carry the mutation back to its base."""
-    return torch.zeros(shape, dtype=torch.int32, device=device)
+    it would have to carry the mutation back to its base. Zeroed in place, as ``torch.zeros`` calls
+    of one shape are merged into one buffer by the compiled graph's common-subexpression pass, which
+    every launch but one would then have to copy before writing."""
+    return torch.empty(shape, dtype=torch.int32, device=device).zero_()
 
 
 def _hp(name: str, t, ndim) -> None:
@@ -62,8 +64,10 @@ def _hp(name: str, t, ndim) -> None:
 
 
 def _col_major(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``(rows, cols)`` with strides ``(1, rows)``: its transpose is row-major."""
-    return torch.empty_strided((rows, cols), (1, max(rows, 1)), dtype=dtype, device=device)
+    """``(rows, cols)`` with strides ``(1, rows)``: its transpose is row-major. Made as that transpose:
+    the compiled graph's common-subexpression pass merges ``empty_strided`` calls of one shape (not
+    ``empty``), and each kernel writing the one buffer would then get a copy of it first."""
+    return torch.empty((cols, rows), dtype=dtype, device=device).t()
 
 
 # ----------------------------------------------------------------------------------------- rowwise

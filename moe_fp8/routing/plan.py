@@ -145,7 +145,8 @@ def _plan(ids: torch.Tensor, num_experts: int, pad_multiple: int) -> torch.Tenso
     max_chunks = _CHUNKS_PER_SM * multiprocessor_count(dev)
     chunk = cdiv(cdiv(max(N, 1), max_chunks), block) * block
     num_chunks = cdiv(max(N, 1), chunk)
-    scratch = torch.zeros(SYNC_SLOTS.value + E * num_chunks + E, dtype=torch.int32, device=dev)
+    # zeroed in place: compiled graphs merge equal torch.zeros calls into one buffer, copied before each launch
+    scratch = torch.empty(SYNC_SLOTS.value + E * num_chunks + E, dtype=torch.int32, device=dev).zero_()
     packed = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
     with device_guard(ids):
         launch(plan_kernel)[(num_chunks,)](
