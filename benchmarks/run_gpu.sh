@@ -2,7 +2,8 @@
 # The H200 runs, in stages that each fit a 10-minute slot, results to one folder.
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
-#   STAGE: tests | ep | epscale | parscale (every GPU, torchrun: moe_fp8.bench.ep_scaling / parallel_step; run
+#   STAGE: tests [PATH...] (the GPU tests of PATHs, default all of tests/, in $WORKERS pytest-xdist
+#   processes, default 4; the failures' names in the log's last lines) | ep | epscale | parscale (every GPU, torchrun: moe_fp8.bench.ep_scaling / parallel_step; run
 #   parscale on one GPU too, then `python -m moe_fp8.bench.parallel_step --weak-scaling --out DIR` over the
 #   reports gathered in DIR tabulates weak scaling) | parallel | harness | demo | weightquant | models | dsv3 | qwen3 | llama4 (the last four:
 #   python -m moe_fp8.bench presets) | whole MODEL... (the whole-model step of the named models against HF
@@ -43,7 +44,8 @@ run() {  # run LIMIT_SECONDS LOG command...
 }
 
 case $stage in
-  tests)   run 570 gpu_tests.log python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 ;;
+  tests)   run 570 gpu_tests.log python3 -m pytest -q -m gpu -n "${WORKERS:-4}" -rfE -p no:cacheprovider \
+             --durations=10 "${@:-tests}" ;;
   ep)      run 300 expert_parallel_tests.log python3 -m pytest -q -m gpu tests/test_expert_parallel_gpu.py \
              tests/test_multi_gpu.py -p no:cacheprovider
            run 300 expert_parallel.log python3 -m moe_fp8.bench.expert_parallel --out "$out" ;;
