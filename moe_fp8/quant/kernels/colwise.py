@@ -263,7 +263,7 @@ def _column_block(
         ends = gi
         g = r0 // tl.maximum(N_UNI, 1)
     else:
-        gi, ends = group_ends(offs_ptr, G, rows_in, G_POW2)
+        ends = group_ends(tl.load(offs_ptr + gi, mask=gi < G, other=0), rows_in)
         g = tl.sum(((ends < r0) & (gi < G)).to(tl.int32), axis=0)  # the first group ending at or after r0
     go = g < G
     while go:

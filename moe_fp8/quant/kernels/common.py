@@ -32,14 +32,13 @@ def max_combine(a, b):
 
 
 @triton.jit
-def group_ends(offs_ptr, G, rows, G_POW2: tl.constexpr):
-    """``(gi, ends)``: lanes ``gi = 0 .. G_POW2-1`` and the int32 end offsets ``offs[0..G)`` clamped
-    to ``[0, rows]`` and made non-decreasing (their running maximum; lanes past ``G`` repeat the
-    last). Every kernel that splits rows into jagged groups uses these ends, so bad offsets move
-    rows between groups the same way everywhere and never address rows outside ``[0, rows)``."""
-    gi = tl.arange(0, G_POW2)
-    raw = tl.minimum(tl.maximum(tl.load(offs_ptr + gi, mask=gi < G, other=0), 0), rows)
-    return gi, tl.associative_scan(raw, 0, max_combine)
+def group_ends(offs, rows):
+    """The int32 end offsets ``offs`` (lanes past the groups loaded as 0) clamped to ``[0, rows]`` and
+    made non-decreasing: their running maximum, so lanes past the groups repeat the last end. Every
+    kernel that splits rows into jagged groups uses these ends, so bad offsets move rows between
+    groups the same way everywhere and never address rows outside ``[0, rows)``. The caller loads
+    ``offs``: torch's analysis of a traced launch counts a pointer handed to a helper as written."""
+    return tl.associative_scan(tl.minimum(tl.maximum(offs, 0), rows), 0, max_combine)
 
 
 @triton.jit

@@ -252,7 +252,8 @@ def _group_rowwise_amax_kernel(
     at or past ``end[-1]`` belong to no group (quantized with ``WRITE_ROWS``, else not read)."""
     r0 = tl.program_id(0) * ROWS
     r1 = tl.minimum(r0 + ROWS, M)
-    gi, ends = group_ends(offs_ptr, G, M, G_POW2)
+    gi = tl.arange(0, G_POW2)
+    ends = group_ends(tl.load(offs_ptr + gi, mask=gi < G, other=0), M)
     last = tl.max(tl.where(gi < G, ends, 0), axis=0)
     g = tl.sum(((ends <= r0) & (gi < G)).to(tl.int32), axis=0)  # the first group ending after r0
     start = tl.sum(tl.where(gi == g - 1, ends, 0), axis=0)
