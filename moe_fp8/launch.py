@@ -39,7 +39,8 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-__all__ = ["launch", "fast_launch", "fast_launch_enabled", "interpreted_trace", "kernel_input", "FAST_LAUNCH_VERSIONS"]
+__all__ = ["launch", "fast_launch", "fast_launch_enabled", "interpreted_trace", "kernel_input", "zeroed",
+           "FAST_LAUNCH_VERSIONS"]
 
 FAST_LAUNCH_VERSIONS = ((3, 4), (3, 5), (3, 6), (3, 7), (3, 8), (3, 9))
 """Triton versions (major, minor) whose ``JITFunction.run`` launches the way the direct launch mirrors."""
@@ -116,6 +117,13 @@ def kernel_input(t: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling() or interpreted_trace(t):  # interpreted launches count t as written
         return t
     return t.as_strided(t.shape, t.stride())  # at t's own storage offset (traceable inside autograd.Function)
+
+
+def zeroed(shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed buffer for a launch to write (atomics, counters): ``torch.empty`` zeroed in place. A
+    compiled graph merges equal ``torch.zeros`` calls into one buffer, which every launch but one
+    would then copy before writing; ``torch.empty`` calls it keeps apart."""
+    return torch.empty(shape, dtype=dtype, device=device).zero_()
 
 
 def _tracing(args: tuple, kwargs: dict) -> bool:

@@ -101,7 +101,6 @@ def _generated_code(model: nn.Module, x: torch.Tensor) -> str:
 
     def step():
         out = compiled(x)
-        out = out[0] if isinstance(out, tuple) else out
         (out.float() * torch.linspace(-1, 1, out.shape[-1], device=x.device)).sum().backward()
 
     _, codes = run_and_get_code(step)

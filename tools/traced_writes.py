@@ -92,6 +92,15 @@ def _torch_writes(fn, kwargs: dict) -> set[str]:
     return set(wrap.identify_mutated_tensors(fn, kwargs, {}))
 
 
+def _with_aliases(names, aliases: list) -> set[str]:
+    """``names`` and every argument that shared a storage with one of them."""
+    names = set(names)
+    for group in aliases:
+        if names & set(group):
+            names |= set(group)
+    return names
+
+
 def _name(launch: dict) -> str:
     return f"{launch['module']}.{launch['kernel']}"
 
@@ -107,17 +116,10 @@ def check(launches: list[dict], source, target: GPUTarget) -> list[str]:
         if warned.records:
             problems.append(f"{_name(launch)}: torch cannot analyse it ({warned.records[0].getMessage()[:120]})")
             continue
-        listed = set(writes)
-        for group in launch["aliases"]:
-            if listed & set(group):
-                listed |= set(group)
-        missed = sorted(set(launch["written"]) - listed)
+        missed = sorted(set(launch["written"]) - _with_aliases(writes, launch["aliases"]))
         if missed:
             problems.append(f"{_name(launch)}: writes {missed}, which torch's analysis does not list ({sorted(writes)})")
-        written = set(launch["written"])
-        for group in launch["aliases"]:
-            if written & set(group):
-                written |= set(group)
+        written = _with_aliases(launch["written"], launch["aliases"])
         read = sorted(set(writes) - written - READ_BUT_LISTED.get((launch["module"], launch["kernel"]), set()))
         if read:
             problems.append(f"{_name(launch)}: torch's analysis lists {read} as written, which the launch only "

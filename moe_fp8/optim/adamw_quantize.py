@@ -14,6 +14,7 @@ import torch
 
 from ..checks import check_same_device, check_tensor
 from ..kernel_backend import triton_runs_on
+from ..launch import zeroed
 from ..quant import ops
 from ..quant import reference as ref
 from ..quant.formats import resolve_format
@@ -97,7 +98,7 @@ def adamw_quantize(
         # the amax as int32 bits, viewed as fp32 only after the launch (the kernel mutates what it is given)
         out = (torch.empty((E, N, K), dtype=f.torch_dtype, device=p.device),
                torch.empty((E, N), dtype=torch.float32, device=p.device),
-               torch.zeros((E, K), dtype=torch.int32, device=p.device))
+               zeroed((E, K), torch.int32, p.device))
     launch_adamw_quantize(p, grad, exp_avg, exp_avg_sq, hyper, out, f, pow2, quant_dtype, hw_cast, config)
     if not quantize:
         return None

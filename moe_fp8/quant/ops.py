@@ -18,6 +18,7 @@ import torch
 
 from ..checks import check_offsets, check_same_device, check_tensor
 from ..kernel_backend import eager_triton_op
+from ..launch import zeroed
 from .formats import Float8Format, resolve_format
 from .kernels.blockwise import launch_blockwise, supported_block
 from .kernels.colwise import launch_expert_colwise_t, launch_group_colwise
@@ -53,10 +54,8 @@ def _format(fmt, device: torch.device) -> Float8Format:
 def _amax_bits(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Zeroed int32 buffer for a kernel's atomic max of fp32 amax bits, viewed as fp32 only AFTER the
     launch: a kernel under torch.compile mutates the buffer it is given, and a dtype view handed to
-    it would have to carry the mutation back to its base. Zeroed in place, as ``torch.zeros`` calls
-    of one shape are merged into one buffer by the compiled graph's common-subexpression pass, which
-    every launch but one would then have to copy before writing."""
-    return torch.empty(shape, dtype=torch.int32, device=device).zero_()
+    it would have to carry the mutation back to its base."""
+    return zeroed(shape, torch.int32, device)
 
 
 def _hp(name: str, t, ndim) -> None:

@@ -28,7 +28,7 @@ import torch
 from .. import valid_offsets
 from ..checks import check_tensor
 from ..kernel_backend import device_guard, eager_or_custom_op, use_triton
-from ..launch import launch
+from ..launch import launch, zeroed
 from ..launch_math import cdiv, next_power_of_2
 from ..quant.kernels.common import multiprocessor_count
 from .plan_kernels import SYNC_SLOTS, plan_kernel
@@ -145,8 +145,7 @@ def _plan(ids: torch.Tensor, num_experts: int, pad_multiple: int) -> torch.Tenso
     max_chunks = _CHUNKS_PER_SM * multiprocessor_count(dev)
     chunk = cdiv(cdiv(max(N, 1), max_chunks), block) * block
     num_chunks = cdiv(max(N, 1), chunk)
-    # zeroed in place: compiled graphs merge equal torch.zeros calls into one buffer, copied before each launch
-    scratch = torch.empty(SYNC_SLOTS.value + E * num_chunks + E, dtype=torch.int32, device=dev).zero_()
+    scratch = zeroed(SYNC_SLOTS.value + E * num_chunks + E, torch.int32, dev)
     packed = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
     with device_guard(ids):
         launch(plan_kernel)[(num_chunks,)](
