@@ -174,6 +174,33 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
         models.collect("cpu", models=["llama3_8b"], layers=0)
 
 
+def test_bench_router_aux_loss_is_added_to_the_step_loss(torch_references):
+    """``router_aux_loss``: the Qwen3-MoE stand-in returns its load-balancing loss and the step's loss
+    is the cross-entropy plus the coefficient times it; other families ignore the coefficient; a
+    negative one is refused."""
+    pytest.importorskip("transformers")
+    import torch
+    import torch.nn.functional as F
+
+    from moe_fp8.bench import models
+
+    assert models._spec("qwen3_h1024", "cpu", None).router_aux_loss == 0.0
+    assert models._spec("llama3_8b", "cpu", None, 0.5).router_aux_loss == 0.0
+    spec = models._spec("qwen3_h1024", "cpu", None, 0.5)
+    model = models.build(spec, 32, "cpu")
+    assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.5
+    batch = torch.randint(0, model.config.vocab_size, (2, 33))
+    with torch.no_grad():
+        out = model(input_ids=batch[:, :-1])
+    want = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten()) + 0.5 * out.aux_loss
+    assert out.aux_loss > 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss, *_ = models._step_fn(model, opt, "eager", lambda: 0.0)([batch])
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="router_aux_loss: expected >= 0"):
+        models.collect("cpu", models=["qwen3_h1024"], router_aux_loss=-1.0)
+
+
 @pytest.mark.slow(11)
 def test_bench_whole_model_isolated_variant_cpu(torch_references):
     """A variant run in its own process (TorchAO's MoE path there, since a device assert ends the CUDA

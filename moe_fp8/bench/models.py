@@ -13,6 +13,15 @@ Models (real layer sizes, few layers, byte-level vocabulary, 8 x 1024 tokens per
 ``layers`` (``--layers``) gives every model that many decoder layers instead (DeepSeek-V3's first
 stays its dense layer).
 
+The loss is the next-byte cross-entropy alone unless ``router_aux_loss`` (``--router-aux-loss COEF``)
+turns on the Qwen3-MoE models' load-balancing loss (``output_router_logits``, ``COEF * aux_loss``
+added; Qwen3-30B-A3B's released config has 0.001). The routing of these runs concentrates either
+way: at Qwen3-30B-A3B sizes, over the last 20 of 41 optimizer steps of 4 micro-batches, 96-112 of a
+layer's 128 experts get no token per micro-batch without the loss and 78-97 with 0.001 (eager, one
+H100),
+so the experts' GEMMs see a few dozen large groups, not 128 groups of about 512 rows.
+Transformers' router-logit recording breaks the compiled graph (8 breaks, 2 graphs per step).
+
 Variants: ``hf_bf16`` (unconverted), ``ours_bf16`` (experts on the library's BF16 grouped path),
 ``ours_fp8_experts`` (FP8 experts in every MoE block whatever their size, the weight gradient in BF16
 where ``min_fp8_wgrad_size`` says, dense linears as built), ``ours_fp8_experts_fp8_wgrad`` (the same
@@ -99,6 +108,7 @@ class ModelSpec:
     heads: int
     dense_layers: int = 0
     dense_hidden: int = 0
+    router_aux_loss: float = 0.0  # load-balancing loss coefficient (Qwen3-MoE), 0: none
 
     @property
     def moe(self) -> bool:
@@ -136,7 +146,8 @@ def hf_config(spec: ModelSpec, seq: int):
         return Qwen3MoeConfig(
             intermediate_size=spec.expert_hidden * 4, moe_intermediate_size=spec.expert_hidden,
             num_key_value_heads=max(1, spec.heads // 8), head_dim=head, num_experts=spec.experts,
-            num_experts_per_tok=spec.top_k, norm_topk_prob=True, **common)
+            num_experts_per_tok=spec.top_k, norm_topk_prob=True, output_router_logits=spec.router_aux_loss > 0,
+            router_aux_loss_coef=spec.router_aux_loss, **common)
     from transformers import DeepseekV3Config
 
     big = spec.hidden >= 4096
@@ -188,10 +199,14 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
 
 
 def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, mode: str, clock):
-    """``step(micro_batches) -> (loss, fwd+bwd seconds, optimizer seconds)`` of one optimizer step."""
+    """``step(micro_batches) -> (loss, fwd+bwd seconds, optimizer seconds)`` of one optimizer step; the
+    loss is the next-byte cross-entropy, plus the router's load-balancing loss times the config's
+    ``router_aux_loss_coef`` where the model returns one (``output_router_logits``)."""
     torch._dynamo.reset()  # a new model's frames would count against the recompile limit of the last one's
     fwd = model if mode == "eager" else torch.compile(model, mode=None if mode == "compiled" else mode)
     graphs = mode == "reduce-overhead"
+    config = model.config
+    aux_coef = config.router_aux_loss_coef if getattr(config, "output_router_logits", False) else 0.0
 
     def step(micro_batches: list[torch.Tensor]):
         t0 = clock()
@@ -199,8 +214,11 @@ def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, mode: str, clock):
         for batch in micro_batches:
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            logits = fwd(input_ids=batch[:, :-1]).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()) / len(micro_batches)
+            out = fwd(input_ids=batch[:, :-1])
+            loss = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
+            if aux_coef:
+                loss = loss + aux_coef * out.aux_loss
+            loss = loss / len(micro_batches)
             loss.backward()
             total = total + loss.detach()
         t1 = clock()
@@ -309,13 +327,18 @@ class _Job:
     loss_steps: int
     layers: int | None = None
     profile: bool = False
+    router_aux_loss: float | None = None
 
 
-def _spec(model: str, device: str, layers: int | None) -> ModelSpec:
+def _spec(model: str, device: str, layers: int | None, router_aux_loss: float | None = None) -> ModelSpec:
     """The sizes of ``model`` on ``device`` (the CPU stand-in off CUDA), with ``layers`` decoder
-    layers when given."""
+    layers and the load-balancing loss coefficient ``router_aux_loss`` (Qwen3-MoE) when given."""
     spec = (MODELS if device == "cuda" else CPU_MODELS)[model]
-    return spec if layers is None else replace(spec, layers=layers)
+    if layers is not None:
+        spec = replace(spec, layers=layers)
+    if router_aux_loss is not None and spec.family == "qwen3":
+        spec = replace(spec, router_aux_loss=router_aux_loss)
+    return spec
 
 
 def _data(job: _Job, train: torch.Tensor, batch: int, seq: int):
@@ -333,7 +356,7 @@ def _corpus(device: str, loss_steps: int, accumulate: int) -> torch.Tensor:
 
 def _run_job(job: _Job, base: nn.Module, train: torch.Tensor) -> dict:
     gpu = job.device == "cuda"
-    spec = _spec(job.model, job.device, job.layers)
+    spec = _spec(job.model, job.device, job.layers, job.router_aux_loss)
     batch, seq = _shapes(job.device)
     return run_variant(base, job.variant, job.mode, _data(job, train, batch, seq), steps=job.steps, timed=job.timed,
                        lr=min(3e-3, 1.2 / spec.hidden), device=job.device, backend=job.backend,
@@ -356,7 +379,7 @@ def _run_isolated(job: _Job) -> dict:
 
 def _child(arg: str) -> None:
     job = _Job(**json.loads(arg))
-    base = build(_spec(job.model, job.device, job.layers), _shapes(job.device)[1], job.device)
+    base = build(_spec(job.model, job.device, job.layers, job.router_aux_loss), _shapes(job.device)[1], job.device)
     result = _run_job(job, base, _corpus(job.device, job.loss_steps, job.accumulate))
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -374,13 +397,15 @@ def _variants_of(spec: ModelSpec, mode: str, gpu: bool, chosen: list[str] | None
 
 def collect(device: str, models: list[str] | None = None, modes: list[str] | None = None,
             loss_steps: int | None = None, backend: str | None = None, variants: list[str] | None = None,
-            accumulate: int = 1, layers: int | None = None, profile: bool = False) -> list[dict]:
+            accumulate: int = 1, layers: int | None = None, profile: bool = False,
+            router_aux_loss: float | None = None) -> list[dict]:
     """One row per (model, mode, variant): optimizer-step ms (and its forward+backward and optimizer
     parts), tokens/s, speedup over ``hf_bf16`` in the same mode, peak GiB (over the run, and over the
     steps after the first), and (eager rows) the final loss and its gap to ``hf_bf16``. ``layers``:
     decoder layers of every model (default: each model's own; DeepSeek-V3's first is its dense
     layer). ``profile``: each row also gets ``profile`` (device time by kernel category of one more
-    step) and on CUDA ``peak_allocations`` (what is alive at that step's peak), see ``run_variant``."""
+    step) and on CUDA ``peak_allocations`` (what is alive at that step's peak), see ``run_variant``.
+    ``router_aux_loss``: the Qwen3-MoE models' load-balancing loss coefficient (default 0: none)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -390,6 +415,8 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
         raise ValueError(f"accumulate: expected >= 1, got {accumulate}")
     if layers is not None and layers < 1:
         raise ValueError(f"layers: expected >= 1, got {layers}")
+    if router_aux_loss is not None and not router_aux_loss >= 0:
+        raise ValueError(f"router_aux_loss: expected >= 0, got {router_aux_loss}")
     unknown = set(variants or ()) - set(VARIANTS)
     if unknown:
         raise ValueError(f"variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
@@ -403,14 +430,14 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
     train = _corpus(device, loss_steps, accumulate)
     rows = []
     for name in names:
-        spec = _spec(name, device, layers)
+        spec = _spec(name, device, layers, router_aux_loss)
         base = build(spec, seq, device)
         for mode in modes:
             for variant in _variants_of(spec, mode, gpu, variants):
                 loss_run = mode == "eager" and variant in LOSS_VARIANTS
                 steps = loss_steps if loss_run else timed_steps
                 job = _Job(name, mode, variant, device, steps, min(20, steps - steps // 3), accumulate, backend,
-                           loss_steps, layers, profile)
+                           loss_steps, layers, profile, router_aux_loss)
                 try:
                     r = _run_isolated(job) if variant == "torchao_moe" else _run_job(job, base, train)
                 except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
