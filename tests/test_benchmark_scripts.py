@@ -138,6 +138,7 @@ def test_bench_whole_model_kind_cpu(torch_references):
         assert 4.0 < by_variant[name]["final_loss"] < 6.5  # a byte-level model after 3 steps: ~ln(272)
     assert abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
     assert report.table("model", rows).count("\n") == len(rows)
+    assert all(0 <= r["empty_experts"] <= 8 - 2 for r in rows)  # 8 experts, top-2: at least 2 get tokens
 
 
 def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
@@ -177,7 +178,8 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
 def test_bench_router_aux_loss_is_added_to_the_step_loss(torch_references):
     """``router_aux_loss``: the Qwen3-MoE stand-in returns its load-balancing loss and the step's loss
     is the cross-entropy plus the coefficient times it; other families ignore the coefficient; a
-    negative one is refused."""
+    negative one is refused. ``empty_experts`` counts, per layer, the experts outside every token's
+    top-k of the router logits (``None`` for a dense model)."""
     pytest.importorskip("transformers")
     import torch
     import torch.nn.functional as F
@@ -197,6 +199,13 @@ def test_bench_router_aux_loss_is_added_to_the_step_loss(torch_references):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     loss, *_ = models._step_fn(model, opt, "eager", lambda: 0.0)([batch])
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    # the experts no token of the batch is routed to, per layer, from the router logits
+    chosen = [set(layer.topk(model.config.num_experts_per_tok, dim=-1).indices.flatten().tolist())
+              for layer in out.router_logits]
+    want_empty = sum(model.config.num_experts - len(c) for c in chosen) / len(chosen)
+    assert models.empty_experts(model, batch[:, :-1]) == want_empty
+    dense = models.build(models._spec("llama3_8b", "cpu", 1), 32, "cpu")
+    assert models.empty_experts(dense, batch[:, :-1]) is None
     with pytest.raises(ValueError, match="router_aux_loss: expected >= 0"):
         models.collect("cpu", models=["qwen3_h1024"], router_aux_loss=-1.0)
 

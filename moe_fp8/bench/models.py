@@ -45,7 +45,9 @@ An optimizer step is ``accumulate`` micro-batches of forward and backward (the l
 ``accumulate``), then gradient clipping and fused AdamW. Reported per optimizer step: the median
 step time over the timed steps after warm-up, and its split into forward+backward and optimizer
 (clip + AdamW) time; peak memory is ``max_memory_allocated`` over the run, and over the steps after
-the first (which compiles); compiled rows count Dynamo's graphs and graph breaks; ``--profile`` adds
+the first (which compiles); compiled rows count Dynamo's graphs and graph breaks; MoE models whose
+router logits transformers returns (Qwen3-MoE) report the experts that one more micro-batch routes no
+token to after the run, averaged over layers (``empty_experts``); ``--profile`` adds
 one profiled step per row (``step_profile``). The loss is the mean of the last 10 of ``loss_steps``
 steps on byte-level text (the standard library's sources), trained in eager mode from the same
 initial weights on the same batches (``LOSS_VARIANTS``; the other rows run 40 micro-batches, at
@@ -198,6 +200,22 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
     return model.train()
 
 
+def empty_experts(model: nn.Module, batch: torch.Tensor) -> float | None:
+    """Experts no token of ``batch (B, S)`` is routed to, averaged over the MoE layers: the top
+    ``num_experts_per_tok`` of each layer's router logits from one forward without gradients
+    (``output_router_logits``). ``None`` for a model that returns no router logits (dense models;
+    DeepSeek-V3 in transformers)."""
+    config = model.config
+    experts, k = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    if not experts or not k or not hasattr(config, "output_router_logits"):
+        return None
+    with torch.no_grad():
+        logits = model(input_ids=batch, output_router_logits=True).router_logits
+    used = [torch.zeros(experts, dtype=torch.bool, device=batch.device).index_fill_(
+        0, layer.topk(k, dim=-1).indices.flatten(), True) for layer in logits]
+    return experts - torch.stack(used).sum(1).float().mean().item()
+
+
 def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, mode: str, clock):
     """``step(micro_batches) -> (loss, fwd+bwd seconds, optimizer seconds)`` of one optimizer step; the
     loss is the next-byte cross-entropy, plus the router's load-balancing loss times the config's
@@ -300,6 +318,7 @@ def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, t
         breaks.subtract(breaks_before)
         result.update(graphs=graphs - graphs_before, graph_breaks=sum(breaks.values()),
                       break_reasons=[f"{n} x {reason}" for reason, n in breaks.most_common(3) if n > 0])
+    result["empty_experts"] = empty_experts(model, next(data)[:, :-1])
     if profile:
         micro = [next(data) for _ in range(accumulate)]
         result["profile"] = step_profile.kernel_time(lambda: step(micro), cuda)
@@ -450,8 +469,8 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
                            fwd_bwd_ms=r["fwd_bwd_ms"], optim_ms=r["optim_ms"],
                            tokens_per_s=accumulate * batch * seq / r["step_ms"] * 1e3, peak_gib=r["peak_gib"],
                            steady_peak_gib=r["steady_peak_gib"])
-                row.update({k: r[k] for k in ("graphs", "graph_breaks", "break_reasons", "profile", "peak_allocations")
-                            if k in r})
+                row.update({k: r[k] for k in ("graphs", "graph_breaks", "break_reasons", "profile", "peak_allocations",
+                                              "empty_experts") if k in r})
                 if loss_run:
                     row["final_loss"] = statistics.fmean(r["losses"][-10:])
                 rows.append(row)

@@ -39,6 +39,7 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
               ("optimizer ms", "optim_ms", ".1f"), ("tokens/s", "tokens_per_s", ",.0f"), ("vs HF BF16", "speedup", ".2f"),
               ("peak GiB", "peak_gib", ".2f"), ("peak after step 1", "steady_peak_gib", ".2f"),
               ("graphs", "graphs", "d"), ("graph breaks", "graph_breaks", "d"),
+              ("empty experts", "empty_experts", ".1f"),
               ("loss", "final_loss", ".4f"), ("loss gap", "loss_gap", "+.2%")],
 }
 TITLES = {"quant": "Quantization kernels (bandwidth)", "gemm": "Grouped GEMM, forward+backward",
