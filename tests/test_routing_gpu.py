@@ -47,7 +47,7 @@ def test_pipeline_matches_references(name, P):
     plan = make_dispatch_plan(r.topk_ids, E, pad_multiple=P)
     for got, want in zip(plan, dispatch_plan_reference(r.topk_ids, E, P)):
         assert torch.equal(got, want)
-    check_plan_invariants(type(plan)(*(t.cpu() for t in plan[:5]), k, P), r.topk_ids.cpu(), E, P)
+    check_plan_invariants(type(plan)(*(t.cpu() for t in plan[:6]), k, P), r.topk_ids.cpu(), E, P)
 
     q, s = permute_quantize(x, plan, E4M3FN)
     q_ref, s_ref = quantize_rowwise(permute_reference(x, plan.row_to_pair, k), E4M3FN)
@@ -79,18 +79,21 @@ def test_pipeline_matches_references(name, P):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
-@pytest.mark.parametrize("E", [8, 128, 256])
+@pytest.mark.parametrize("E,Z", [(8, False), (128, False), (256, False), (128, True)])
 @pytest.mark.parametrize("skew", [0.0, 4.0])
-def test_plan_large_many_chunks_repeatable(E, skew):
+def test_plan_large_many_chunks_repeatable(E, Z, skew):
     """T = 16384, k = 8: one chunk of pairs per SM, claimed and placed concurrently; same bits as
-    the reference on every one of several runs (skew: a few hot experts, some nearly empty)."""
+    the reference on every one of several runs (skew: a few hot experts, some nearly empty; ``Z``:
+    ``empty_group_rows``, with a quarter of the experts given no pair)."""
     T, k = 16384, 8
     g = torch.Generator(device="cuda").manual_seed(E)
     scores = torch.rand(T, E, device="cuda", generator=g) + skew * torch.rand(E, device="cuda", generator=g) ** 8
+    if Z:
+        scores[:, torch.randperm(E, device="cuda", generator=g)[: E // 4]] = -1.0
     ids = scores.topk(k, dim=1).indices.int()
-    want = dispatch_plan_reference(ids, E, 16)
+    want = dispatch_plan_reference(ids, E, 16, Z)
     for _ in range(5):
-        plan = make_dispatch_plan(ids, E, pad_multiple=16)
+        plan = make_dispatch_plan(ids, E, pad_multiple=16, empty_group_rows=Z)
         for name, got, ref in zip(plan._fields, plan, want):
             assert torch.equal(got, ref), name
 

@@ -44,19 +44,28 @@ def random_topk_ids(T, E, k, kind, seed=0, dtype=torch.int64):
     return ids.to(dtype)
 
 
-def check_plan_invariants(plan: DispatchPlan, ids: torch.Tensor, E: int, P: int):
+def check_plan_invariants(plan: DispatchPlan, ids: torch.Tensor, E: int, P: int, Z: bool = False):
+    """``Z``: the plan was made with ``empty_group_rows``."""
     T, k = ids.shape
-    N, M = T * k, padded_num_rows(T * k, E, P)
+    N, M = T * k, padded_num_rows(T * k, E, P, Z)
     flat = ids.reshape(-1).long()
     valid = (flat >= 0) & (flat < E)
-    for t in plan[:5]:  # views of one buffer, each 16-byte aligned (the grouped GEMMs take offsets)
+    for t in plan[:6]:  # views of one buffer, each 16-byte aligned (the grouped GEMMs take offsets)
         assert t.dtype == torch.int32 and t.is_contiguous() and t.data_ptr() % 16 == 0
-    assert plan.num_rows == M and plan.pad_rows.numel() == (P - 1) * E and plan.top_k == k
+    assert plan.num_rows == M and plan.pad_rows.numel() == (P - 1 + Z) * E and plan.top_k == k
     counts = torch.bincount(flat[valid], minlength=E)
     assert torch.equal(plan.counts.long(), counts)
-    sizes = torch.diff(plan.offsets.long(), prepend=torch.zeros(1, dtype=torch.long))
+    # the weight gradient's groups: each padded to a multiple of P, an empty expert's P rows its own
+    sizes = torch.diff(plan.wgrad_offsets.long(), prepend=torch.zeros(1, dtype=torch.long))
     assert (sizes >= 0).all(), "offsets must be non-decreasing"
-    assert (sizes % P == 0).all() and (sizes >= counts).all() and (sizes - counts < P).all()
+    least = counts.clamp_min(P) if Z else counts
+    assert (sizes % P == 0).all() and (sizes >= least).all() and (sizes - least < P).all()
+    if Z:  # the forward's groups: an empty expert's rows join the next non-empty group
+        assert (sizes > 0).all()
+        want = [max([int(plan.wgrad_offsets[h]) for h in range(e + 1) if counts[h] > 0], default=0) for e in range(E)]
+        assert plan.offsets.tolist() == want
+    else:
+        assert plan.wgrad_offsets is plan.offsets
     # every valid (token, slot) pair exactly once, in its expert's group, in increasing pair order
     p2r = plan.pair_to_row.long()
     assert (p2r[~valid] == -1).all()
@@ -64,7 +73,7 @@ def check_plan_invariants(plan: DispatchPlan, ids: torch.Tensor, E: int, P: int)
     assert rows.unique().numel() == rows.numel() and (rows >= 0).all() and (rows < M).all()
     pairs = torch.arange(N)[valid]
     assert torch.equal(plan.row_to_pair.long()[rows], pairs)
-    starts = plan.offsets.long() - sizes
+    starts = plan.wgrad_offsets.long() - sizes
     for e in range(E):
         group = plan.row_to_pair.long()[starts[e] : starts[e] + counts[e]]
         assert (flat[group] == e).all() and (torch.diff(group) > 0).all(), "stable, expert-sorted"
@@ -76,18 +85,24 @@ def check_plan_invariants(plan: DispatchPlan, ids: torch.Tensor, E: int, P: int)
     assert (plan.row_to_pair >= -1).all() and (plan.row_to_pair < N).all()
 
 
+@pytest.mark.parametrize("Z", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("E,k,P", [(8, 2, 1), (8, 2, 16), (64, 6, 16), (256, 8, 16), (5, 3, 4)])
-def test_plan_matches_reference_and_invariants(kind, E, k, P, monkeypatch):
+def test_plan_matches_reference_and_invariants(kind, E, k, P, Z, monkeypatch):
     monkeypatch.setattr(plan_mod, "multiprocessor_count", lambda device: 3)  # up to 24 chunks of pairs
     monkeypatch.setattr(plan_mod, "_SCAN", 4)  # exercise the scan's carry across steps
     ids = random_topk_ids(97, E, k, kind, seed=E * 7 + P)
-    plan = make_dispatch_plan(ids, E, pad_multiple=P)
-    check_plan_invariants(plan, ids, E, P)
-    ref = dispatch_plan_reference(ids, E, P)
+    plan = make_dispatch_plan(ids, E, pad_multiple=P, empty_group_rows=Z)
+    check_plan_invariants(plan, ids, E, P, Z)
+    ref = dispatch_plan_reference(ids, E, P, Z)
     for name, got, want in zip(DispatchPlan._fields, plan, ref):
         assert torch.equal(got, want), name
-    check_plan_invariants(DispatchPlan(*ref, k, P), ids, E, P)
+    if Z:
+        assert plan.num_rows == 97 * k + P * E
+    else:
+        assert torch.equal(ref[5], ref[1])  # without empty_group_rows the reference's two offsets agree
+        ref = ref[:5] + (ref[1],)
+    check_plan_invariants(DispatchPlan(*ref, k, P), ids, E, P, Z)
 
 
 @pytest.mark.slow(6)
@@ -113,28 +128,33 @@ def test_plan_int32_ids_duplicates_and_determinism():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("Z", [False, True])
 @pytest.mark.parametrize("P", [1, 16])
-def test_out_of_range_ids_are_dropped(P):
+def test_out_of_range_ids_are_dropped(P, Z):
     ids = random_topk_ids(40, 8, 3, "balanced", seed=9)
     ids[3, 1] = -1
     ids[7, 0] = 8
     ids[11, 2] = 1000
-    plan = make_dispatch_plan(ids, 8, pad_multiple=P)
-    check_plan_invariants(plan, ids, 8, P)
+    ids[ids == 5] = -1  # and expert 5 gets no pair
+    plan = make_dispatch_plan(ids, 8, pad_multiple=P, empty_group_rows=Z)
+    check_plan_invariants(plan, ids, 8, P, Z)
     assert plan.pair_to_row[3 * 3 + 1] == -1 and plan.pair_to_row[7 * 3] == -1
-    assert int(plan.counts.sum()) == 40 * 3 - 3
-    ref = dispatch_plan_reference(ids, 8, P)
+    assert int(plan.counts.sum()) == int(((ids >= 0) & (ids < 8)).sum()) and plan.counts[5] == 0
+    ref = dispatch_plan_reference(ids, 8, P, Z)
     for got, want in zip(plan, ref):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("Z", [False, True])
 @pytest.mark.parametrize("T", [0, 1])
 @pytest.mark.parametrize("P", [1, 16])
-def test_zero_and_one_token(T, P):
+def test_zero_and_one_token(T, P, Z):
     ids = random_topk_ids(T, 4, 2, "balanced", seed=T)
-    plan = make_dispatch_plan(ids, 4, pad_multiple=P)
-    check_plan_invariants(plan, ids, 4, P)
-    assert plan.num_rows == 2 * T + 4 * (P - 1)
+    plan = make_dispatch_plan(ids, 4, pad_multiple=P, empty_group_rows=Z)
+    check_plan_invariants(plan, ids, 4, P, Z)
+    assert plan.num_rows == 2 * T + 4 * (P - 1 + Z)
+    for name, got, want in zip(DispatchPlan._fields, plan, dispatch_plan_reference(ids, 4, P, Z)):
+        assert torch.equal(got, want), name
 
 
 def test_reference_fallback_packs_the_same_layout(monkeypatch):
@@ -149,13 +169,15 @@ def test_reference_fallback_packs_the_same_layout(monkeypatch):
         assert torch.equal(a, b), name
 
 
-def test_traces_under_torch_compile():
+@pytest.mark.parametrize("Z", [False, True])
+def test_traces_under_torch_compile(Z):
     """One opaque custom-op node whose fake kernel has the packed buffer's shape; the views are
     split off outside it."""
     ids = random_topk_ids(29, 6, 2, "empty", seed=2)
-    compiled = torch.compile(lambda i: tuple(make_dispatch_plan(i, 6, pad_multiple=16)[:5]), backend="aot_eager",
-                             fullgraph=True)
-    for name, a, b in zip(DispatchPlan._fields, compiled(ids), make_dispatch_plan(ids, 6, pad_multiple=16)):
+    compiled = torch.compile(lambda i: tuple(make_dispatch_plan(i, 6, pad_multiple=16, empty_group_rows=Z)[:6]),
+                             backend="aot_eager", fullgraph=True)
+    for name, a, b in zip(DispatchPlan._fields, compiled(ids),
+                          make_dispatch_plan(ids, 6, pad_multiple=16, empty_group_rows=Z)):
         assert torch.equal(a, b), name
 
 
@@ -179,6 +201,8 @@ def test_bad_input():
         make_dispatch_plan(ids, 0)
     with pytest.raises(ValueError, match="pad_multiple"):
         make_dispatch_plan(ids, 4, pad_multiple=0)
+    with pytest.raises(TypeError, match="empty_group_rows"):
+        make_dispatch_plan(ids, 4, empty_group_rows=1)
 
 
 def test_more_slots_than_experts():

@@ -13,7 +13,8 @@ barrier by every finished item, read with ``acquire``):
    place: the expert's pairs in earlier chunks) and its total.
 3. *place* (item: a chunk): the totals give the padded group starts; walking the chunk block by
    block, a pair's row is ``group start + pairs of its expert before it``, written to both maps.
-   Whoever places chunk 0 also writes counts, offsets and the list of padding rows.
+   Whoever places chunk 0 also writes counts, offsets (and the weight gradient's offsets) and the
+   list of padding rows.
 
 A wait cannot deadlock however few programs are resident: a program waits only once every item
 of the phase has been claimed, so the items it waits for belong to programs that are running
@@ -90,16 +91,24 @@ def _wait_until(done_ptr, n):
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _place_chunk(ids_ptr, part_counts_ptr, totals_ptr, counts_ptr, offsets_ptr, pair_to_row_ptr, row_to_pair_ptr,
-                 pad_rows_ptr, c, num_chunks, chunk, num_pairs,
+                 pad_rows_ptr, wgrad_offsets_ptr, c, num_chunks, chunk, num_pairs,
                  E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr, PAD: tl.constexpr,
-                 PAD_POW2: tl.constexpr):
-    """Rows of chunk ``c``'s pairs (both maps); for ``c == 0`` also counts, offsets and padding rows."""
+                 OWN: tl.constexpr, OWN_POW2: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    """Rows of chunk ``c``'s pairs (both maps); for ``c == 0`` also counts, offsets and padding rows.
+    ``EMPTY_ROWS``: an expert without pairs gets ``PAD`` rows (the weight gradient's groups)."""
     experts = tl.arange(0, E_POW2)
     emask = experts < E
     counts = tl.load(totals_ptr + experts, mask=emask, other=0, volatile=True)
     earlier = tl.load(part_counts_ptr + experts * num_chunks + c, mask=emask, other=0, volatile=True)
     padded = (counts + (PAD - 1)) // PAD * PAD
+    if EMPTY_ROWS:
+        padded = tl.where(emask, tl.maximum(padded, PAD), 0)
     group_end = tl.cumsum(padded, axis=0)
     group_start = group_end - padded
 
@@ -120,19 +129,25 @@ def _place_chunk(ids_ptr, part_counts_ptr, totals_ptr, counts_ptr, offsets_ptr, 
 
     if c == 0:
         tl.store(counts_ptr + experts, counts, mask=emask)
-        tl.store(offsets_ptr + experts, group_end, mask=emask)
-        if PAD > 1:
-            # Expert e owns PAD-1 padding rows: its own group's tail, then its share of the rows
+        if EMPTY_ROWS:
+            # forward groups: an empty expert's rows join the next non-empty group (or lie past the last)
+            tl.store(offsets_ptr + experts, tl.associative_scan(tl.where(counts > 0, group_end, 0), 0, _max),
+                     mask=emask)
+            tl.store(wgrad_offsets_ptr + experts, group_end, mask=emask)
+        else:
+            tl.store(offsets_ptr + experts, group_end, mask=emask)
+        if OWN > 0:
+            # Expert e owns OWN padding rows: its own group's tail, then its share of the rows
             # past the last group (shares in expert order tile [group_end[-1], num_rows)).
             own_pad = padded - counts
             pads_before = group_start - (tl.cumsum(counts, axis=0) - counts)
             used = tl.sum(padded, axis=0)
-            j = tl.arange(0, PAD_POW2)
+            j = tl.arange(0, OWN_POW2)
             own = (group_start + counts)[:, None] + j[None, :]
-            tail = (used + experts * (PAD - 1) - pads_before - own_pad)[:, None] + j[None, :]
+            tail = (used + experts * OWN - pads_before - own_pad)[:, None] + j[None, :]
             pad_rows = tl.where(j[None, :] < own_pad[:, None], own, tail)
-            dst = pad_rows_ptr + experts[:, None] * (PAD - 1) + j[None, :]
-            tl.store(dst, pad_rows, mask=emask[:, None] & (j[None, :] < PAD - 1))
+            dst = pad_rows_ptr + experts[:, None] * OWN + j[None, :]
+            tl.store(dst, pad_rows, mask=emask[:, None] & (j[None, :] < OWN))
 
 
 @triton.jit
@@ -140,7 +155,7 @@ def plan_kernel(
     ids_ptr, scratch_ptr, out_ptr,
     num_pairs, num_rows, num_chunks, chunk, fill_rows,
     E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
-    PAD: tl.constexpr, PAD_POW2: tl.constexpr,
+    PAD: tl.constexpr, OWN: tl.constexpr, OWN_POW2: tl.constexpr, EMPTY_ROWS: tl.constexpr,
 ):
     """The whole plan (see the module docstring).
 
@@ -148,7 +163,8 @@ def plan_kernel(
     counted, scan claims, experts scanned, place claims), then ``part_counts (E, num_chunks)`` and
     ``totals (E,)``. ``out_ptr``: the packed int32 outputs, each piece starting at a multiple of 4
     elements (16 bytes): ``offsets (E)``, ``counts (E)``, ``pair_to_row (num_pairs)``,
-    ``row_to_pair (num_rows)``, ``pad_rows ((PAD-1)*E)`` (see ``plan.packed_sizes``).
+    ``row_to_pair (num_rows)``, ``pad_rows (OWN*E)`` and with ``EMPTY_ROWS`` ``wgrad_offsets (E)``
+    (see ``plan.packed_sizes``); ``OWN``: the padding rows each expert owns.
     """
     sync_ptr = scratch_ptr
     part_counts_ptr = scratch_ptr + SYNC_SLOTS
@@ -161,6 +177,7 @@ def plan_kernel(
     # analysis of the traced kernel passes the sizes as constexprs
     row_to_pair_ptr = tl.multiple_of(pair_to_row_ptr + (num_pairs + 3) // 4 * 4, 16)
     pad_rows_ptr = tl.multiple_of(row_to_pair_ptr + (num_rows + 3) // 4 * 4, 16)
+    wgrad_offsets_ptr = pad_rows_ptr + (OWN * E + 3) // 4 * 4
 
     c = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     while c < num_chunks:
@@ -182,6 +199,6 @@ def plan_kernel(
     c = tl.atomic_add(sync_ptr + 4, 1, sem="relaxed")
     while c < num_chunks:
         _place_chunk(ids_ptr, part_counts_ptr, totals_ptr, counts_ptr, offsets_ptr, pair_to_row_ptr,
-                     row_to_pair_ptr, pad_rows_ptr, c, num_chunks, chunk, num_pairs, E, E_POW2, BLOCK, PAD,
-                     PAD_POW2)
+                     row_to_pair_ptr, pad_rows_ptr, wgrad_offsets_ptr, c, num_chunks, chunk, num_pairs, E, E_POW2,
+                     BLOCK, PAD, OWN, OWN_POW2, EMPTY_ROWS)
         c = tl.atomic_add(sync_ptr + 4, 1, sem="relaxed")

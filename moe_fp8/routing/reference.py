@@ -27,21 +27,25 @@ __all__ = [
 
 
 def dispatch_plan_reference(
-    topk_ids: torch.Tensor, num_experts: int, pad_multiple: int = 1
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(counts, offsets, pair_to_row, row_to_pair, pad_rows)`` (all int32) by a stable sort.
+    topk_ids: torch.Tensor, num_experts: int, pad_multiple: int = 1, empty_group_rows: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts, offsets, pair_to_row, row_to_pair, pad_rows, wgrad_offsets)`` (all int32) by a
+    stable sort.
 
     See :class:`moe_fp8.routing.plan.DispatchPlan` for the meaning of each tensor.
     """
     E, P = num_experts, pad_multiple
+    own_rows = P - 1 + int(empty_group_rows)  # padding rows each expert owns
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     N = flat.numel()
-    M = N + (P - 1) * E
+    M = N + own_rows * E
     key = torch.where((flat >= 0) & (flat < E), flat, E)  # invalid ids sort last, in no group
     sorted_key, order = torch.sort(key, stable=True)
     counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:E]
     padded = (counts + P - 1) // P * P
+    if empty_group_rows:
+        padded = padded.clamp_min(P)
     group_end = padded.cumsum(0)
     group_start = group_end - padded
     first = counts.cumsum(0) - counts  # index of the expert's first pair in sorted order
@@ -51,15 +55,18 @@ def dispatch_plan_reference(
     pair_to_row = torch.empty(N, dtype=torch.int64, device=dev).scatter_(0, order, row)
     row_to_pair = torch.full((M + 1,), -1, dtype=torch.int64, device=dev)
     row_to_pair.scatter_(0, torch.where(row >= 0, row, M), order)  # dropped pairs land on slot M
-    j = torch.arange(P - 1, device=dev)
+    j = torch.arange(own_rows, device=dev)
     own_pad = padded - counts
     pads_before = group_start - first
     used = padded.sum()
     own = (group_start + counts)[:, None] + j
-    tail = (used + torch.arange(E, device=dev) * (P - 1) - pads_before - own_pad)[:, None] + j
+    tail = (used + torch.arange(E, device=dev) * own_rows - pads_before - own_pad)[:, None] + j
     pad_rows = torch.where(j < own_pad[:, None], own, tail).reshape(-1)
+    # forward groups: an empty group's rows join the next non-empty group (or lie past the last)
+    offsets = torch.cummax(torch.where(counts > 0, group_end, 0), 0).values if empty_group_rows else group_end
     i32 = torch.int32
-    return counts.to(i32), group_end.to(i32), pair_to_row.to(i32), row_to_pair[:M].to(i32), pad_rows.to(i32)
+    return (counts.to(i32), offsets.to(i32), pair_to_row.to(i32), row_to_pair[:M].to(i32), pad_rows.to(i32),
+            group_end.to(i32))
 
 
 def permute_reference(x: torch.Tensor, row_to_pair: torch.Tensor, top_k: int) -> torch.Tensor:
