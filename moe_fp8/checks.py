@@ -73,29 +73,30 @@ def check_multiple_of(name: str, value: int, multiple: int) -> None:
         raise ValueError(f"{name}: expected a multiple of {multiple}, got {value}")
 
 
-def check_offsets(offs, *, num_groups: int | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """Check the metadata of a token-group offsets tensor.
+def check_offsets(offs, *, num_groups: int | None = None, device: torch.device | None = None,
+                  name: str = "offs") -> torch.Tensor:
+    """Check the metadata of a token-group offsets tensor (``name`` in the errors).
 
     ``offs`` must be a contiguous 1-D int32 tensor of cumulative END offsets, one per group
     (``offs[-1]`` = rows used). Monotonicity and ``offs[-1] <= rows`` depend on device data: check them with
     :func:`check_offsets_values` where a host sync is acceptable (tests, reference code).
     """
-    check_tensor("offs", offs, dtypes=(torch.int32,), ndim=1)
+    check_tensor(name, offs, dtypes=(torch.int32,), ndim=1)
     if offs.numel() > 1 and offs.stride(0) != 1:  # kernels index offs[g] as base + g
-        raise ValueError(f"offs: expected a contiguous tensor, got stride {offs.stride(0)} (call .contiguous())")
+        raise ValueError(f"{name}: expected a contiguous tensor, got stride {offs.stride(0)} (call .contiguous())")
     if num_groups is not None and offs.numel() != num_groups:
-        raise ValueError(f"offs: expected length {num_groups} (one end offset per group), got {offs.numel()}")
+        raise ValueError(f"{name}: expected length {num_groups} (one end offset per group), got {offs.numel()}")
     if device is not None and offs.device != device:
-        raise ValueError(f"offs: expected device {device}, got {offs.device}")
+        raise ValueError(f"{name}: expected device {device}, got {offs.device}")
     return offs
 
 
-def check_offsets_values(offs: torch.Tensor, num_rows: int) -> None:
+def check_offsets_values(offs: torch.Tensor, num_rows: int, name: str = "offs") -> None:
     """Check that ``offs`` is non-decreasing, starts >= 0 and ends <= ``num_rows`` (syncs on GPU)."""
     if offs.numel() == 0:
         return
     o = offs.detach().to("cpu", torch.int64)
     if int(o[0]) < 0 or bool((o[1:] < o[:-1]).any()):
-        raise ValueError(f"offs: expected non-decreasing, non-negative end offsets, got {o.tolist()[:16]}")
+        raise ValueError(f"{name}: expected non-decreasing, non-negative end offsets, got {o.tolist()[:16]}")
     if int(o[-1]) > num_rows:
-        raise ValueError(f"offs: expected offs[-1] <= {num_rows} rows, got {int(o[-1])}")
+        raise ValueError(f"{name}: expected {name}[-1] <= {num_rows} rows, got {int(o[-1])}")

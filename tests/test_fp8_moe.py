@@ -410,14 +410,7 @@ def test_empty_experts_backward_vs_fp64():
     """Experts 1 and 3 (one between used experts, one last) get no token: a large first input
     feature and router rows of opposite signs on it send every token to experts 0 and 2. Output,
     x's and every parameter's gradient against fp64; the empty experts' weight gradients are 0."""
-    moe = _moe("rowwise", seed=8)
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(24, H, generator=g)
-    x[:, 0] = 4.0
-    x = x.to(torch.bfloat16)
-    dy = torch.randn(24, H, generator=g).to(torch.bfloat16)
-    with torch.no_grad():
-        moe.router.weight[:, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    moe, x, dy = _empty_experts_case("rowwise")
     assert moe.router(x).expert_counts.tolist() == [24, 0, 24, 0]
     out, gx, grads = _grads(moe, x, dy)
     ref, ref_gx, ref_grads = _reference(moe, x, dy)
@@ -427,6 +420,56 @@ def test_empty_experts_backward_vs_fp64():
         assert sqnr(ref_grads[name], grad) >= 20, name
     for name in ("experts.gate_up_proj", "experts.down_proj"):
         assert not grads[name][[1, 3]].any(), name
+
+
+def _empty_experts_case(recipe: str):
+    """A layer whose experts 1 and 3 (one between used experts, one last) get no token, its input
+    and output gradient (see ``test_empty_experts_backward_vs_fp64``)."""
+    moe = _moe(recipe, seed=8)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(24, H, generator=g)
+    x[:, 0] = 4.0
+    with torch.no_grad():
+        moe.router.weight[:, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    return moe, x.to(torch.bfloat16), torch.randn(24, H, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "bf16"])
+def test_empty_experts_reach_the_weight_gradient_gemm_with_a_zero_row(recipe, monkeypatch):
+    """The layer's plan keeps a zero row for each expert without tokens in the weight gradient's
+    groups: every wgrad GEMM gets groups of at least one row (so a library GEMM computes the empty
+    experts' zero gradients, and the zeroing after it finds nothing to write), those gradients are
+    exactly zero, and everything equals the layout without those rows bit for bit."""
+    import moe_fp8.grouped_gemm.library as lib
+    import moe_fp8.layers.experts as experts_module
+
+    moe, x, dy = _empty_experts_case(recipe)
+    assert moe.router(x).expert_counts.tolist() == [24, 0, 24, 0]
+    seen = []
+
+    def spy(op, offs_at):
+        def call(*args):
+            seen.append(args[offs_at])
+            return op(*args)
+        return call
+
+    monkeypatch.setattr(lib, "mm_2d2d", spy(lib.mm_2d2d, 5))
+    monkeypatch.setattr(lib, "bf16_mm_2d2d", spy(lib.bf16_mm_2d2d, 3))
+    out, gx, grads = _grads(moe, x, dy)
+    assert len(seen) == 2  # the two expert weights' gradients
+    for offs in seen:
+        assert (torch.diff(offs, prepend=offs.new_zeros(1)) > 0).all(), offs
+    for name in ("experts.gate_up_proj", "experts.down_proj"):
+        assert not grads[name][[1, 3]].any() and grads[name][[0, 2]].abs().sum() > 0, name
+    plan = experts_module.make_dispatch_plan
+    monkeypatch.setattr(experts_module, "make_dispatch_plan", lambda ids, e, **kw: plan(ids, e))
+    seen.clear()
+    want_out, want_gx, want_grads = _grads(moe, x, dy)
+    assert [torch.diff(o, prepend=o.new_zeros(1)).tolist() for o in seen] == [[24, 0, 24, 0]] * 2
+    assert torch.equal(out, want_out) and torch.equal(gx, want_gx)
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
 
 
 @pytest.mark.interpreter

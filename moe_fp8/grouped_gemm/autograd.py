@@ -48,7 +48,7 @@ from .quantized_weight import QuantizedExpertWeight
 
 __all__ = ["FP8GroupedMM", "dequantize_rows", "grouped_mm_backward", "grouped_mm_forward", "takes_grad_rows"]
 
-_NONES = (None,) * 12  # gradients of the non-tensor arguments of ``apply``
+_NONES = (None,) * 13  # gradients of the arguments of ``apply`` after ``x`` and ``w``
 _DEQUANTIZE_ELEMENTS = 1 << 26  # elements per chunk of dequantize_rows (its fp32 temporary: 256 MB)
 
 
@@ -94,7 +94,7 @@ def _upstream_amax_pays(m: int, groups: int) -> bool:
 
 class FP8GroupedMM(torch.autograd.Function):
     """``apply(x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
-    save_x_fp8, cached)``.
+    save_x_fp8, cached, wgrad_offs)``.
 
     ``scaling`` is ``None`` for the BF16 recipe; ``w_quant`` is the 4-tuple of
     ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here; ``x_quant`` is
@@ -107,14 +107,16 @@ class FP8GroupedMM(torch.autograd.Function):
     its dgrad layout in backward instead of saving that layout from forward. ``cached`` (FP8
     recipes, ``w_quant=None``, a plain ``w``): ``None``, or ``(transposed, training)``: whether ``w`` is
     the transposed view of the parameter whose FP8 layouts :func:`.compiled_cache.mm_2d3d_cached_weight`
-    reads, and whether the forward runs with gradients.
+    reads, and whether the forward runs with gradients. ``wgrad_offs``: the weight gradient's group
+    end offsets over the same rows, or ``None`` (``offs``); rows whose group differs between the two
+    are zero in ``x`` and in the output's gradient (``fp8_grouped_mm``).
     """
 
     @staticmethod
     def forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
-                save_x_fp8=False, cached=None):
+                save_x_fp8=False, cached=None, wgrad_offs=None):
         out, saved = grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2,
-                                        out_dtype, save_w, save_x_fp8, cached)
+                                        out_dtype, save_w, save_x_fp8, cached, wgrad_offs)
         ctx.save_for_backward(*saved)
         return out
 
@@ -124,7 +126,7 @@ class FP8GroupedMM(torch.autograd.Function):
 
 
 def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
-                       save_x_fp8=False, cached=None) -> tuple[torch.Tensor, tuple]:
+                       save_x_fp8=False, cached=None, wgrad_offs=None) -> tuple[torch.Tensor, tuple]:
     """:class:`FP8GroupedMM`'s forward on the autograd context ``ctx`` of any Function whose first
     two inputs are ``x`` and ``w``: ``(out, tensors to save)``; the caller saves them (with its own)
     and hands them back to :func:`grouped_mm_backward`."""
@@ -133,8 +135,9 @@ def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, ba
     ctx.empty = x.shape[0] == 0
     if ctx.empty:  # static shape: no GEMM to run, dw = 0
         return x.new_zeros(0, w.shape[1], dtype=out_dtype), (x, w)
+    wgrad_offs = offs if wgrad_offs is None else wgrad_offs
     if scaling is None:
-        return same_or_cast(lib.bf16_mm_2d3d(backend, x, w, offs, True), out_dtype), (x, w, offs)
+        return same_or_cast(lib.bf16_mm_2d3d(backend, x, w, offs, True), out_dtype), (x, w, offs, wgrad_offs)
     fused = get_backend(backend).fused_quant
     ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant
     ctx.w_operands = None
@@ -178,7 +181,7 @@ def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, ba
     # in FP8, with its scale in the amax's place
     ctx.x_fp8 = scaling == "tensorwise" and fp8_wgrad
     keep_fp8 = ctx.x_fp8 or ctx.x_deq
-    return out, (xq if keep_fp8 else x, offs, q_bwd, s_bwd, xs if keep_fp8 else x_amax)
+    return out, (xq if keep_fp8 else x, offs, q_bwd, s_bwd, xs if keep_fp8 else x_amax, wgrad_offs)
 
 
 def takes_grad_rows(ctx, saved: tuple) -> bool:
@@ -203,15 +206,15 @@ def grouped_mm_backward(ctx, saved: tuple, grad_out: torch.Tensor,
         return dx, dw
     grad_out = grad_out.contiguous()
     if ctx.scaling is None:
-        x, w, offs = saved
+        x, w, offs, w_offs = saved
         g = grad_out.to(x.dtype)
         dx = lib.bf16_mm_2d3d(ctx.backend, g, w, offs, False) if need_dx else None
-        dw = lib.bf16_mm_2d2d(ctx.backend, g, x, offs) if need_dw else None
+        dw = lib.bf16_mm_2d2d(ctx.backend, g, x, w_offs) if need_dw else None
         return dx, dw
-    x, offs, q_bwd, s_bwd, x_extra = saved
+    x, offs, q_bwd, s_bwd, x_extra, w_offs = saved
     if ctx.x_fp8:  # tensorwise: the wgrad reuses the FP8 x of the forward and grad_out of the dgrad
         dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, False) if need_dx else (None, None)
-        dw = _wgrad_tensorwise(ctx, grad_out, g_fp8, (x, x_extra), offs) if need_dw else None
+        dw = _wgrad_tensorwise(ctx, grad_out, g_fp8, (x, x_extra), w_offs) if need_dw else None
         return dx, dw
     if ctx.x_deq:  # the saved FP8 rows of x stand in for x: dequantized, in x's dtype
         x, x_extra = dequantize_rows(x, x_extra, ctx.x_dtype) if need_dw else x, None
@@ -222,7 +225,8 @@ def grouped_mm_backward(ctx, saved: tuple, grad_out: torch.Tensor,
         raise ValueError("g_fp8: this backward reduces grad_out's group amax in its own row quantization")
     dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, group_amax, g_fp8) if need_dx else (None, None)
     g_amax = g_fp8[2] if group_amax else None
-    dw = _wgrad(ctx, grad_out, x, offs, g_amax, x_extra if group_amax else None) if need_dw else None
+    # the group amaxes are those of the wgrad's groups too: the rows that change group are zero
+    dw = _wgrad(ctx, grad_out, x, w_offs, g_amax, x_extra if group_amax else None) if need_dw else None
     return dx, dw
 
 

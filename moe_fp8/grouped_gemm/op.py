@@ -34,6 +34,7 @@ def fp8_grouped_mm(
     weight_cache: Fp8WeightCache | None = None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     save_x_fp8: bool = False,
+    wgrad_offs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped ``x @ w[g].T`` over the token groups of ``offs``, with FP8 GEMMs.
 
@@ -78,6 +79,13 @@ def fp8_grouped_mm(
             ``x``'s dtype), so it sees ``x`` quantized twice (rows here, then columns for an FP8
             wgrad). ``x`` itself is never read then: any tensor of its shape and dtype will do
             (e.g. a zero-stride stand-in that carries the gradient path).
+        wgrad_offs: ``(E,)`` int32 end offsets of the weight gradient's groups over the same rows,
+            or ``None`` (``offs``). Rows whose group differs between ``offs`` and ``wgrad_offs``
+            (rows past ``offs[-1]`` included) must be zero in ``x`` and in the output's gradient;
+            that is not checked. ``make_dispatch_plan(..., empty_group_rows=True)`` lays rows out
+            so: its ``wgrad_offsets`` leave no expert empty, so a library GEMM computes the empty
+            experts' zero gradients itself (an empty reduction's result is never trusted: it is
+            zeroed again after the GEMM).
     Returns:
         ``(M, N)`` in ``out_dtype``; rows at or past ``offs[-1]`` are zero.
 
@@ -90,7 +98,7 @@ def fp8_grouped_mm(
     """
     return FP8GroupedMM.apply(*grouped_mm_arguments(
         x, w, offs, recipe=recipe, backend=backend, out_dtype=out_dtype, weight_cache=weight_cache, x_fp8=x_fp8,
-        save_x_fp8=save_x_fp8,
+        save_x_fp8=save_x_fp8, wgrad_offs=wgrad_offs,
     ))
 
 
@@ -105,11 +113,12 @@ def grouped_mm_arguments(
     weight_cache: Fp8WeightCache | None = None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     save_x_fp8: bool = False,
+    wgrad_offs: torch.Tensor | None = None,
 ) -> tuple:
-    """:func:`fp8_grouped_mm`'s arguments checked and resolved into the 14 inputs of
+    """:func:`fp8_grouped_mm`'s arguments checked and resolved into the 15 inputs of
     ``FP8GroupedMM.apply`` (``x, w, offs, w_quant, x_fp8, scaling, fp8_wgrad, backend, fmt, pow2,
-    out_dtype, save_w, save_x_fp8, cached``), which any Function built on ``grouped_mm_forward``
-    takes first."""
+    out_dtype, save_w, save_x_fp8, cached, wgrad_offs``), which any Function built on
+    ``grouped_mm_forward`` takes first."""
     rec = get_recipe(recipe)
     if rec.grad_format is not None:
         raise ValueError(f"recipe: grad_format={rec.grad_format!r} is not supported by fp8_grouped_mm (use None)")
@@ -122,6 +131,8 @@ def grouped_mm_arguments(
         raise ValueError("w: expected at least one expert, got shape (0, ...)")
     check_same_device(x=x, w=w)
     check_offsets(offs, num_groups=E, device=x.device)
+    if wgrad_offs is not None:
+        check_offsets(wgrad_offs, num_groups=E, device=x.device, name="wgrad_offs")
     check_multiple_of("K (x.shape[1])", K, 16)
     check_multiple_of("N (w.shape[1])", N, 16)
     if weight_cache is not None and not isinstance(weight_cache, Fp8WeightCache):
@@ -140,13 +151,9 @@ def grouped_mm_arguments(
         raise TypeError(f"x: the {be.name} backend expects dtype in {be.out_dtypes}, got {x.dtype}")
     if be.max_groups is not None and E > be.max_groups:
         raise ValueError(f"w: the {be.name} backend takes at most {be.max_groups} experts, got {E}")
-    check_values = offs.device.type == "cpu" or os.environ.get(CHECK_OFFSETS_ENV_VAR, "0") not in ("", "0")
-    if valid_offsets.is_valid(offs, M):  # a dispatch plan's: valid by construction
-        pass
-    elif check_values and not torch.compiler.is_compiling():
-        check_offsets_values(offs, M)
-    else:  # trusted without a sync: made safe for every kernel (non-decreasing, within [0, M])
-        offs = torch.cummax(offs.clamp(0, M), 0).values
+    offs = _safe_offsets(offs, M, "offs")
+    if wgrad_offs is not None:
+        wgrad_offs = _safe_offsets(wgrad_offs, M, "wgrad_offs")
 
     fmt = be.fp8_format(x.device).name if rec.is_fp8 else ""
     w_quant, cached = None, None
@@ -170,7 +177,20 @@ def grouped_mm_arguments(
     save_w = (not quantized and w_quant is None and cached is None and rec.scaling == "rowwise" and w_mat is w
               and (_kept_alive(w) or torch.compiler.is_compiling()))
     return (x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
-            bool(save_x_fp8), cached)
+            bool(save_x_fp8), cached, wgrad_offs)
+
+
+def _safe_offsets(offs: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
+    """``offs`` as every kernel may take it: a dispatch plan's as it is (valid by construction); CPU
+    offsets (or with ``MOE_FP8_CHECK_OFFSETS``) checked; others clamped on the device to a
+    non-decreasing sequence in ``[0, num_rows]`` (no host sync)."""
+    check_values = offs.device.type == "cpu" or os.environ.get(CHECK_OFFSETS_ENV_VAR, "0") not in ("", "0")
+    if valid_offsets.is_valid(offs, num_rows):
+        return offs
+    if check_values and not torch.compiler.is_compiling():
+        check_offsets_values(offs, num_rows, name)
+        return offs
+    return torch.cummax(offs.clamp(0, num_rows), 0).values
 
 
 def _kept_alive(w: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ from .op import grouped_mm_arguments
 
 __all__ = ["fp8_grouped_mm_combine", "fp8_grouped_mm_swiglu"]
 
-_GEMM_INPUTS = 14  # the inputs of ``grouped_mm_arguments``, first in every Function here
+_GEMM_INPUTS = 15  # the inputs of ``grouped_mm_arguments``, first in every Function here
 _NONES = (None,) * (_GEMM_INPUTS - 2)
 
 

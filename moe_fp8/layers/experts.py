@@ -163,7 +163,9 @@ class FP8GroupedExperts(nn.Module):
             ``rocm``: fp32 modules without autocast).
         """
         x, out_dtype = self.gemm_input(hidden_states, top_k_index, input_scales)
-        plan = make_dispatch_plan(top_k_index, self.num_experts)
+        # an expert without tokens keeps a zero row for its weight gradient (plan.wgrad_offsets): the
+        # grouped GEMM then computes its zero gradient, no separate zeroing writes it again
+        plan = make_dispatch_plan(top_k_index, self.num_experts, empty_group_rows=True)
         x_perm, x_fp8 = self.permuted_rows(x, plan, input_scales, stand_in=self.fp8_saved_input)
         return self.grouped_mlp(x_perm, plan, top_k_weights, x_fp8, save_x_fp8=self.fp8_saved_input).to(out_dtype)
 
@@ -228,7 +230,7 @@ class FP8GroupedExperts(nn.Module):
         combine backward write the gradients' FP8 rows the GEMMs' dgrads take
         (``grouped_gemm.with_neighbors``)."""
         recipe, fp8_rows = self.recipe, self.recipe.scaling == "rowwise"
-        gemm = dict(recipe=recipe, backend=self.backend)
+        gemm = dict(recipe=recipe, backend=self.backend, wgrad_offs=plan.wgrad_offsets)
         w1, w2 = self._weights()
         cache = self._caches if self._reads_cache(w1, x_perm) else (None, None)
         w1 = _cast(w1, x_perm.dtype, cache[0])
