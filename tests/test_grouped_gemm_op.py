@@ -438,6 +438,36 @@ def _good():
     )
 
 
+@pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("recipe", [*FP8_RECIPES, "bf16"])
+def test_wgrad_offsets_group_the_weight_gradient(recipe, backend, monkeypatch):
+    """``wgrad_offs``: experts 1 and 3 have no forward rows but one zero row each in the weight
+    gradient's groups (row 10, which the forward gives expert 2, and row 31, past the forward's
+    last group): the wgrad GEMM gets no empty group, the output and dx are those of the plain
+    call, the other experts' dw too (up to the fp32 summation order), and experts 1 and 3 get exact
+    zeros from their one-row reductions."""
+    if backend == "triton" and recipe == "bf16":
+        pytest.skip("the bf16 recipe runs torch._grouped_mm on every backend")
+    from moe_fp8.grouped_gemm import library as lib
+
+    x, w, g, _ = make_inputs(40, 32, 16, 4, 32, "balanced", seed=12)
+    with torch.no_grad():
+        x[10] = x[31] = 0
+    g[10] = g[31] = 0
+    offs = torch.tensor([10, 10, 31, 31], dtype=torch.int32)
+    wgrad_offs = torch.tensor([10, 11, 31, 32], dtype=torch.int32)
+    want = run(x, w, g, offs, recipe=recipe, backend=backend)
+    seen = []
+    for name, at in (("mm_2d2d", 5), ("bf16_mm_2d2d", 3)):
+        op = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *args, op=op, at=at: seen.append(args[at]) or op(*args))
+    got = run(x, w, g, offs, recipe=recipe, backend=backend, wgrad_offs=wgrad_offs)
+    assert len(seen) == 1 and (torch.diff(seen[0], prepend=seen[0].new_zeros(1)) > 0).all(), seen
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not got[2][[1, 3]].any() and got[2][[0, 2]].abs().sum() > 0
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2**-7, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "change, error, match",
     [
@@ -479,6 +509,10 @@ def test_bad_input(change, error, match):
         ({"backend": "cutlass"}, ValueError, "cutlass"),
         ({"backend": "cuda"}, ValueError, "cuda"),
         ({"backend": "rocm"}, ValueError, "rocm"),
+        ({"wgrad_offs": torch.tensor([10, 32])}, TypeError, "wgrad_offs"),
+        ({"wgrad_offs": torch.tensor([32], dtype=torch.int32)}, ValueError, "wgrad_offs: expected length 2"),
+        ({"wgrad_offs": torch.tensor([20, 10], dtype=torch.int32)}, ValueError, "wgrad_offs: expected non-decreasing"),
+        ({"wgrad_offs": torch.tensor([10, 33], dtype=torch.int32)}, ValueError, r"wgrad_offs\[-1\] <= 32"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
