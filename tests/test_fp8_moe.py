@@ -422,10 +422,10 @@ def test_empty_experts_backward_vs_fp64():
         assert not grads[name][[1, 3]].any(), name
 
 
-def _empty_experts_case(recipe: str):
+def _empty_experts_case(recipe: str, **kw):
     """A layer whose experts 1 and 3 (one between used experts, one last) get no token, its input
     and output gradient (see ``test_empty_experts_backward_vs_fp64``)."""
-    moe = _moe(recipe, seed=8)
+    moe = _moe(recipe, seed=8, **kw)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(24, H, generator=g)
     x[:, 0] = 4.0
@@ -470,6 +470,23 @@ def test_empty_experts_reach_the_weight_gradient_gemm_with_a_zero_row(recipe, mo
     assert torch.equal(out, want_out) and torch.equal(gx, want_gx)
     for name, grad in grads.items():
         assert torch.equal(grad, want_grads[name]), name
+
+
+@pytest.mark.interpreter
+def test_empty_experts_reach_the_cuda_weight_gradient_with_rows(fake_cuda):
+    """On the ``cuda`` backend (faked on the CPU: ``torch._scaled_grouped_mm`` checked against its
+    contract) the FP8 weight gradients' GEMMs get a padded group of 16 rows for each expert without
+    tokens (its zero row), never an empty group; those experts' gradients are exactly zero."""
+    moe, x, dy = _empty_experts_case("rowwise", backend="cuda")
+    assert moe.router(x).expert_counts.tolist() == [24, 0, 24, 0]
+    _, _, grads = _grads(moe, x, dy)
+    wgrads = [c for c in fake_cuda if c.b.dim() == 2]
+    assert len(wgrads) == 2
+    for call in wgrads:
+        sizes = torch.diff(call.offs, prepend=call.offs.new_zeros(1))
+        assert (sizes[[1, 3]] == 16).all() and (sizes >= 16).all(), sizes
+    for name in ("experts.gate_up_proj", "experts.down_proj"):
+        assert not grads[name][[1, 3]].any() and grads[name][[0, 2]].abs().sum() > 0, name
 
 
 @pytest.mark.interpreter
