@@ -468,6 +468,20 @@ def test_wgrad_offsets_group_the_weight_gradient(recipe, backend, monkeypatch):
     torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2**-7, atol=1e-5)
 
 
+def test_wgrad_offsets_equal_to_offs_are_checked_once(monkeypatch):
+    """``wgrad_offs=offs`` (a plan without ``empty_group_rows`` hands the same tensor twice) is the
+    plain call: the offsets are checked (a host sync on the CPU) once, not twice."""
+    from moe_fp8.grouped_gemm import op
+
+    checked = []
+    real = op._safe_offsets
+    monkeypatch.setattr(op, "_safe_offsets", lambda offs, rows, name: checked.append(name) or real(offs, rows, name))
+    x, w, offs = _good()
+    assert torch.equal(fp8_grouped_mm(x, w, offs, backend="emulated", wgrad_offs=offs),
+                       fp8_grouped_mm(x, w, offs, backend="emulated"))
+    assert checked == ["offs", "offs"]
+
+
 @pytest.mark.parametrize(
     "change, error, match",
     [

@@ -131,6 +131,8 @@ def grouped_mm_arguments(
         raise ValueError("w: expected at least one expert, got shape (0, ...)")
     check_same_device(x=x, w=w)
     check_offsets(offs, num_groups=E, device=x.device)
+    if wgrad_offs is offs:  # the forward's groups (a plan without empty_group_rows): checked once
+        wgrad_offs = None
     if wgrad_offs is not None:
         check_offsets(wgrad_offs, num_groups=E, device=x.device, name="wgrad_offs")
     check_multiple_of("K (x.shape[1])", K, 16)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..quant.kernels.common import max_combine
+
 __all__ = ["SYNC_SLOTS", "plan_kernel"]
 
 # int32 counters at the head of the scratch (five used; eight keep part_counts 16-byte aligned)
@@ -91,11 +93,6 @@ def _wait_until(done_ptr, n):
 
 
 @triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def _place_chunk(ids_ptr, part_counts_ptr, totals_ptr, counts_ptr, offsets_ptr, pair_to_row_ptr, row_to_pair_ptr,
                  pad_rows_ptr, wgrad_offsets_ptr, c, num_chunks, chunk, num_pairs,
                  E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr, PAD: tl.constexpr,
@@ -131,7 +128,7 @@ def _place_chunk(ids_ptr, part_counts_ptr, totals_ptr, counts_ptr, offsets_ptr, 
         tl.store(counts_ptr + experts, counts, mask=emask)
         if EMPTY_ROWS:
             # forward groups: an empty expert's rows join the next non-empty group (or lie past the last)
-            tl.store(offsets_ptr + experts, tl.associative_scan(tl.where(counts > 0, group_end, 0), 0, _max),
+            tl.store(offsets_ptr + experts, tl.associative_scan(tl.where(counts > 0, group_end, 0), 0, max_combine),
                      mask=emask)
             tl.store(wgrad_offsets_ptr + experts, group_end, mask=emask)
         else:
