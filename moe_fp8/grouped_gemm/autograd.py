@@ -161,11 +161,11 @@ def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, ba
     x_amax = None
     # x_quant alone is saved (save_x_fp8): x is never read, and the wgrad reduces its own amaxes
     ctx.x_deq = save_x_fp8
-    want_amax = (scaling == "rowwise" and fp8_wgrad and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
-                 and not save_x_fp8 and _rows_give_group_amax(fused, x.shape[1], w.shape[1]))
+    want_amax = _reduces_x_group_amax(x, w.shape[1], offs.shape[0], x_quant is not None, scaling, fp8_wgrad, fused,
+                                      save_x_fp8, *ctx.needs_input_grad[:2])
     if x_quant is not None:
         xq, xs = x_quant
-        if want_amax and _upstream_amax_pays(x.shape[0], offs.shape[0]):  # one more read of x
+        if want_amax:  # one more read of x
             x_amax = lib.group_amax(x, offs, fused)
     elif want_amax:  # from x's row quantization, the same read
         xq, xs, x_amax = lib.quantize_activation_group_amax(x, offs, fmt, pow2, fused)
@@ -184,20 +184,36 @@ def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, ba
     return out, (xq if keep_fp8 else x, offs, q_bwd, s_bwd, xs if keep_fp8 else x_amax, wgrad_offs)
 
 
-def takes_grad_rows(ctx, saved: tuple) -> bool:
-    """Whether :func:`grouped_mm_backward` takes grad_out's rowwise FP8 from upstream: row scales,
-    the dgrad wanted, and no per-group column amax of grad_out wanted from its row quantization
-    (the FP8 wgrad with x's amax from the forward reduces it there)."""
-    if ctx.empty or ctx.scaling != "rowwise" or not ctx.needs_input_grad[0]:
+def _reduces_x_group_amax(x: torch.Tensor, n: int, groups: int, upstream: bool, scaling: str, fp8_wgrad: bool,
+                          fused: bool, save_x_fp8: bool, need_dx: bool, need_dw: bool) -> bool:
+    """Whether the forward reduces ``x``'s per-group column amax for the rowwise FP8 wgrad (then the
+    dgrad's row quantization of grad_out reduces grad_out's alike); ``upstream``: ``x``'s rows
+    were quantized upstream (the amax costs a read of ``x`` of its own)."""
+    return (scaling == "rowwise" and fp8_wgrad and need_dx and need_dw and not save_x_fp8
+            and _rows_give_group_amax(fused, x.shape[1], n) and (not upstream or _upstream_amax_pays(x.shape[0], groups)))
+
+
+def takes_grad_rows(args: tuple) -> bool:
+    """Whether the backward of ``FP8GroupedMM.apply(*args)`` (``args``: the 15 of
+    ``grouped_mm_arguments``), run now, takes grad_out's rowwise FP8 from upstream
+    (:func:`grouped_mm_backward`'s ``g_fp8``): row scales, the dgrad wanted, and no per-group column
+    amax of grad_out wanted from its row quantization (the FP8 wgrad with x's amax from the
+    forward reduces it there). Known before the forward runs."""
+    x, w, offs, x_quant, scaling, fp8_wgrad, backend, save_x_fp8 = (args[i] for i in (0, 1, 2, 4, 5, 6, 7, 12))
+    need_dx = torch.is_grad_enabled() and x.requires_grad
+    need_dw = torch.is_grad_enabled() and w.requires_grad
+    if x.shape[0] == 0 or scaling != "rowwise" or not need_dx:
         return False
-    return ctx.x_deq or saved[4] is None or not ctx.needs_input_grad[1]
+    fused = get_backend(backend).fused_quant
+    return not _reduces_x_group_amax(x, w.shape[1], offs.shape[0], x_quant is not None, scaling, fp8_wgrad, fused,
+                                     save_x_fp8, need_dx, need_dw)
 
 
 def grouped_mm_backward(ctx, saved: tuple, grad_out: torch.Tensor,
                         g_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dw)`` from :func:`grouped_mm_forward`'s ``ctx`` and saved tensors; ``g_fp8``: grad_out's
-    rowwise FP8 ``(q, scale)``, made upstream, for the dgrad (only where :func:`takes_grad_rows`)."""
+    rowwise FP8 ``(q, scale)``, made upstream, for the dgrad (only where :func:`takes_grad_rows` said so)."""
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.empty:
         x, w = saved

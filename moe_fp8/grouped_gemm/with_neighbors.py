@@ -11,7 +11,10 @@ gradient, an fp32 dot product the combine backward also computes, may be summed 
 than in the non-quantizing kernel: equal to within fp32 rounding). That holds where the GEMM's
 backward takes upstream rows (``takes_grad_rows``: row scales and no per-group amax of the gradient
 wanted from its row quantization, so the ``rowwise_gw_hp`` recipe, or ``rowwise`` whose forward
-found no fused group amax); elsewhere the backward runs as unfused.
+reduces no group amax); elsewhere the separate ops run (``FP8GroupedMM`` then ``SwiGLUQuantize`` /
+``combine``), whose backwards free the SwiGLU's input (or the GEMM's output) and the incoming
+gradient before the GEMM's backward starts: one Function keeps both alive through it (eagerly
+``6*M*I`` bytes more at the first GEMM's backward, ``(M + T)*H*2`` at the second's).
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from __future__ import annotations
 import torch
 
 from ..quant.formats import resolve_format
-from ..quant.swiglu import swiglu_backward, swiglu_backward_quantize, swiglu_quantize
-from ..routing.combine_ops import _combine_op, combine_backward_rows
+from ..quant.swiglu import SwiGLUQuantize, swiglu_backward_quantize, swiglu_quantize
+from ..routing.combine_ops import _combine_op, combine, combine_backward_rows
 from ..routing.plan import DispatchPlan
-from .autograd import grouped_mm_backward, grouped_mm_forward, takes_grad_rows
+from .autograd import FP8GroupedMM, grouped_mm_backward, grouped_mm_forward, takes_grad_rows
 from .op import grouped_mm_arguments
 
 __all__ = ["fp8_grouped_mm_combine", "fp8_grouped_mm_swiglu"]
@@ -32,7 +35,8 @@ _NONES = (None,) * (_GEMM_INPUTS - 2)
 
 
 class _GroupedMMSwiGLU(torch.autograd.Function):
-    """``apply(*gemm_inputs) -> (a, q, scale)``; ``q, scale`` carry no gradient."""
+    """``apply(*gemm_inputs) -> (a, q, scale)``; ``q, scale`` carry no gradient. Only where the
+    GEMM's backward takes the gradient's rows (``takes_grad_rows``)."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -45,16 +49,14 @@ class _GroupedMMSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_a, _grad_q, _grad_scale):
         *saved, h = ctx.saved_tensors
-        if takes_grad_rows(ctx, saved):
-            grad_h, q, scale = swiglu_backward_quantize(h, grad_a, ctx.fmt, pow2=ctx.pow2)
-            dx, dw = grouped_mm_backward(ctx, saved, grad_h, (q, scale))
-        else:
-            dx, dw = grouped_mm_backward(ctx, saved, swiglu_backward(h, grad_a))
+        grad_h, q, scale = swiglu_backward_quantize(h, grad_a, ctx.fmt, pow2=ctx.pow2)
+        dx, dw = grouped_mm_backward(ctx, saved, grad_h, (q, scale))
         return dx, dw, *_NONES
 
 
 class _GroupedMMCombine(torch.autograd.Function):
-    """``apply(*gemm_inputs, pair_to_row, row_to_pair, pad_rows, weights, top_k) -> (T, H)``."""
+    """``apply(*gemm_inputs, pair_to_row, row_to_pair, pad_rows, weights, top_k) -> (T, H)``. Only
+    where the GEMM's backward takes the gradient's rows (``takes_grad_rows``)."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -68,10 +70,9 @@ class _GroupedMMCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         *saved, y, pair_to_row, row_to_pair, pad_rows, weights = ctx.saved_tensors
-        fmt = resolve_format(ctx.fmt) if takes_grad_rows(ctx, saved) else None
         grad_y, grad_w, q, scale = combine_backward_rows(grad_out, y, pair_to_row, row_to_pair, pad_rows, weights,
-                                                         ctx.top_k, fmt, ctx.pow2)
-        dx, dw = grouped_mm_backward(ctx, saved, grad_y, None if fmt is None else (q, scale))
+                                                         ctx.top_k, resolve_format(ctx.fmt), ctx.pow2)
+        dx, dw = grouped_mm_backward(ctx, saved, grad_y, (q, scale))
         return dx, dw, *_NONES, None, None, None, grad_w, None
 
 
@@ -86,6 +87,8 @@ def fp8_grouped_mm_swiglu(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, 
     """
     args = grouped_mm_arguments(x, w, offs, **kwargs)
     _check_row_scales(args)  # N: a multiple of 16, so gate and up halves
+    if not takes_grad_rows(args):
+        return SwiGLUQuantize.apply(FP8GroupedMM.apply(*args), resolve_format(args[8]), args[9])
     return _GroupedMMSwiGLU.apply(*args)
 
 
@@ -108,6 +111,8 @@ def fp8_grouped_mm_combine(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
         if weights.shape != (T, k):
             raise ValueError(f"weights: expected shape {(T, k)}, got {tuple(weights.shape)}")
         weights = weights.contiguous()
+    if not takes_grad_rows(args):
+        return combine(FP8GroupedMM.apply(*args), plan, weights)
     return _GroupedMMCombine.apply(*args, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, weights, k)
 
 
