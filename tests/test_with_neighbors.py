@@ -14,6 +14,8 @@ import moe_fp8.grouped_gemm.with_neighbors as with_neighbors
 from moe_fp8 import FP8GroupedExperts, fp8_grouped_mm
 from moe_fp8.grouped_gemm.with_neighbors import fp8_grouped_mm_combine, fp8_grouped_mm_swiglu
 from moe_fp8.quant.formats import E4M3FN
+from moe_fp8.quant.recipes import get_recipe
+from moe_fp8.quant.reference import quantize_rowwise
 from moe_fp8.quant.swiglu import SwiGLUQuantize
 from moe_fp8.routing import combine, make_dispatch_plan
 
@@ -121,6 +123,49 @@ def test_combine_function_matches_gemm_then_combine():
     out2 = combine(y, plan, leaves2[2])
     assert out.shape == (T, H) and torch.equal(out, out2)
     for got, want in zip(_grads(out, leaves1, dy), _grads(out2, leaves2, dy)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("recipe, x_grad, grad_mode, min_rows, fused", [
+    ("rowwise_gw_hp", True, True, 1024, ["_GroupedMMSwiGLU", "_GroupedMMCombine"]),  # the dgrads take the rows
+    ("rowwise", True, True, 1024, ["_GroupedMMSwiGLU", "_GroupedMMCombine"]),  # too few rows per group to
+    # read x again for its group amax
+    ("rowwise", True, True, 1, []),  # x's group amax from the forward: the dgrads quantize themselves
+    ("rowwise_gw_hp", False, True, 1024, ["_GroupedMMCombine"]),  # no dgrad for the first GEMM
+    ("rowwise_gw_hp", True, False, 1024, []),  # no backward
+])
+def test_fused_function_only_where_its_backward_takes_rows(recipe, x_grad, grad_mode, min_rows, fused, monkeypatch):
+    """Each fused Function runs only where its GEMM's backward takes the upstream rows (x's rows
+    quantized upstream, as the layer's permute makes them); elsewhere the separate ops run (one
+    autograd node each, so the SwiGLU's input and the incoming gradients are freed before the
+    GEMM's backward), with the same outputs and gradients."""
+    monkeypatch.setattr(gemm_autograd, "UPSTREAM_AMAX_MIN_ROWS_PER_GROUP", min_rows)
+    applied = []
+    for cls in (with_neighbors._GroupedMMSwiGLU, with_neighbors._GroupedMMCombine):
+        monkeypatch.setattr(cls, "apply", lambda *a, _apply=cls.apply, _name=cls.__name__: (
+            applied.append(_name), _apply(*a))[1])
+    plan, x, w1, g = _gemm_inputs(4, 2 * I, "empty")
+    w2 = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+    weights = torch.rand(T, K, generator=g)
+    dy = torch.randn(T, H, generator=g).bfloat16()
+    kw = dict(recipe=recipe, backend="triton")
+    x_fp8 = quantize_rowwise(x, E4M3FN, pow2=get_recipe(recipe).pow2_scales)
+    results = []
+    for use_neighbors in (True, False):
+        leaves = [x.clone().requires_grad_(x_grad), w1.clone().requires_grad_(), w2.clone().requires_grad_()]
+        with torch.set_grad_enabled(grad_mode):
+            if use_neighbors:
+                a, q, s = fp8_grouped_mm_swiglu(leaves[0], leaves[1], plan.offsets, x_fp8=x_fp8, **kw)
+                out = fp8_grouped_mm_combine(a, leaves[2], plan.offsets, plan, weights, x_fp8=(q, s), **kw)
+            else:
+                h = fp8_grouped_mm(leaves[0], leaves[1], plan.offsets, x_fp8=x_fp8, **kw)
+                a, q, s = SwiGLUQuantize.apply(h, E4M3FN, get_recipe(recipe).pow2_scales)
+                out = combine(fp8_grouped_mm(a, leaves[2], plan.offsets, x_fp8=(q, s), **kw), plan, weights)
+        grads = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], dy) if grad_mode else []
+        results.append([out, *grads])
+    assert applied == fused
+    for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
 
 
