@@ -10,12 +10,14 @@ every token and sums those partial results in rank order in fp32, as the EP comb
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 
 import torch
 import torch.distributed as dist
 
+import moe_fp8.parallel.experts as ep_experts
 from moe_fp8 import FP8GroupedExperts, FP8MoE
 from moe_fp8.parallel import ExpertParallelExperts, RowsAllToAll, all_to_all_rows, destination_plan, exchange_counts
 from moe_fp8.parallel import expert_parallel_from, expert_parallel_moe, shard_experts
@@ -129,6 +131,18 @@ def _reference(full, x, ids, w, dy, world: int, on_input: bool = False):
     return (_sum_in_rank_order([p[0] for p in parts]), _sum_in_rank_order([p[1] for p in parts])) + whole[2:]
 
 
+@contextlib.contextmanager
+def _recorded_plans():
+    """The dispatch plans the expert-parallel layer makes inside the block (its module's
+    ``make_dispatch_plan`` wrapped)."""
+    plans, make_plan = [], ep_experts.make_dispatch_plan
+    ep_experts.make_dispatch_plan = lambda *a, **kw: plans.append(make_plan(*a, **kw)) or plans[-1]
+    try:
+        yield plans
+    finally:
+        ep_experts.make_dispatch_plan = make_plan
+
+
 def check_experts(group, world: int, rank: int, recipe: str) -> None:
     """EP experts (both dispatch modes; sync-free too where every rank has the same T) == the
     one-process reference, bitwise, in every scenario;
@@ -143,46 +157,52 @@ def check_experts(group, world: int, rank: int, recipe: str) -> None:
     shards = {d: ExpertParallelExperts.from_full(full, group, d) for d in dispatches}
     static = {f"{d} sync-free": ExpertParallelExperts.from_full(full, group, d, sync_free=True) for d in dispatches}
     lo, hi = rank * E // world, (rank + 1) * E // world
-    for name, (ts, ids) in scenarios(world, E).items():
-        # the sync-free dispatch takes the same T on every rank
-        layers = {**shards, **static} if len(set(ts)) == 1 else shards
-        gen = torch.Generator().manual_seed(1)
-        n = sum(ts)
-        x = torch.randn(n, H, generator=gen).to(torch.bfloat16)
-        w = torch.rand(n, K, generator=gen)
-        dy = torch.randn(n, H, generator=gen).to(torch.bfloat16)
-        refs = {"bf16": _reference(full, x, ids, w, dy, world), "fp8": _reference(full_fp8_in, x, ids, w, dy, world)}
-        a, b = sum(ts[:rank]), sum(ts[: rank + 1])
-        for dispatch, shard in layers.items():
-            _dirty_allocator()
-            got = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
-            tag = f"world={world} rank={rank} {recipe} {dispatch} {name}"
-            ref = refs[dispatch[:4].strip()]
-            for what, g, r in zip(("out", "grad x", "grad weights"), got[:3], ref[:3]):
-                _check_equal(f"{tag}: {what}", g, r[a:b])
-            _check_equal(f"{tag}: grad gate_up_proj", got[3], ref[3][lo:hi])
-            _check_equal(f"{tag}: grad down_proj", got[4], ref[4][lo:hi])
-            routed = torch.zeros(E, dtype=torch.bool)
-            routed[ids[(ids >= 0) & (ids < E)]] = True
-            for e in range(hi - lo):
-                if not routed[lo + e]:
-                    assert not got[3][e].any() and not got[4][e].any(), f"{tag}: expert {lo + e} has no tokens"
-            if name in ("uniform", "equal_tokens") and dispatch.startswith("fp8"):
-                with torch.no_grad():  # the FP8 rows alone travel
-                    _check_equal(f"{tag}: out without grad", shard(x[a:b], ids[a:b], w[a:b]), ref[0][a:b])
-                again = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
-                for g1, g2 in zip(got, again):
-                    assert torch.equal(g1, g2), f"{tag}: two runs differ"
-                try:
-                    shard(x[a:b], ids[a:b], None, input_scales=w[a:b])
-                except ValueError as e:
-                    assert "input_scales" in str(e), str(e)
-                else:
-                    raise AssertionError(f"{tag}: no ValueError for FP8 dispatch with input scales")
-            if name in ("uniform", "equal_tokens") and dispatch.startswith("bf16"):
-                on_input = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b], on_input=True)
-                for what, g, r in zip(_WHAT, on_input, _reference(full, x, ids, w, dy, world, on_input=True)):
-                    _check_equal(f"{tag} input scales: {what}", g, r[lo:hi] if what.startswith("grad W") else r[a:b])
+    with _recorded_plans() as plans:  # the local plans: every local expert keeps a weight-gradient row
+        for name, (ts, ids) in scenarios(world, E).items():
+            # the sync-free dispatch takes the same T on every rank
+            layers = {**shards, **static} if len(set(ts)) == 1 else shards
+            gen = torch.Generator().manual_seed(1)
+            n = sum(ts)
+            x = torch.randn(n, H, generator=gen).to(torch.bfloat16)
+            w = torch.rand(n, K, generator=gen)
+            dy = torch.randn(n, H, generator=gen).to(torch.bfloat16)
+            refs = {"bf16": _reference(full, x, ids, w, dy, world),
+                    "fp8": _reference(full_fp8_in, x, ids, w, dy, world)}
+            a, b = sum(ts[:rank]), sum(ts[: rank + 1])
+            for dispatch, shard in layers.items():
+                _dirty_allocator()
+                got = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
+                tag = f"world={world} rank={rank} {recipe} {dispatch} {name}"
+                ref = refs[dispatch[:4].strip()]
+                for what, g, r in zip(("out", "grad x", "grad weights"), got[:3], ref[:3]):
+                    _check_equal(f"{tag}: {what}", g, r[a:b])
+                _check_equal(f"{tag}: grad gate_up_proj", got[3], ref[3][lo:hi])
+                _check_equal(f"{tag}: grad down_proj", got[4], ref[4][lo:hi])
+                wgrad_offsets = plans[-1].wgrad_offsets
+                sizes = torch.diff(wgrad_offsets, prepend=wgrad_offsets.new_zeros(1))
+                assert (sizes > 0).all(), f"{tag}: a weight-gradient group without rows: {sizes.tolist()}"
+                routed = torch.zeros(E, dtype=torch.bool)
+                routed[ids[(ids >= 0) & (ids < E)]] = True
+                for e in range(hi - lo):
+                    if not routed[lo + e]:
+                        assert not got[3][e].any() and not got[4][e].any(), f"{tag}: expert {lo + e} has no tokens"
+                if name in ("uniform", "equal_tokens") and dispatch.startswith("fp8"):
+                    with torch.no_grad():  # the FP8 rows alone travel
+                        _check_equal(f"{tag}: out without grad", shard(x[a:b], ids[a:b], w[a:b]), ref[0][a:b])
+                    again = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b])
+                    for g1, g2 in zip(got, again):
+                        assert torch.equal(g1, g2), f"{tag}: two runs differ"
+                    try:
+                        shard(x[a:b], ids[a:b], None, input_scales=w[a:b])
+                    except ValueError as e:
+                        assert "input_scales" in str(e), str(e)
+                    else:
+                        raise AssertionError(f"{tag}: no ValueError for FP8 dispatch with input scales")
+                if name in ("uniform", "equal_tokens") and dispatch.startswith("bf16"):
+                    on_input = _run(shard, x[a:b], ids[a:b], w[a:b], dy[a:b], on_input=True)
+                    for what, g, r in zip(_WHAT, on_input, _reference(full, x, ids, w, dy, world, on_input=True)):
+                        want = r[lo:hi] if what.startswith("grad W") else r[a:b]
+                        _check_equal(f"{tag} input scales: {what}", g, want)
 
 
 def check_fp8_rows_equal_quantize_after_receipt(group, world: int, rank: int) -> None:

@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 
 from ..layers.experts import FP8GroupedExperts
 from ..quant import formats
-from ..routing import combine, make_dispatch_plan, permute, permute_quantize, permute_stand_in
+from ..routing import DispatchPlan, combine, make_dispatch_plan, permute, permute_quantize, permute_stand_in
 from .destinations import destination_plan, every_rank_plan
 from .exchange import RowsAllToAll, Splits, all_to_all_rows, exchange_counts
 from .fp8_rows import FP8RowsAllToAll
@@ -177,13 +177,12 @@ class ExpertParallelExperts(FP8GroupedExperts):
         computes it (``FP8GroupedExperts.forward`` on the received tokens), from the BF16 token rows
         ``rows (R, H)`` as received, or their FP8 ``(q (R, H), scale (R,))`` as received with ``rows``
         a stand-in that carries the gradient (:class:`FP8RowsAllToAll`)."""
-        plan = make_dispatch_plan(ids, self.num_experts)
+        # as in one process: an expert without tokens keeps a zero row for its weight gradient
+        plan = make_dispatch_plan(ids, self.num_experts, empty_group_rows=True)
         if fp8_rows is None:
             x_perm, x_fp8 = self.permuted_rows(rows, plan, scales, stand_in=self.fp8_saved_input)
         else:  # each expert row is its token's FP8 row: the same bytes and scale as quantizing after receipt
-            q, scale = fp8_rows
-            token = plan.row_to_pair.long().clamp(min=0) // plan.top_k
-            x_fp8 = (q.view(torch.uint8).index_select(0, token).view(q.dtype), scale.index_select(0, token))
+            x_fp8 = _expert_fp8_rows(*fp8_rows, plan)
             x_perm = permute_stand_in(rows, plan)
         if self.checkpoint and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self.grouped_mlp, x_perm, plan, weights, x_fp8,
@@ -200,6 +199,18 @@ class ExpertParallelExperts(FP8GroupedExperts):
         return (f"{super().extra_repr()}, global_experts={self.global_num_experts}, ep_rank={self.ep_rank}, "
                 f"ep_size={self.ep_size}, dispatch={self.dispatch}, checkpoint={self.checkpoint}, "
                 f"sync_free={self.sync_free}")
+
+
+def _expert_fp8_rows(q: torch.Tensor, scale: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert row's FP8 token row, ``(q (M, H), scale (M,))`` in ``plan``'s row layout, from the
+    received token rows ``q (R, H)`` fp8 and their ``scale (R,)`` fp32; the plan's padding rows
+    (an empty expert's zero row among them) get zero bytes and scale 1."""
+    rows, pad = plan.row_to_pair.shape[0], plan.pad_rows.long()
+    if q.shape[0] == 0:  # nothing received (a host-known count): the padding rows alone
+        return torch.zeros(rows, q.shape[1], dtype=torch.uint8, device=q.device).view(q.dtype), scale.new_ones(rows)
+    token = plan.row_to_pair.long().clamp(min=0) // plan.top_k
+    q_rows = q.view(torch.uint8).index_select(0, token).index_fill_(0, pad, 0).view(q.dtype)
+    return q_rows, scale.index_select(0, token).index_fill_(0, pad, 1.0)
 
 
 class _ScaleGrad(torch.autograd.Function):
