@@ -33,6 +33,7 @@ from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
 from moe_fp8.optim.adamw_quantize import adamw_hyper, adamw_quantize  # noqa: E402
 from moe_fp8.quant import E4M3FN, E4M3FNUZ  # noqa: E402
 from moe_fp8.quant.formats import FORMAT_ENV_VAR  # noqa: E402
+from moe_fp8.routing import make_dispatch_plan  # noqa: E402
 
 #: The GPUs checked: launch target and the FP8 format the library takes there.
 TARGETS = {
@@ -109,8 +110,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def workload(fmt) -> None:
     """Launch every kernel of the library at least once, in the layouts training uses: FP8MoE
     (rowwise, weights cached and not, the gradients' FP8 rows from the SwiGLU and combine backwards
-    and from the dgrads), the grouped GEMM in each FP8 recipe, FP8Linear, and the
-    zeroing kernels, and the fused AdamW + quantize step. Shapes are small but wide enough (256) for the GPU's widest tiles."""
+    and from the dgrads), the grouped GEMM in each FP8 recipe, FP8Linear, the zeroing kernels, the
+    dispatch plan without empty-expert rows, and the fused AdamW + quantize step. Shapes are small
+    but wide enough (256) for the GPU's widest tiles."""
     torch.manual_seed(0)
     bf16 = torch.bfloat16
     H, I, E, T = 256, 256, 4, 64
@@ -129,6 +131,8 @@ def workload(fmt) -> None:
         x = torch.randn(48, H, dtype=bf16, requires_grad=True)
         w = torch.randn(I, H, dtype=bf16, requires_grad=True)
         fp8_linear(x, w, recipe=recipe, fmt=fmt).sum().backward()
+    # the plan without empty experts' zero rows (expert-parallel destinations), with padded groups
+    make_dispatch_plan(torch.randint(0, E, (T, 2), dtype=torch.int32), E, pad_multiple=16)
     launch_zero_rows_kernel(torch.randn(T, H, dtype=bf16), torch.tensor([10, 40], dtype=torch.int32))
     launch_zero_empty_groups_kernel(torch.randn(E, I, H, dtype=bf16), offs)
     w = torch.randn(E, I, H, dtype=bf16)
