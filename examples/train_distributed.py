@@ -22,6 +22,7 @@ through one fixed random permutation of the vocabulary (a next token that one to
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -205,6 +206,11 @@ def main() -> None:
                 print(f"saved {args.save} after step {step}")
     if rank == 0 and tokens:
         print(f"{tokens / seconds:.0f} tokens/s (global, steps after the first)")
+    # what holds the process groups (the model's FSDP and expert-parallel state, the mesh) is freed
+    # before they are destroyed, while the interpreter is whole: a gloo group whose last reference
+    # goes at interpreter exit can abort the process after its work is done
+    del model, optimizer, mesh
+    gc.collect()
     dist.barrier()  # no rank closes its connections while another still receives its last messages
     dist.destroy_process_group()
 
