@@ -20,6 +20,7 @@ import torch.distributed as dist
 import moe_fp8.parallel.experts as ep_experts
 from moe_fp8 import FP8GroupedExperts, FP8MoE
 from moe_fp8.parallel import ExpertParallelExperts, RowsAllToAll, all_to_all_rows, destination_plan, exchange_counts
+from moe_fp8.parallel.fp8_rows import FP8RowsAllToAll
 from moe_fp8.parallel import expert_parallel_from, expert_parallel_moe, shard_experts
 from moe_fp8.quant import quantize_rowwise
 from moe_fp8.routing import combine, permute, permute_quantize
@@ -224,6 +225,25 @@ def check_fp8_rows_equal_quantize_after_receipt(group, world: int, rank: int) ->
     assert torch.equal(q, q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
     mine = ((ids >= rank * el) & (ids < (rank + 1) * el)).any(1)
     assert torch.equal(rows, x[mine]), f"world={world} rank={rank}: received rows"
+    # no gradient reaches the received rows (the op after them gives none): zeros still travel home,
+    # so every rank enters the backward's exchange, and x's gradient is zero
+    xr = x[a:b].clone().requires_grad_()
+    stand_in, _ = FP8RowsAllToAll.apply(xr, permute_quantize(xr.detach(), route, torch.float8_e4m3fn)[0], route,
+                                        splits.send, splits.recv, group)
+    _NoGradient.apply(stand_in).sum().backward()
+    assert xr.grad is not None and not xr.grad.any(), f"world={world} rank={rank}: gradient without rows"
+
+
+class _NoGradient(torch.autograd.Function):
+    """Identity whose backward returns no gradient: what reaches the op before it is undefined."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
 
 
 def check_round_trip(group, world: int, rank: int) -> None:

@@ -169,6 +169,36 @@ def test_fused_function_only_where_its_backward_takes_rows(recipe, x_grad, grad_
         assert torch.equal(got, want)
 
 
+class _NoGradient(torch.autograd.Function):
+    """Identity whose backward returns no gradient: what reaches the op before it is undefined."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fused", [True, False])
+def test_undefined_gradient_of_the_swiglu_output(fused):
+    """Neither SwiGLU Function has zero gradients made for its FP8 outputs; where ``a``'s own gradient
+    is undefined too, its backward gives none to its inputs (no zeros, no crash)."""
+    plan, x, w, _ = _gemm_inputs(5, 2 * I)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    x_fp8 = quantize_rowwise(x.detach(), E4M3FN, pow2=True)
+    if fused:  # upstream rows, too few per group for x's group amax: the fused Function
+        a, _, _ = fp8_grouped_mm_swiglu(x, w, plan.offsets, recipe="rowwise_gw_hp", backend="triton", x_fp8=x_fp8)
+        assert type(a.grad_fn).__name__ == "_GroupedMMSwiGLUBackward"
+    else:  # its input a leaf
+        x = fp8_grouped_mm(x, w, plan.offsets, recipe="rowwise_gw_hp", backend="triton", x_fp8=x_fp8).detach()
+        a, _, _ = SwiGLUQuantize.apply(x.requires_grad_(), E4M3FN, True)
+    _NoGradient.apply(a).sum().backward()
+    assert x.grad is None and w.grad is None
+
+
 def test_bad_input():
     plan, x, w, _ = _gemm_inputs(3, 2 * I)
     with pytest.raises(ValueError, match="recipe: expected a recipe with row scales"):

@@ -44,10 +44,13 @@ class _GroupedMMSwiGLU(torch.autograd.Function):
         a, q, scale = swiglu_quantize(h, ctx.fmt, pow2=ctx.pow2)
         ctx.save_for_backward(*saved, h)
         ctx.mark_non_differentiable(q, scale)
+        ctx.set_materialize_grads(False)  # no zero gradients made for q and scale
         return a, q, scale
 
     @staticmethod
     def backward(ctx, grad_a, _grad_q, _grad_scale):
+        if grad_a is None:  # a took no part in what is differentiated
+            return None, None, *_NONES
         *saved, h = ctx.saved_tensors
         grad_h, q, scale = swiglu_backward_quantize(h, grad_a, ctx.fmt, pow2=ctx.pow2)
         dx, dw = grouped_mm_backward(ctx, saved, grad_h, (q, scale))

@@ -28,10 +28,16 @@ class FP8RowsAllToAll(torch.autograd.Function):
         ctx.route, ctx.send, ctx.recv, ctx.group = route, send, recv, group
         q_recv = all_to_all_rows(q.view(torch.uint8), send, recv, group).view(q.dtype)
         ctx.mark_non_differentiable(q_recv)
-        return x.new_empty(()).expand(q_recv.shape[0], x.shape[1]), q_recv  # never read: no fill
+        ctx.set_materialize_grads(False)  # no zero gradient made for q_recv
+        stand_in = x.new_empty(()).expand(q_recv.shape[0], x.shape[1])  # never read: no fill
+        ctx.stand_in = (stand_in.shape, stand_in.dtype, stand_in.device)
+        return stand_in, q_recv
 
     @staticmethod
     def backward(ctx, grad, _grad_q):
+        if grad is None:  # no gradient reached the rows: zeros travel, so every rank enters the exchange
+            shape, dtype, device = ctx.stand_in
+            grad = torch.zeros(shape, dtype=dtype, device=device)
         rows = all_to_all_rows(grad.contiguous(), ctx.recv, ctx.send, ctx.group, ctx.route.num_rows)
         rows[sum(ctx.send):].zero_()
         return combine(rows, ctx.route, None), None, None, None, None, None

@@ -305,9 +305,12 @@ class SwiGLUQuantize(torch.autograd.Function):
         a, q, scale = swiglu_quantize(h, fmt, pow2=pow2)
         ctx.save_for_backward(h)
         ctx.mark_non_differentiable(q, scale)
+        ctx.set_materialize_grads(False)  # no zero gradients made for q and scale
         return a, q, scale
 
     @staticmethod
     def backward(ctx, grad_a, _grad_q, _grad_scale):
+        if grad_a is None:  # a took no part in what is differentiated
+            return None, None, None
         (h,) = ctx.saved_tensors
         return swiglu_backward(h, grad_a), None, None
