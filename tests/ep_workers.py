@@ -25,10 +25,11 @@ from moe_fp8.parallel import expert_parallel_from, expert_parallel_moe, shard_ex
 from moe_fp8.quant import quantize_rowwise
 from moe_fp8.routing import combine, permute, permute_quantize
 
+from no_gradient import NoGradient
+
 H, I, K = 32, 32, 2
 TIMEOUT = datetime.timedelta(seconds=60)
 BACKEND = "emulated"  # the grouped GEMM of the CPU FP8MoE tests (exact reference backend)
-
 
 
 def layer_grads(layer, x: torch.Tensor, dy: torch.Tensor):
@@ -230,20 +231,8 @@ def check_fp8_rows_equal_quantize_after_receipt(group, world: int, rank: int) ->
     xr = x[a:b].clone().requires_grad_()
     stand_in, _ = FP8RowsAllToAll.apply(xr, permute_quantize(xr.detach(), route, torch.float8_e4m3fn)[0], route,
                                         splits.send, splits.recv, group)
-    _NoGradient.apply(stand_in).sum().backward()
+    NoGradient.apply(stand_in).sum().backward()
     assert xr.grad is not None and not xr.grad.any(), f"world={world} rank={rank}: gradient without rows"
-
-
-class _NoGradient(torch.autograd.Function):
-    """Identity whose backward returns no gradient: what reaches the op before it is undefined."""
-
-    @staticmethod
-    def forward(ctx, a):
-        return a.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None
 
 
 def check_round_trip(group, world: int, rank: int) -> None:

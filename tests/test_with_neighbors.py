@@ -20,6 +20,7 @@ from moe_fp8.quant.swiglu import SwiGLUQuantize
 from moe_fp8.routing import combine, make_dispatch_plan
 
 from test_routing_plan import random_topk_ids
+from no_gradient import NoGradient
 
 T, H, I, E, K = 40, 64, 32, 4, 2
 
@@ -169,18 +170,6 @@ def test_fused_function_only_where_its_backward_takes_rows(recipe, x_grad, grad_
         assert torch.equal(got, want)
 
 
-class _NoGradient(torch.autograd.Function):
-    """Identity whose backward returns no gradient: what reaches the op before it is undefined."""
-
-    @staticmethod
-    def forward(ctx, a):
-        return a.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fused", [True, False])
 def test_undefined_gradient_of_the_swiglu_output(fused):
@@ -195,7 +184,7 @@ def test_undefined_gradient_of_the_swiglu_output(fused):
     else:  # its input a leaf
         x = fp8_grouped_mm(x, w, plan.offsets, recipe="rowwise_gw_hp", backend="triton", x_fp8=x_fp8).detach()
         a, _, _ = SwiGLUQuantize.apply(x.requires_grad_(), E4M3FN, True)
-    _NoGradient.apply(a).sum().backward()
+    NoGradient.apply(a).sum().backward()
     assert x.grad is None and w.grad is None
 
 
