@@ -68,8 +68,9 @@ class FP8GroupedExperts(nn.Module):
     """
 
     #: With row scales, the SwiGLU backward and the combine backward also write their gradients' FP8
-    #: rows, which the GEMMs' dgrads take: one launch and one read of each gradient fewer, the same
-    #: bits. ``False`` quantizes them in separate kernels (for side-by-side measurements).
+    #: rows where the GEMMs' dgrads take them (no group amax wanted from the dgrad's own row
+    #: quantization): one launch and one read of each gradient fewer, the same bits. ``False``
+    #: quantizes them in separate kernels (for side-by-side measurements).
     fused_grad_quant: bool = True
 
     def __init__(
@@ -227,8 +228,8 @@ class FP8GroupedExperts(nn.Module):
         rowwise FP8 ``(q, scale)``, or ``None`` (quantized in the GEMM); ``save_x_fp8``: the first
         GEMM saves ``x_fp8``, not ``x_perm`` (which it then never reads). Returns ``(T, H)`` bf16
         (the GEMMs' dtype). With row scales (and ``fused_grad_quant``) the SwiGLU backward and the
-        combine backward write the gradients' FP8 rows the GEMMs' dgrads take
-        (``grouped_gemm.with_neighbors``)."""
+        combine backward write the gradients' FP8 rows where the GEMMs' dgrads take them
+        (``grouped_gemm.with_neighbors``, which runs the separate ops elsewhere)."""
         recipe, fp8_rows = self.recipe, self.recipe.scaling == "rowwise"
         gemm = dict(recipe=recipe, backend=self.backend, wgrad_offs=plan.wgrad_offsets)
         w1, w2 = self._weights()
