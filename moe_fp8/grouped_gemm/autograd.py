@@ -199,7 +199,7 @@ def takes_grad_rows(args: tuple) -> bool:
     (:func:`grouped_mm_backward`'s ``g_fp8``): row scales, the dgrad wanted, and no per-group column
     amax of grad_out wanted from its row quantization (the FP8 wgrad with x's amax from the
     forward reduces it there). Known before the forward runs."""
-    x, w, offs, x_quant, scaling, fp8_wgrad, backend, save_x_fp8 = (args[i] for i in (0, 1, 2, 4, 5, 6, 7, 12))
+    x, w, offs, _, x_quant, scaling, fp8_wgrad, backend, _, _, _, _, save_x_fp8, _, _ = args
     need_dx = torch.is_grad_enabled() and x.requires_grad
     need_dw = torch.is_grad_enabled() and w.requires_grad
     if x.shape[0] == 0 or scaling != "rowwise" or not need_dx:
