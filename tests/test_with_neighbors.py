@@ -129,21 +129,20 @@ def test_combine_function_matches_gemm_then_combine():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("recipe, x_grad, grad_mode, min_rows, fused", [
-    ("rowwise_gw_hp", True, True, 1024, ["_GroupedMMSwiGLU", "_GroupedMMCombine"]),  # the dgrads take the rows
-    ("rowwise", True, True, 1024, ["_GroupedMMSwiGLU", "_GroupedMMCombine"]),  # too few rows per group to
+    ("rowwise_gw_hp", True, True, 1024, ["_SwiGLUGivingRows", "_CombineGivingRows"]),  # the dgrads take the rows
+    ("rowwise", True, True, 1024, ["_SwiGLUGivingRows", "_CombineGivingRows"]),  # too few rows per group to
     # read x again for its group amax
     ("rowwise", True, True, 1, []),  # x's group amax from the forward: the dgrads quantize themselves
-    ("rowwise_gw_hp", False, True, 1024, ["_GroupedMMCombine"]),  # no dgrad for the first GEMM
+    ("rowwise_gw_hp", False, True, 1024, ["_CombineGivingRows"]),  # no dgrad for the first GEMM
     ("rowwise_gw_hp", True, False, 1024, []),  # no backward
 ])
 def test_fused_function_only_where_its_backward_takes_rows(recipe, x_grad, grad_mode, min_rows, fused, monkeypatch):
-    """Each fused Function runs only where its GEMM's backward takes the upstream rows (x's rows
-    quantized upstream, as the layer's permute makes them); elsewhere the separate ops run (one
-    autograd node each, so the SwiGLU's input and the incoming gradients are freed before the
-    GEMM's backward), with the same outputs and gradients."""
+    """The Functions that hand the gradient's FP8 rows to the GEMM run only where its backward
+    takes them (x's rows quantized upstream, as the layer's permute makes them); elsewhere the
+    separate ops run, with the same outputs and gradients."""
     monkeypatch.setattr(gemm_autograd, "UPSTREAM_AMAX_MIN_ROWS_PER_GROUP", min_rows)
     applied = []
-    for cls in (with_neighbors._GroupedMMSwiGLU, with_neighbors._GroupedMMCombine):
+    for cls in (with_neighbors._SwiGLUGivingRows, with_neighbors._CombineGivingRows):
         monkeypatch.setattr(cls, "apply", lambda *a, _apply=cls.apply, _name=cls.__name__: (
             applied.append(_name), _apply(*a))[1])
     plan, x, w1, g = _gemm_inputs(4, 2 * I, "empty")
@@ -180,12 +179,41 @@ def test_undefined_gradient_of_the_swiglu_output(fused):
     x_fp8 = quantize_rowwise(x.detach(), E4M3FN, pow2=True)
     if fused:  # upstream rows, too few per group for x's group amax: the fused Function
         a, _, _ = fp8_grouped_mm_swiglu(x, w, plan.offsets, recipe="rowwise_gw_hp", backend="triton", x_fp8=x_fp8)
-        assert type(a.grad_fn).__name__ == "_GroupedMMSwiGLUBackward"
+        assert type(a.grad_fn).__name__ == "_SwiGLUGivingRowsBackward"
     else:  # its input a leaf
         x = fp8_grouped_mm(x, w, plan.offsets, recipe="rowwise_gw_hp", backend="triton", x_fp8=x_fp8).detach()
         a, _, _ = SwiGLUQuantize.apply(x.requires_grad_(), E4M3FN, True)
     NoGradient.apply(a).sum().backward()
     assert x.grad is None and w.grad is None
+
+
+@pytest.mark.interpreter
+def test_saved_tensors_freed_before_the_gemm_backward():
+    """With the gradient's rows handed to the GEMM, the SwiGLU's and the combine's nodes have
+    released what they saved (``h``, ``y``) when their GEMM's backward starts, and that backward
+    receives the rows and scales ``quantize_rowwise`` makes of its output gradient."""
+    plan, x, w1, g = _gemm_inputs(6, 2 * I)
+    w1, w2 = w1.requires_grad_(), (torch.randn(E, H, I, generator=g) * 0.1).bfloat16().requires_grad_()
+    pow2 = get_recipe("rowwise_gw_hp").pow2_scales
+    x_fp8 = quantize_rowwise(x, E4M3FN, pow2=pow2)
+    kw = dict(recipe="rowwise_gw_hp", backend="triton")
+    a, q, s = fp8_grouped_mm_swiglu(x.requires_grad_(), w1, plan.offsets, x_fp8=x_fp8, **kw)
+    out = fp8_grouped_mm_combine(a, w2, plan.offsets, plan, torch.rand(T, K, generator=g), x_fp8=(q, s), **kw)
+    seen = []
+    for op in (a.grad_fn, out.grad_fn):
+        gemm = op.next_functions[0][0]
+        assert type(gemm).__name__ == "_GroupedMMTakingRowsBackward" and op.next_functions[1][0] is gemm
+
+        def check(grads, op=op):
+            with pytest.raises(RuntimeError, match="freed"):
+                op.saved_tensors
+            grad_out, rows, scale = grads
+            want = quantize_rowwise(grad_out, E4M3FN, pow2=pow2)
+            seen.append(torch.equal(rows.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1]))
+
+        gemm.register_prehook(check)
+    out.backward(torch.randn(T, H, generator=g).bfloat16())
+    assert seen == [True, True]
 
 
 def test_bad_input():

@@ -9,12 +9,16 @@ rows and scales, and the GEMM's dgrad takes them instead of quantizing the gradi
 launch and one read of the gradient fewer per GEMM (the same bits; on a GPU the router weights'
 gradient, an fp32 dot product the combine backward also computes, may be summed in another order
 than in the non-quantizing kernel: equal to within fp32 rounding). That holds where the GEMM's
-backward takes upstream rows (``takes_grad_rows``: row scales and no per-group amax of the gradient
-wanted from its row quantization, so the ``rowwise_gw_hp`` recipe, or ``rowwise`` whose forward
-reduces no group amax); elsewhere the separate ops run (``FP8GroupedMM`` then ``SwiGLUQuantize`` /
-``combine``), whose backwards free the SwiGLU's input (or the GEMM's output) and the incoming
-gradient before the GEMM's backward starts: one Function keeps both alive through it (eagerly
-``6*M*I`` bytes more at the first GEMM's backward, ``(M + T)*H*2`` at the second's).
+backward takes upstream rows (``takes_grad_rows``: row scales and no per-group column amax of the
+gradient wanted from its row quantization, so the ``rowwise_gw_hp`` recipe, or ``rowwise`` whose
+forward reduces no group amax); elsewhere the separate ops run (``FP8GroupedMM`` then
+``SwiGLUQuantize`` / ``combine``).
+
+The GEMM and the op after it stay two autograd nodes either way, so the op's backward frees what
+it saved (the SwiGLU's input ``h``, the combine's ``y``) and the gradient it received before the
+GEMM's backward starts. The FP8 rows travel between them as gradients: the GEMM's Function also
+returns two stand-ins (zero stride, no values: ``(M, N)`` fp8 and ``(M,)`` fp32) that only the op
+after it takes, and that op's backward returns the rows and scales as their gradients.
 """
 
 from __future__ import annotations
@@ -30,19 +34,40 @@ from .op import grouped_mm_arguments
 
 __all__ = ["fp8_grouped_mm_combine", "fp8_grouped_mm_swiglu"]
 
-_GEMM_INPUTS = 15  # the inputs of ``grouped_mm_arguments``, first in every Function here
-_NONES = (None,) * (_GEMM_INPUTS - 2)
+_NONES = (None,) * 13  # gradients of the GEMM arguments after x and w
 
 
-class _GroupedMMSwiGLU(torch.autograd.Function):
-    """``apply(*gemm_inputs) -> (a, q, scale)``; ``q, scale`` carry no gradient. Only where the
-    GEMM's backward takes the gradient's rows (``takes_grad_rows``)."""
+class _GroupedMMTakingRows(torch.autograd.Function):
+    """``apply(*gemm_inputs) -> (out, q_in, scale_in)``: ``FP8GroupedMM`` whose dgrad takes
+    grad_out's rowwise FP8 as the gradients of the stand-ins ``q_in (M, N)`` fp8 and
+    ``scale_in (M,)`` fp32 (zero stride, never read). Only where ``takes_grad_rows``."""
 
     @staticmethod
     def forward(ctx, *inputs):
-        h, saved = grouped_mm_forward(ctx, *inputs)
-        a, q, scale = swiglu_quantize(h, ctx.fmt, pow2=ctx.pow2)
-        ctx.save_for_backward(*saved, h)
+        out, saved = grouped_mm_forward(ctx, *inputs)
+        ctx.save_for_backward(*saved)
+        ctx.set_materialize_grads(False)  # the op after it gives all three gradients or none
+        q_in = out.new_empty((), dtype=resolve_format(ctx.fmt).torch_dtype).expand(out.shape)
+        scale_in = out.new_empty((), dtype=torch.float32).expand(out.shape[0])
+        return out, q_in, scale_in
+
+    @staticmethod
+    def backward(ctx, grad_out, q, scale):
+        if grad_out is None:  # out took no part in what is differentiated
+            return None, None, *_NONES
+        return (*grouped_mm_backward(ctx, ctx.saved_tensors, grad_out, (q, scale)), *_NONES)
+
+
+class _SwiGLUGivingRows(torch.autograd.Function):
+    """``apply(h, q_in, scale_in, fmt, pow2) -> (a, q, scale)``: ``SwiGLUQuantize`` whose backward
+    also writes grad_h's rowwise FP8 (same launch) and returns it as the gradients of the
+    stand-ins ``q_in``, ``scale_in`` from :class:`_GroupedMMTakingRows`."""
+
+    @staticmethod
+    def forward(ctx, h, q_in, scale_in, fmt, pow2):
+        a, q, scale = swiglu_quantize(h, fmt, pow2=pow2)
+        ctx.fmt, ctx.pow2 = fmt, pow2
+        ctx.save_for_backward(h)
         ctx.mark_non_differentiable(q, scale)
         ctx.set_materialize_grads(False)  # no zero gradients made for q and scale
         return a, q, scale
@@ -50,33 +75,29 @@ class _GroupedMMSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_a, _grad_q, _grad_scale):
         if grad_a is None:  # a took no part in what is differentiated
-            return None, None, *_NONES
-        *saved, h = ctx.saved_tensors
-        grad_h, q, scale = swiglu_backward_quantize(h, grad_a, ctx.fmt, pow2=ctx.pow2)
-        dx, dw = grouped_mm_backward(ctx, saved, grad_h, (q, scale))
-        return dx, dw, *_NONES
+            return None, None, None, None, None
+        (h,) = ctx.saved_tensors
+        return *swiglu_backward_quantize(h, grad_a, ctx.fmt, pow2=ctx.pow2), None, None
 
 
-class _GroupedMMCombine(torch.autograd.Function):
-    """``apply(*gemm_inputs, pair_to_row, row_to_pair, pad_rows, weights, top_k) -> (T, H)``. Only
-    where the GEMM's backward takes the gradient's rows (``takes_grad_rows``)."""
+class _CombineGivingRows(torch.autograd.Function):
+    """``apply(y, q_in, scale_in, pair_to_row, row_to_pair, pad_rows, weights, top_k, fmt, pow2) ->
+    (T, H)``: the combine, whose backward also writes grad_y's rowwise FP8 (same launch) and
+    returns it as the gradients of the stand-ins ``q_in``, ``scale_in`` from
+    :class:`_GroupedMMTakingRows`."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        pair_to_row, row_to_pair, pad_rows, weights, top_k = inputs[_GEMM_INPUTS:]
-        y, saved = grouped_mm_forward(ctx, *inputs[:_GEMM_INPUTS])
-        out = _combine_op(y, pair_to_row, row_to_pair, pad_rows, weights, top_k)
-        ctx.top_k = top_k
-        ctx.save_for_backward(*saved, y if weights is not None else None, pair_to_row, row_to_pair, pad_rows, weights)
-        return out
+    def forward(ctx, y, q_in, scale_in, pair_to_row, row_to_pair, pad_rows, weights, top_k, fmt, pow2):
+        ctx.top_k, ctx.fmt, ctx.pow2 = top_k, fmt, pow2
+        ctx.save_for_backward(y if weights is not None else None, pair_to_row, row_to_pair, pad_rows, weights)
+        return _combine_op(y, pair_to_row, row_to_pair, pad_rows, weights, top_k)
 
     @staticmethod
     def backward(ctx, grad_out):
-        *saved, y, pair_to_row, row_to_pair, pad_rows, weights = ctx.saved_tensors
+        y, pair_to_row, row_to_pair, pad_rows, weights = ctx.saved_tensors
         grad_y, grad_w, q, scale = combine_backward_rows(grad_out, y, pair_to_row, row_to_pair, pad_rows, weights,
                                                          ctx.top_k, resolve_format(ctx.fmt), ctx.pow2)
-        dx, dw = grouped_mm_backward(ctx, saved, grad_y, (q, scale))
-        return dx, dw, *_NONES, None, None, None, grad_w, None
+        return grad_y, q, scale, None, None, None, grad_w, None, None, None
 
 
 def fp8_grouped_mm_swiglu(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, **kwargs
@@ -90,9 +111,10 @@ def fp8_grouped_mm_swiglu(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, 
     """
     args = grouped_mm_arguments(x, w, offs, **kwargs)
     _check_row_scales(args)  # N: a multiple of 16, so gate and up halves
+    fmt, pow2 = resolve_format(args[8]), args[9]
     if not takes_grad_rows(args):
-        return SwiGLUQuantize.apply(FP8GroupedMM.apply(*args), resolve_format(args[8]), args[9])
-    return _GroupedMMSwiGLU.apply(*args)
+        return SwiGLUQuantize.apply(FP8GroupedMM.apply(*args), fmt, pow2)
+    return _SwiGLUGivingRows.apply(*_GroupedMMTakingRows.apply(*args), fmt, pow2)
 
 
 def fp8_grouped_mm_combine(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: DispatchPlan,
@@ -116,7 +138,8 @@ def fp8_grouped_mm_combine(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
         weights = weights.contiguous()
     if not takes_grad_rows(args):
         return combine(FP8GroupedMM.apply(*args), plan, weights)
-    return _GroupedMMCombine.apply(*args, plan.pair_to_row, plan.row_to_pair, plan.pad_rows, weights, k)
+    return _CombineGivingRows.apply(*_GroupedMMTakingRows.apply(*args), plan.pair_to_row, plan.row_to_pair,
+                                    plan.pad_rows, weights, k, resolve_format(args[8]), args[9])
 
 
 def _check_row_scales(args: tuple) -> None:
