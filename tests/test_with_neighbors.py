@@ -136,7 +136,8 @@ def test_combine_function_matches_gemm_then_combine():
     ("rowwise_gw_hp", False, True, 1024, ["_CombineGivingRows"]),  # no dgrad for the first GEMM
     ("rowwise_gw_hp", True, False, 1024, []),  # no backward
 ])
-def test_fused_function_only_where_its_backward_takes_rows(recipe, x_grad, grad_mode, min_rows, fused, monkeypatch):
+def test_rows_handed_to_the_gemm_only_where_its_backward_takes_them(recipe, x_grad, grad_mode, min_rows, fused,
+                                                                     monkeypatch):
     """The Functions that hand the gradient's FP8 rows to the GEMM run only where its backward
     takes them (x's rows quantized upstream, as the layer's permute makes them); elsewhere the
     separate ops run, with the same outputs and gradients."""
@@ -177,7 +178,7 @@ def test_undefined_gradient_of_the_swiglu_output(fused):
     plan, x, w, _ = _gemm_inputs(5, 2 * I)
     x, w = x.requires_grad_(), w.requires_grad_()
     x_fp8 = quantize_rowwise(x.detach(), E4M3FN, pow2=True)
-    if fused:  # upstream rows, too few per group for x's group amax: the fused Function
+    if fused:  # upstream rows, too few per group for x's group amax: the rows handed to the GEMM
         a, _, _ = fp8_grouped_mm_swiglu(x, w, plan.offsets, recipe="rowwise_gw_hp", backend="triton", x_fp8=x_fp8)
         assert type(a.grad_fn).__name__ == "_SwiGLUGivingRowsBackward"
     else:  # its input a leaf
