@@ -551,14 +551,16 @@ def test_fp8_moe_gpu_vs_bf16_recipe_no_sync():
 
 
 @pytest.mark.gpu
-def test_fp8_moe_gpu_peak_memory_above_bf16_by_the_fp8_operands_only():
-    """Eager forward + backward without the weight cache, at least 1024 rows per expert (the
-    rowwise backward reduces the gradients' group amaxes itself, so the GEMMs run apart from the
-    SwiGLU and the combine): the FP8 peak exceeds the bf16 recipe's by no more than the FP8
-    operands live at the first GEMM's weight gradient, its column-major copies of x and grad_h
-    and grad_h's FP8 rows (``M * (H + 4*I)`` bytes), with 5% for scales, amaxes and group padding."""
-    H, I = 4096, 1024
-    mods, x, dy = _gpu_pair(H=H, I=I, E=16, k=4, T=8192, cache_weights=False)
+@pytest.mark.parametrize("H, I, E, k", [(4096, 1024, 16, 4), (2048, 768, 128, 8)])
+def test_fp8_moe_gpu_peak_memory_above_bf16_by_the_fp8_operands_only(H, I, E, k):
+    """Eager forward + backward without the weight cache, 8192 tokens: the FP8 peak exceeds the
+    bf16 recipe's by no more than the FP8 operands live at the first GEMM's weight gradient, its
+    column-major copies of x and grad_h and grad_h's FP8 rows (``M * (H + 4*I)`` bytes), with 5%
+    for scales, amaxes and group padding. With 2049 rows per expert the rowwise backward reduces the
+    gradients' group amaxes itself; with about 512 the dgrads take the gradients' FP8 rows from the
+    SwiGLU and combine backwards, whose nodes free ``h``, ``y`` and their incoming gradients first."""
+    T = 8192
+    mods, x, dy = _gpu_pair(H=H, I=I, E=E, k=k, T=T, cache_weights=False)
     peaks = {}
     for recipe, moe in mods.items():
         xr = x.clone().requires_grad_()
@@ -572,7 +574,7 @@ def test_fp8_moe_gpu_peak_memory_above_bf16_by_the_fp8_operands_only():
         torch.cuda.synchronize()
         peaks[recipe] = torch.cuda.max_memory_allocated() - base
         moe.zero_grad(set_to_none=True)
-    rows = padded_num_rows(x.shape[0] * 4, 16, 1, empty_group_rows=True)
+    rows = padded_num_rows(T * k, E, 1, empty_group_rows=True)
     assert peaks["rowwise"] - peaks["bf16"] <= 1.05 * rows * (H + 4 * I), peaks
 
 
