@@ -10,8 +10,10 @@ to the same tensor in the same state:
   offset;
 * its ``data_ptr()`` is unchanged;
 * its version counter ``_version`` is unchanged: every in-place update through the tensor or any
-  view of it (views share the counter) bumps it: ``optimizer.step()``, ``p.add_()``, ``p.copy_()``
-  under ``no_grad``.
+  view of it (views share the counter) bumps it: ``p.add_()``, ``p.copy_()`` under ``no_grad``, and
+  every ``torch.optim`` step of a parameter with a gradient, through a step pre-hook
+  (``moe_fp8.optimizer_steps``), since fused and foreach optimizer kernels (``AdamW(fused=True)``)
+  write parameters without bumping it.
 
 While a CUDA graph is being captured the cache is bypassed: neither read nor filled. A hit would
 freeze the FP8 copy into the graph (replays after a weight update would use the old weights, and
@@ -77,6 +79,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..optimizer_steps import watch_optimizer_steps
+
 __all__ = ["Fp8WeightCache"]
 
 Quantized = tuple[torch.Tensor, ...]
@@ -136,6 +140,7 @@ class Fp8WeightCache:
     """
 
     def __init__(self) -> None:
+        watch_optimizer_steps()
         self._entries: dict[tuple, _Entry] = {}
         self.hits = 0
         self.misses = 0

@@ -27,9 +27,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..layers.experts import FP8GroupedExperts
+from ..optimizer_steps import optimizer_steps
 from .experts import DISPATCH_MODES, ExpertParallelExperts
 from .fp8_all_gather import check_experts, enable_fp8_all_gather
 from .shard import grouped_experts_of
@@ -196,7 +196,7 @@ def _shard(unit: nn.Module, mesh: DeviceMesh, experts: list[FP8GroupedExperts], 
     fully_shard(unit, mesh=mesh, shard_placement_fn=placement, **fsdp)
     cached = [e for e in experts if e.cache_weights]
     if cached:
-        _count_optimizer_steps()
+        optimizer_steps()  # registers the counting hook before the first step
         unit.register_forward_pre_hook(functools.partial(_stamp_caches, cached), prepend=True)
 
 
@@ -320,20 +320,7 @@ def _state_of(p: torch.Tensor) -> tuple:
     (a foreach step writes a ``DTensor``'s shards without bumping any version counter), ``p``'s
     identity and version counter, and its local shard's."""
     local = p._local_tensor if isinstance(p, DTensor) else p
-    return _optimizer_steps[0], id(p), p._version, id(local), local._version
-
-
-#: steps of any ``torch.optim`` optimizer since the hook below was registered (by a cached ``parallelize``)
-_optimizer_steps = [0]
-_step_hook = []
-
-
-def _count_optimizer_steps() -> None:
-    if not _step_hook:
-        def bump(optimizer, args, kwargs) -> None:
-            _optimizer_steps[0] += 1
-
-        _step_hook.append(register_optimizer_step_post_hook(bump))
+    return optimizer_steps(), id(p), p._version, id(local), local._version
 
 
 def _checkpointed(block: nn.Module) -> nn.Module:
