@@ -131,10 +131,10 @@ def test_default_size_rules_keep_small_layers():
     ids = _ids()
     model = hf.convert(copy.deepcopy(original))
     report = model.fp8_conversion_report
-    assert report.min_dense_size == MIN_DENSE_SIZE == 1536 and report.min_expert_size == hf.MIN_EXPERT_SIZE == 768
+    assert report.min_dense_size == MIN_DENSE_SIZE == 1536 and report.min_expert_size == hf.MIN_EXPERT_SIZE == 1024
     assert report.min_bf16_expert_size == hf.MIN_BF16_EXPERT_SIZE == 512
     assert report.min_fp8_wgrad_size == hf.MIN_FP8_WGRAD_SIZE == 1024
-    assert "min_dense_size 1536, min_expert_size 768, min_bf16_expert_size 512, min_fp8_wgrad_size 1024" in str(report)
+    assert "min_dense_size 1536, min_expert_size 1024, min_bf16_expert_size 512, min_fp8_wgrad_size 1024" in str(report)
     assert not any(isinstance(m, (FP8Linear, FP8GroupedExperts)) for m in model.modules())
     assert [type(m) for m in model.modules()] == [type(m) for m in original.modules()]
     assert torch.equal(model(ids).logits, original(ids).logits)

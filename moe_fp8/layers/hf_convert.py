@@ -44,7 +44,7 @@ from .hf_experts import is_silu, standard_experts_issue
 
 __all__ = ["MIN_BF16_EXPERT_SIZE", "MIN_EXPERT_SIZE", "MIN_FP8_WGRAD_SIZE", "SUPPORTED_BLOCKS", "convert"]
 
-MIN_EXPERT_SIZE = 768
+MIN_EXPERT_SIZE = 1024
 MIN_BF16_EXPERT_SIZE = 512
 MIN_FP8_WGRAD_SIZE = 1024
 SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE", "Llama4TextMoe")
@@ -69,8 +69,8 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       ``recipe`` (``"bf16"``: the library's BF16 grouped path, for A/B runs, and the dense linears
       are left untouched), ``backend`` / ``fmt`` / ``cache_weights`` as ``FP8GroupedExperts`` takes
       them. With an FP8 recipe, a block whose experts have
-      ``min(hidden, expert hidden) < min_expert_size`` (default ``MIN_EXPERT_SIZE`` = 768, from the
-      whole-model step with the weight cache; 0 converts every size) runs on the library's BF16 grouped path
+      ``min(hidden, expert hidden) < min_expert_size`` (default ``MIN_EXPERT_SIZE`` = 1024, from the
+      whole-model step; 0 converts every size) runs on the library's BF16 grouped path
       instead (same weights, no FP8) when ``min(H, I) >= min_bf16_expert_size`` (default
       ``MIN_BF16_EXPERT_SIZE`` = 512, where that path beat HF's own in every mode measured), and
       is left exactly as it was below that (``min_bf16_expert_size=min_expert_size`` leaves every
