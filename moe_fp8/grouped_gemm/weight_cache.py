@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..optimizer_steps import watch_optimizer_steps
+from .. import optimizer_steps  # noqa: F401  (registers the step pre-hook the entries rely on)
 
 __all__ = ["Fp8WeightCache"]
 
@@ -140,7 +140,6 @@ class Fp8WeightCache:
     """
 
     def __init__(self) -> None:
-        watch_optimizer_steps()
         self._entries: dict[tuple, _Entry] = {}
         self.hits = 0
         self.misses = 0

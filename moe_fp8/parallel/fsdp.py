@@ -196,7 +196,6 @@ def _shard(unit: nn.Module, mesh: DeviceMesh, experts: list[FP8GroupedExperts], 
     fully_shard(unit, mesh=mesh, shard_placement_fn=placement, **fsdp)
     cached = [e for e in experts if e.cache_weights]
     if cached:
-        optimizer_steps()  # registers the counting hook before the first step
         unit.register_forward_pre_hook(functools.partial(_stamp_caches, cached), prepend=True)
 
 
