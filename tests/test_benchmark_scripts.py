@@ -11,9 +11,11 @@ import os
 import py_compile
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import triton
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,6 +160,7 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
         assert r["layers"] == 3
         assert r["profile"]["device"] == "cpu" and r["profile"]["total_ms"] > 0 and "peak_allocations" not in r
     assert "_FP8LinearFn" in {name for name, *_ in by_variant["ours_fp8"]["profile"]["top"]}
+    assert by_variant["ours_fp8_cached_all"]["cache_gap"] == 0 and by_variant["hf_bf16"]["cache_gap"] is None
     lines = step_profile.markdown(rows)
     assert sum(line.startswith("### llama3_8b eager") for line in lines) == 3
     assert 4.0 < by_variant["ours_fp8"]["final_loss"] < 6.5 and abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
@@ -252,3 +255,25 @@ def test_model_rows_count_dynamo_graphs_and_breaks(tmp_path):
     report.write(tmp_path, "r", meta, {"model": [row]})
     md = (tmp_path / "r.md").read_text()
     assert f"- m compiled v: 1 x {reason}" in md and "| 2 | 1 |" in md
+
+
+@pytest.mark.parametrize("bumped", [True, False])
+def test_bench_stale_cache_gap_finds_copies_of_old_weights(bumped, monkeypatch):
+    """The check every benchmarked run ends with: after two optimizer steps of two micro-batches under
+    a fused AdamW, the dense weight caches hold copies of the current weights (gap 0); with the step
+    pre-hook's version bump stubbed out they hold the old weights' copies and the gap shows them."""
+    pytest.importorskip("transformers")
+    import moe_fp8.optimizer_steps as optimizer_steps
+    from moe_fp8.bench import models
+
+    if not bumped:
+        monkeypatch.setattr(optimizer_steps, "increment_version", lambda params: None)
+    model = models.convert(models.build(models._spec("llama3_8b", "cpu", 2), 32, "cpu"), "ours_fp8_cached_all",
+                           None, size_rules=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = models._step_fn(model, opt, "eager", time.perf_counter)
+    data = torch.randint(0, 256, (6, 2, 33), generator=torch.Generator().manual_seed(0))
+    for i in range(2):
+        step([data[2 * i], data[2 * i + 1]])
+    gap = models.stale_cache_gap(model, step.forward, data[4, :, :-1], graphs=False)
+    assert gap == 0 if bumped else gap > 0

@@ -47,7 +47,9 @@ step time over the timed steps after warm-up, and its split into forward+backwar
 (clip + AdamW) time; peak memory is ``max_memory_allocated`` over the run, and over the steps after
 the first (which compiles); compiled rows count Dynamo's graphs and graph breaks; MoE models whose
 router logits transformers returns (Qwen3-MoE) report the experts that one more micro-batch routes no
-token to after the run, averaged over layers (``empty_experts``); ``--profile`` adds
+token to after the run, averaged over layers (``empty_experts``); every run ends by checking that
+its FP8 weight caches hold copies of the current weights (``cache_gap``: logits read through them
+against freshly quantized ones, 0; a gap fails the row); ``--profile`` adds
 one profiled step per row (``step_profile``). The loss is the mean of the last 10 of ``loss_steps``
 steps on byte-level text (the standard library's sources), trained in eager mode from the same
 initial weights on the same batches (``LOSS_VARIANTS``; the other rows run 40 micro-batches, at
@@ -73,6 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..demo.corpus import VOCAB, batches, load_split
+from ..grouped_gemm.compiled_cache import compiled_weight_cache
 from ..layers.convert import MIN_DENSE_SIZE
 from ..layers.experts import FP8GroupedExperts
 from ..layers.hf_convert import MIN_BF16_EXPERT_SIZE, MIN_EXPERT_SIZE
@@ -246,7 +249,27 @@ def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, mode: str, clock):
         t2 = clock()
         return total, t0, t1, t2
 
+    step.forward = fwd
     return step
+
+
+def stale_cache_gap(model: nn.Module, forward, batch: torch.Tensor, graphs: bool) -> float | None:
+    """Largest absolute difference between the logits of one more training forward of ``batch
+    (B, S)`` through ``forward`` (``model`` or its compiled form) reading the FP8 weight caches as
+    the run left them, and one after every cache is emptied: 0 where the caches hold copies of the
+    current weights. ``None`` for a model without weight caches."""
+    caches = [c for m in model.modules() for c in (*(getattr(m, "_caches", None) or ()),
+                                                   getattr(m, "_cache", None)) if c is not None]
+    if not caches:
+        return None
+    logits = []
+    for _ in range(2):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits.append(forward(input_ids=batch).logits.detach().float().clone())
+        for cache in (*caches, compiled_weight_cache()):
+            cache.invalidate()
+    return (logits[0] - logits[1]).abs().max().item()
 
 
 class _Clock:
@@ -324,6 +347,10 @@ def run_variant(base: nn.Module, variant: str, mode: str, data, *, steps: int, t
         result["profile"] = step_profile.kernel_time(lambda: step(micro), cuda)
         if cuda:
             result["peak_allocations"] = step_profile.peak_allocations(lambda: step(micro))
+    result["cache_gap"] = stale_cache_gap(model, step.forward, next(data)[:, :-1], mode == "reduce-overhead")
+    if result["cache_gap"]:  # a cache served copies of other weights: the run measured something else
+        raise RuntimeError(f"{variant}: the FP8 weight caches served copies of old weights after the run "
+                           f"(logits differ by up to {result['cache_gap']:.3g} from freshly quantized ones)")
     del model, opt, step
     gc.collect()
     if cuda:
@@ -470,7 +497,7 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
                            tokens_per_s=accumulate * batch * seq / r["step_ms"] * 1e3, peak_gib=r["peak_gib"],
                            steady_peak_gib=r["steady_peak_gib"])
                 row.update({k: r[k] for k in ("graphs", "graph_breaks", "break_reasons", "profile", "peak_allocations",
-                                              "empty_experts") if k in r})
+                                              "empty_experts", "cache_gap") if k in r})
                 if loss_run:
                     row["final_loss"] = statistics.fmean(r["losses"][-10:])
                 rows.append(row)
