@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_fp8 import FP8Linear, FP8MoE, Fp8WeightCache
+from moe_fp8.grouped_gemm import compiled_weight_cache
 from moe_fp8.optimizer_steps import optimizer_steps
 
 T, H, I, E, K = 24, 64, 32, 4, 2
@@ -71,3 +72,27 @@ def test_a_fused_step_makes_a_kept_copy_stale():
     served = cache.serve(w, "k", quantize, training=True)
     assert served is None or torch.equal(served[0], w.detach() * 2)
     assert cache.held(w, "k") == ((), ()) or torch.equal(cache.held(w, "k")[0][0], w.detach() * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cache_follows_fused_adamw_on_gpu(compiled):
+    """CUDA's fused AdamW, eager and under Inductor (the process-wide compiled cache): after 3
+    optimizer steps of 2 micro-batches the forward that reads the caches gives the bits of one that
+    quantizes the current weights afresh (a copy of the weights before the last step would not)."""
+    torch.manual_seed(0)
+    moe = FP8MoE(2048, 768, 32, 8, device="cuda", dtype=torch.bfloat16)
+    forward = torch.compile(moe, fullgraph=True) if compiled else moe
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-3, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    xs = [torch.randn(1024, 2048, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3)]
+    for _ in range(3):
+        for x in xs[:2]:
+            forward(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    read = forward(xs[2]).detach()
+    for cache in (*moe.experts._caches, compiled_weight_cache()):
+        cache.invalidate()
+    assert torch.equal(read, forward(xs[2]).detach())
