@@ -1,12 +1,12 @@
-"""A process-wide ``torch.optim`` step pre-hook: ``optimizer_steps()`` counts the steps begun, and
-each step first bumps the version counter of every parameter it is about to update (those with a
-gradient). Registered when this module is first imported (the weight caches import it).
+"""A process-wide ``torch.optim`` step pre-hook: each step first bumps the version counter of every
+parameter it is about to update (those with a gradient). Registered when this module is first
+imported (the weight caches import it).
 
 PyTorch's fused and foreach optimizer kernels (``AdamW(fused=True)``, a foreach step on ``DTensor``
 shards) write parameters without bumping their version counters, on which the FP8 weight caches
-key their entries. Every ``torch.optim.Optimizer`` subclass runs the hook. An optimizer outside
-``torch.optim`` that writes parameters without bumping their versions must be followed by
-``Fp8WeightCache.invalidate``.
+(and the FSDP caches' stamps) key their entries. Every ``torch.optim.Optimizer`` subclass runs the
+hook. An optimizer outside ``torch.optim`` that writes parameters without bumping their versions
+must be followed by ``Fp8WeightCache.invalidate``.
 """
 
 from __future__ import annotations
@@ -14,19 +14,11 @@ from __future__ import annotations
 from torch.autograd.graph import increment_version
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["optimizer_steps"]
-
-_count = [0]
+__all__ = []
 
 
-def _begin(optimizer, args, kwargs) -> None:
-    _count[0] += 1
+def _bump_updated(optimizer, args, kwargs) -> None:
     increment_version([p for group in optimizer.param_groups for p in group["params"] if p.grad is not None])
 
 
-_HOOK = register_optimizer_step_pre_hook(_begin)
-
-
-def optimizer_steps() -> int:
-    """Steps of any ``torch.optim`` optimizer begun since this module was imported."""
-    return _count[0]
+_HOOK = register_optimizer_step_pre_hook(_bump_updated)

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import DTensor, Shard
 
 from ..layers.experts import FP8GroupedExperts
-from ..optimizer_steps import optimizer_steps
+from .. import optimizer_steps  # noqa: F401  (the step pre-hook the stamps rely on)
 from .experts import DISPATCH_MODES, ExpertParallelExperts
 from .fp8_all_gather import check_experts, enable_fp8_all_gather
 from .shard import grouped_experts_of
@@ -315,11 +315,11 @@ def _stamp_caches(experts: list[FP8GroupedExperts], unit: nn.Module, args) -> No
 
 
 def _state_of(p: torch.Tensor) -> tuple:
-    """What identifies the values ``p`` holds: the number of ``torch.optim`` steps taken so far
-    (a foreach step writes a ``DTensor``'s shards without bumping any version counter), ``p``'s
-    identity and version counter, and its local shard's."""
+    """What identifies the values ``p`` holds: ``p``'s identity and version counter (which every
+    ``torch.optim`` step bumps, ``moe_fp8.optimizer_steps``: a foreach step writes a ``DTensor``'s
+    shards without), and its local shard's."""
     local = p._local_tensor if isinstance(p, DTensor) else p
-    return optimizer_steps(), id(p), p._version, id(local), local._version
+    return id(p), p._version, id(local), local._version
 
 
 def _checkpointed(block: nn.Module) -> nn.Module:
