@@ -255,6 +255,50 @@ def test_2d2d_tensorwise_and_degenerate(poisoned_empty):
     assert zeros.shape == (3, 32, 16) and bool((zeros == 0).all())
 
 
+@needs_cpu_kernel
+@pytest.mark.parametrize("operands", ["rowwise", "tensorwise", "bf16"])
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_2d2d_accumulates_in_place(operands, layout):
+    """``accumulate_into``: each non-empty group's slice becomes its old values plus the product, summed
+    in fp32 and rounded once, written through the target's strides (a transposed view here); an empty
+    group's slice keeps its bits (negative zeros included: it is not rewritten)."""
+    dy, x, offs, a, sa, b, sb = _problem_2d2d(80, 48, 32, 5, 75, "empty", seed=3, tensorwise=operands == "tensorwise")
+    if operands == "bf16":
+        a, sa, b, sb = dy.bfloat16(), None, x.bfloat16(), None
+    if layout == "col":
+        a, b = _col_major(a), _col_major(b)
+    gen = torch.Generator().manual_seed(11)
+    target = torch.randn(5, 32, 48, generator=gen).bfloat16().transpose(1, 2)  # (E, N, K), K-major
+    target[:, 0, 0] = -0.0
+    before = target.clone()
+    out = triton_grouped_mm_2d2d(a, sa, b, sb, offs, accumulate_into=target)
+    assert out is target
+    product = emulated_grouped_mm_2d2d(a, sa, b, sb, offs, torch.float32)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert bool((sizes == 0).any()) and bool((sizes > 0).any())
+    expected = torch.where((sizes > 0)[:, None, None], (before.float() + product).bfloat16(), before)
+    assert_matches_reference(target, expected)
+    assert torch.equal(target[sizes == 0].view(torch.int16), before[sizes == 0].view(torch.int16))
+
+
+@needs_cpu_kernel
+def test_2d2d_bf16_operands_match_fp64(poisoned_empty):
+    """Unscaled bf16 operands (the BF16 weight gradient): the fp64 product rounded to bf16, empty
+    groups zero."""
+    dy, x, offs, *_ = _problem_2d2d(90, 32, 48, 4, 83, "skewed", seed=5)
+    a, b = dy.bfloat16(), x.bfloat16()
+    out = triton_grouped_mm_2d2d(a, None, b, None, offs)
+    ref = _reference_wgrad(a.float(), b.float(), offs)
+    assert_matches_reference(out, ref.bfloat16())
+    assert_matches_reference(out, emulated_grouped_mm_2d2d(a, None, b, None, offs))
+    with pytest.raises(TypeError, match="a: expected dtype"):
+        triton_grouped_mm_2d2d(a.float(), None, b.float(), None, offs)
+    with pytest.raises(ValueError, match="scale_b: expected None"):
+        triton_grouped_mm_2d2d(a, None, b, torch.ones(()), offs)
+    with pytest.raises(TypeError, match="accumulate_into"):
+        triton_grouped_mm_2d2d(a, None, b, None, offs, accumulate_into=torch.zeros(4, 32, 48))
+
+
 # ---- CPU: explicit tiles larger than the 16-alignment of N, K and the wgrad row body ---------
 # The interpreter's default tiles (16 wide) divide every legal N and K, so their column / K masks
 # are always all-true there, and the wgrad body loop's row mask (BK = 16 rows) never cuts a block.

@@ -34,7 +34,9 @@ built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_cached`` and
 weights' FP8 cache on: quantized once per optimizer step, eager or compiled; one more BF16-sized copy
 of them held), ``ours_fp8_experts_cached_unfused`` (``ours_fp8_experts_cached`` with the gradients'
 row quantization in separate kernels: ``FP8GroupedExperts.fused_grad_quant=False``), ``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache
-on too: ``cache_dense_weights=True``), ``torchao_rowwise`` and
+on too: ``cache_dense_weights=True``), ``ours_bf16_fused_acc``, ``ours_fp8_fused_acc``,
+``ours_fp8_cached_fused_acc`` and ``ours_fp8_experts_cached_fused_acc`` (those with the experts'
+weight-gradient GEMMs adding to ``.grad`` in place: ``fused_grad_accumulation=True``), ``torchao_rowwise`` and
 ``torchao_rowwise_gw_hp`` (TorchAO's ``convert_to_float8_training`` on the dense linears, its own
 size filter; experts as built) and ``torchao_moe`` (``torchao_rowwise`` plus TorchAO's FP8 grouped
 GEMM on the experts; run in a child process, since a device assert ends the CUDA context; its error
@@ -54,7 +56,7 @@ one profiled step per row (``step_profile``). The loss is the mean of the last 1
 steps on byte-level text (the standard library's sources), trained in eager mode from the same
 initial weights on the same batches (``LOSS_VARIANTS``; the other rows run 40 micro-batches, at
 least 12 optimizer steps). ``MODE_VARIANTS`` says which variants each mode runs
-by default (the ``_fp8_wgrad`` ones and ``ours_fp8_cached_all`` only when named); variants named
+by default (the ``_fp8_wgrad``, ``_fused_acc`` ones and ``ours_fp8_cached_all`` only when named); variants named
 with ``--variants`` run in every mode named.
 """
 
@@ -82,17 +84,19 @@ from ..layers.hf_convert import MIN_BF16_EXPERT_SIZE, MIN_EXPERT_SIZE
 from . import step_profile, torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
+FUSED_ACC = "_fused_acc"  # variant suffix: hf.convert(..., fused_grad_accumulation=True)
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_experts_cached",
             "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all",
-            "ours_fp8_experts_cached_unfused", "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
+            "ours_fp8_experts_cached_unfused", "ours_bf16_fused_acc", "ours_fp8_fused_acc", "ours_fp8_cached_fused_acc",
+            "ours_fp8_experts_cached_fused_acc", "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: variants that change MoE experts only (skipped for a dense model) and TorchAO's (GPU only)
 EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours_fp8_experts_cached",
                    "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_experts_cached_unfused",
-                   "torchao_moe")
+                   "ours_bf16_fused_acc", "ours_fp8_experts_cached_fused_acc", "torchao_moe")
 TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs by default (the others in eager only), and those trained for ``loss_steps``
 MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v and "_unfused" not in v
-                                 and v != "ours_fp8_cached_all"),
+                                 and v != "ours_fp8_cached_all" and not v.endswith(FUSED_ACC)),
                  "compiled": ("hf_bf16", "ours_fp8", "ours_fp8_experts", "ours_fp8_cached", "ours_fp8_experts_cached",
                               "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
                  "reduce-overhead": ("hf_bf16", "ours_fp8")}
@@ -184,11 +188,14 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
     model = copy.deepcopy(base)
     min_dense_size, min_expert_size = (MIN_DENSE_SIZE, MIN_EXPERT_SIZE) if size_rules else (0, 0)
+    fused_acc = variant.endswith(FUSED_ACC)
+    variant = variant.removesuffix(FUSED_ACC)
     if variant == "ours_bf16":
-        hf.convert(model, recipe="bf16", backend=backend, cache_weights=False)
+        hf.convert(model, recipe="bf16", backend=backend, cache_weights=False, fused_grad_accumulation=fused_acc)
     elif variant.startswith("ours_fp8_experts"):
         hf.convert(model, recipe="rowwise", backend=backend, cache_weights="_cached" in variant, dense=False,
-                   min_expert_size=0, **({"min_fp8_wgrad_size": 0} if "_fp8_wgrad" in variant else {}))
+                   min_expert_size=0, fused_grad_accumulation=fused_acc,
+                   **({"min_fp8_wgrad_size": 0} if "_fp8_wgrad" in variant else {}))
         for module in model.modules() if variant.endswith("_unfused") else ():
             if isinstance(module, FP8GroupedExperts):
                 module.fused_grad_quant = False
@@ -196,7 +203,8 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
         cache_all = variant == "ours_fp8_cached_all"
         hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached") or cache_all,
                    cache_dense_weights=cache_all, min_dense_size=min_dense_size, min_expert_size=min_expert_size,
-                   min_bf16_expert_size=min_expert_size if variant == "ours_fp8_small_kept" else MIN_BF16_EXPERT_SIZE)
+                   min_bf16_expert_size=min_expert_size if variant == "ours_fp8_small_kept" else MIN_BF16_EXPERT_SIZE,
+                   fused_grad_accumulation=fused_acc)
     elif variant in TORCHAO_VARIANTS:
         recipe = "rowwise_with_gw_hp" if variant == "torchao_rowwise_gw_hp" else "rowwise"
         torchao_models.convert(model, recipe, experts=variant == "torchao_moe")

@@ -43,12 +43,13 @@ from ..quant.reference import dequantize
 from . import library as lib
 from .backends import get_backend
 from .compiled_cache import mm_2d3d_cached_weight
+from .grad_accumulation import check_accumulation_target
 from .padding import padded_offsets, padded_rows
 from .quantized_weight import QuantizedExpertWeight
 
 __all__ = ["FP8GroupedMM", "dequantize_rows", "grouped_mm_backward", "grouped_mm_forward", "takes_grad_rows"]
 
-_NONES = (None,) * 13  # gradients of the arguments of ``apply`` after ``x`` and ``w``
+NONE_GRADS = (None,) * 14  # gradients of the arguments of ``apply`` after ``x`` and ``w``
 _DEQUANTIZE_ELEMENTS = 1 << 26  # elements per chunk of dequantize_rows (its fp32 temporary: 256 MB)
 
 
@@ -109,29 +110,33 @@ class FP8GroupedMM(torch.autograd.Function):
     the transposed view of the parameter whose FP8 layouts :func:`.compiled_cache.mm_2d3d_cached_weight`
     reads, and whether the forward runs with gradients. ``wgrad_offs``: the weight gradient's group
     end offsets over the same rows, or ``None`` (``offs``); rows whose group differs between the two
-    are zero in ``x`` and in the output's gradient (``fp8_grouped_mm``).
+    are zero in ``x`` and in the output's gradient (``fp8_grouped_mm``). ``grad_into``: ``None``, or
+    a tensor shaped like ``w`` (its parameter's ``.grad``) that the backward adds the weight
+    gradient to in place, returning no gradient for ``w``.
     """
 
     @staticmethod
     def forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
-                save_x_fp8=False, cached=None, wgrad_offs=None):
+                save_x_fp8=False, cached=None, wgrad_offs=None, grad_into=None):
         out, saved = grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2,
-                                        out_dtype, save_w, save_x_fp8, cached, wgrad_offs)
+                                        out_dtype, save_w, save_x_fp8, cached, wgrad_offs, grad_into)
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*grouped_mm_backward(ctx, ctx.saved_tensors, grad_out), *_NONES)
+        return (*grouped_mm_backward(ctx, ctx.saved_tensors, grad_out), *NONE_GRADS)
 
 
 def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, backend, fmt, pow2, out_dtype, save_w,
-                       save_x_fp8=False, cached=None, wgrad_offs=None) -> tuple[torch.Tensor, tuple]:
+                       save_x_fp8=False, cached=None, wgrad_offs=None, grad_into=None) -> tuple[torch.Tensor, tuple]:
     """:class:`FP8GroupedMM`'s forward on the autograd context ``ctx`` of any Function whose first
     two inputs are ``x`` and ``w``: ``(out, tensors to save)``; the caller saves them (with its own)
-    and hands them back to :func:`grouped_mm_backward`."""
+    and hands them back to :func:`grouped_mm_backward`. ``grad_into`` is kept on ``ctx`` (not saved:
+    other backwards add to it in between)."""
     ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
     ctx.w_dtype = w.dtype
+    ctx.grad_into = grad_into
     ctx.empty = x.shape[0] == 0
     if ctx.empty:  # static shape: no GEMM to run, dw = 0
         return x.new_zeros(0, w.shape[1], dtype=out_dtype), (x, w)
@@ -194,12 +199,12 @@ def _reduces_x_group_amax(x: torch.Tensor, n: int, groups: int, upstream: bool, 
 
 
 def takes_grad_rows(args: tuple) -> bool:
-    """Whether the backward of ``FP8GroupedMM.apply(*args)`` (``args``: the 15 of
+    """Whether the backward of ``FP8GroupedMM.apply(*args)`` (``args``: the 16 of
     ``grouped_mm_arguments``), run now, takes grad_out's rowwise FP8 from upstream
     (:func:`grouped_mm_backward`'s ``g_fp8``): row scales, the dgrad wanted, and no per-group column
     amax of grad_out wanted from its row quantization (the FP8 wgrad with x's amax from the
     forward reduces it there). Known before the forward runs."""
-    x, w, offs, _, x_quant, scaling, fp8_wgrad, backend, _, _, _, _, save_x_fp8, _, _ = args
+    x, w, offs, _, x_quant, scaling, fp8_wgrad, backend, _, _, _, _, save_x_fp8, _, _, _ = args
     need_dx = torch.is_grad_enabled() and x.requires_grad
     need_dw = torch.is_grad_enabled() and w.requires_grad
     if x.shape[0] == 0 or scaling != "rowwise" or not need_dx:
@@ -213,21 +218,28 @@ def grouped_mm_backward(ctx, saved: tuple, grad_out: torch.Tensor,
                         g_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dw)`` from :func:`grouped_mm_forward`'s ``ctx`` and saved tensors; ``g_fp8``: grad_out's
-    rowwise FP8 ``(q, scale)``, made upstream, for the dgrad (only where :func:`takes_grad_rows` said so)."""
+    rowwise FP8 ``(q, scale)``, made upstream, for the dgrad (only where :func:`takes_grad_rows` said so).
+    With ``ctx.grad_into`` the weight gradient is added to it and ``dw`` is ``None``."""
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    into = ctx.grad_into if need_dw else None
+    if into is not None:
+        check_accumulation_target(into)
     if ctx.empty:
         x, w = saved
         dx = torch.zeros_like(x) if need_dx else None
-        dw = torch.zeros_like(w) if need_dw else None
+        dw = torch.zeros_like(w) if need_dw and into is None else None
         return dx, dw
     grad_out = grad_out.contiguous()
     if ctx.scaling is None:
         x, w, offs, w_offs = saved
         g = grad_out.to(x.dtype)
         dx = lib.bf16_mm_2d3d(ctx.backend, g, w, offs, False) if need_dx else None
-        dw = lib.bf16_mm_2d2d(ctx.backend, g, x, w_offs) if need_dw else None
+        dw = _bf16_wgrad(ctx, g, x, offs if into is not None else w_offs) if need_dw else None
         return dx, dw
     x, offs, q_bwd, s_bwd, x_extra, w_offs = saved
+    # groups that gain nothing leave an accumulated gradient untouched: the forward's groups, not the
+    # weight gradient's (whose empty experts hold a zero row each, so that a library GEMM writes their zeros)
+    w_offs = offs if into is not None else w_offs
     if ctx.x_fp8:  # tensorwise: the wgrad reuses the FP8 x of the forward and grad_out of the dgrad
         dx, g_fp8 = _dgrad(ctx, grad_out, q_bwd, s_bwd, offs, False) if need_dx else (None, None)
         dw = _wgrad_tensorwise(ctx, grad_out, g_fp8, (x, x_extra), w_offs) if need_dw else None
@@ -288,13 +300,32 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, g_a
     grad_out's and x's per-group column amaxes (from the dgrad and the forward; ``None``: reduced
     here)."""
     if not ctx.fp8_wgrad:
-        return lib.bf16_mm_2d2d(ctx.backend, grad_out.to(x.dtype), x, offs).to(ctx.w_dtype)
+        dw = _bf16_wgrad(ctx, grad_out.to(x.dtype), x, offs)
+        return None if dw is None else dw.to(ctx.w_dtype)
     backend = get_backend(ctx.backend)
     p_offs, rows = _wgrad_padding(backend, x.shape[0], offs)
     qa, sa, qb, sb = lib.quantize_wgrad_operands(
         grad_out, x, offs, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows, g_amax, x_amax
     )
-    return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs if p_offs is None else p_offs, ctx.w_dtype)
+    return _fp8_wgrad(ctx, qa, sa, qb, sb, offs if p_offs is None else p_offs)
+
+
+def _bf16_wgrad(ctx, g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor | None:
+    """``g_g^T @ x_g`` in BF16 GEMMs, ``(E, N, K)``; or ``None`` after adding it to ``ctx.grad_into``."""
+    if ctx.grad_into is None:
+        return lib.bf16_mm_2d2d(ctx.backend, g, x, offs)
+    lib.mm_2d2d_into(ctx.backend, ctx.grad_into, g, None, x, None, offs)
+    return None
+
+
+def _fp8_wgrad(ctx, qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+               offs: torch.Tensor) -> torch.Tensor | None:
+    """The FP8 wgrad GEMM on its operands, in the weights' dtype; or ``None`` after adding its result
+    to ``ctx.grad_into``."""
+    if ctx.grad_into is None:
+        return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs, ctx.w_dtype)
+    lib.mm_2d2d_into(ctx.backend, ctx.grad_into, qa, sa, qb, sb, offs)
+    return None
 
 
 def _wgrad_tensorwise(ctx, grad_out: torch.Tensor, g_fp8: tuple[torch.Tensor, torch.Tensor] | None,
@@ -310,4 +341,4 @@ def _wgrad_tensorwise(ctx, grad_out: torch.Tensor, g_fp8: tuple[torch.Tensor, to
     p_offs, rows = _wgrad_padding(backend, xq.shape[0], offs)
     qa = lib.wgrad_operand_layout(gq, offs, fused, p_offs, rows)
     qb = lib.wgrad_operand_layout(xq, offs, fused, p_offs, rows)
-    return lib.mm_2d2d(ctx.backend, qa, gs, qb, xs, offs if p_offs is None else p_offs, ctx.w_dtype)
+    return _fp8_wgrad(ctx, qa, gs, qb, xs, offs if p_offs is None else p_offs)

@@ -17,6 +17,7 @@ Scale shapes decide the granularity:
 | 2D x 3D | ``(M, ceil(K/128))``          | ``(E, ceil(N/128), ceil(K/128))``      | blockwise  |
 | 2D x 2D | ``(E, N)`` per group, column  | ``(E, K)`` per group, column           | rowwise    |
 | 2D x 2D | ``()``                        | ``()``                                 | tensorwise |
+| 2D x 2D | ``None`` (bf16 / fp16 operands) | ``None``                             | BF16 wgrad |
 """
 
 from __future__ import annotations
@@ -118,22 +119,28 @@ def emulated_grouped_mm_2d2d(
     """Grouped ``a[rows of g].T @ b[rows of g]`` (wgrad form: ``dW_g = dy_g.T @ x_g``).
 
     Args:
-        a: ``(M, N)`` fp8 (grad_output, quantized per group and column).
-        scale_a: fp32 ``(E, N)`` (per group and column) or ``()``.
-        b: ``(M, K)`` fp8 (activations, quantized the same way).
-        scale_b: fp32 ``(E, K)`` or ``()``.
+        a: ``(M, N)`` fp8 (grad_output, quantized per group and column); bf16 / fp16 without scales.
+        scale_a: fp32 ``(E, N)`` (per group and column), ``()``, or ``None`` (unscaled operands).
+        b: ``(M, K)``, ``a``'s dtype (activations, quantized the same way).
+        scale_b: fp32 ``(E, K)``, ``()``, or ``None`` with ``scale_a``.
         offs: ``(E,)`` int32 cumulative end offsets over the ``M`` rows.
     Returns:
         ``(E, N, K)`` in ``out_dtype``; empty groups give zeros.
     """
-    check_tensor("a", a, dtypes=FP8_DTYPES, ndim=2)
-    check_tensor("b", b, dtypes=FP8_DTYPES, ndim=2, shape=(a.shape[0], None))
+    scaled = scale_a is not None
+    operand_dtypes = FP8_DTYPES if scaled else (torch.bfloat16, torch.float16)
+    check_tensor("a", a, dtypes=operand_dtypes, ndim=2)
+    check_tensor("b", b, dtypes=operand_dtypes, ndim=2, shape=(a.shape[0], None))
     M, N = a.shape
     K = b.shape[1]
     check_offsets(offs, device=a.device)
     check_offsets_values(offs, M)
     E = offs.numel()
     _check_out_dtype(out_dtype)
+    if not scaled:
+        if scale_b is not None:
+            raise ValueError("scale_b: expected None when scale_a is None")
+        scale_a = scale_b = torch.ones(())
     check_tensor("scale_a", scale_a, dtypes=(torch.float32,), ndim=(0, 2))
     if scale_a.dim() == 0:
         check_tensor("scale_b", scale_b, dtypes=(torch.float32,), ndim=0)
@@ -146,7 +153,9 @@ def emulated_grouped_mm_2d2d(
         if end == start:
             continue
         acc = a[start:end].float().T @ b[start:end].float()
-        if scale_a.dim() == 0:
+        if not scaled:
+            out[g] = acc
+        elif scale_a.dim() == 0:
             out[g] = scale_b * (scale_a * acc)
         else:
             out[g] = scale_b[g][None, :] * (scale_a[g][:, None] * acc)

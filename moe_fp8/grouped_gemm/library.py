@@ -14,15 +14,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernel_backend import eager_or_custom_op
+from ..kernel_backend import eager_or_custom_op, triton_runs_on
 from ..launch_math import cdiv
 from ..quant.formats import resolve_format
 from . import quant_seam
 from .backends import get_backend
+from .emulated import emulated_grouped_mm_2d2d
+from .triton_kernel import triton_grouped_mm_2d2d
 
 __all__ = [
     "mm_2d3d",
     "mm_2d2d",
+    "mm_2d2d_into",
     "bf16_mm_2d3d",
     "bf16_mm_2d2d",
     "quantize_activation",
@@ -71,6 +74,18 @@ def _bf16_mm_2d2d(backend: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     if 0 in (a.shape[0], a.shape[1], b.shape[1]):
         return a.new_zeros(offs.shape[0], a.shape[1], b.shape[1])
     return get_backend(backend).bf16_mm_2d2d(a, b, offs)
+
+
+def _mm_2d2d_into(backend: str, out: Tensor, a: Tensor, scale_a: Optional[Tensor], b: Tensor,
+                  scale_b: Optional[Tensor], offs: Tensor) -> None:
+    if 0 in (a.shape[0], a.shape[1], b.shape[1]):  # nothing to add
+        return
+    if backend == "emulated" or not triton_runs_on(a):
+        ref = emulated_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, torch.float32)
+        rows = torch.diff(offs.cpu(), prepend=offs.new_zeros(1).cpu()) > 0  # empty groups stay untouched
+        out[rows] = (out[rows].float() + ref[rows]).to(out.dtype)
+        return
+    triton_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out.dtype, accumulate_into=out)
 
 
 def _quantize_activation(x: Tensor, scaling: str, fmt: str, pow2: bool, fused: bool,
@@ -152,6 +167,7 @@ _op_mm_2d3d = _Op("mm_2d3d", _mm_2d3d, _emulated)
 _op_mm_2d2d = _Op("mm_2d2d", _mm_2d2d, _emulated)
 _op_bf16_mm_2d3d = _Op("bf16_mm_2d3d", _bf16_mm_2d3d, lambda args: False)
 _op_bf16_mm_2d2d = _Op("bf16_mm_2d2d", _bf16_mm_2d2d, lambda args: False)
+_op_mm_2d2d_into = torch.library.custom_op("moe_fp8::gg_mm_2d2d_into", _mm_2d2d_into, mutates_args=("out",))
 _op_quantize_activation = _Op("quantize_activation", _quantize_activation, _unfused(4))
 _op_quantize_activation_group_amax = _Op("quantize_activation_group_amax", _quantize_activation_group_amax,
                                          _unfused(4))
@@ -172,6 +188,11 @@ def _(backend, a, scale_a, b, scale_b, offs, out_dtype):
 @_op_mm_2d2d.register_fake
 def _(backend, a, scale_a, b, scale_b, offs, out_dtype):
     return a.new_empty(offs.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
+
+
+@_op_mm_2d2d_into.register_fake
+def _(backend, out, a, scale_a, b, scale_b, offs):
+    return None
 
 
 @_op_bf16_mm_2d3d.register_fake
@@ -252,6 +273,11 @@ def _(q, offs, fused, padded_offs, padded_rows):
 # ----------------------------------------------------------------------------- entry points
 mm_2d3d = _op_mm_2d3d
 mm_2d2d = _op_mm_2d2d
+#: ``mm_2d2d_into(backend, out (E, N, K), a, scale_a, b, scale_b, offs)``: ``out[g] += a_g^T @ b_g`` in
+#: place, in fp32 and rounded once (FP8 operands as ``mm_2d2d`` takes them; bf16 / fp16 ones with
+#: ``None`` scales); empty groups add nothing. Our Triton kernel wherever Triton runs, else the
+#: emulated reference.
+mm_2d2d_into = eager_or_custom_op(_op_mm_2d2d_into, _mm_2d2d_into)
 bf16_mm_2d3d = _op_bf16_mm_2d3d
 bf16_mm_2d2d = _op_bf16_mm_2d2d
 quantize_activation = _op_quantize_activation

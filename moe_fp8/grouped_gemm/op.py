@@ -35,6 +35,7 @@ def fp8_grouped_mm(
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     save_x_fp8: bool = False,
     wgrad_offs: torch.Tensor | None = None,
+    grad_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped ``x @ w[g].T`` over the token groups of ``offs``, with FP8 GEMMs.
 
@@ -86,6 +87,10 @@ def fp8_grouped_mm(
             so: its ``wgrad_offsets`` leave no expert empty, so a library GEMM computes the empty
             experts' zero gradients itself (an empty reduction's result is never trusted: it is
             zeroed again after the GEMM).
+        grad_into: ``None``, or the ``.grad`` of ``w``'s parameter, shaped and typed like ``w``
+            (bf16 / fp16; a transposed view where ``w`` is one): the backward adds the weight
+            gradient to it in place, in fp32 and rounded once, and returns none for ``w``
+            (``grad_accumulation``: gradient accumulation without autograd's separate add).
     Returns:
         ``(M, N)`` in ``out_dtype``; rows at or past ``offs[-1]`` are zero.
 
@@ -98,7 +103,7 @@ def fp8_grouped_mm(
     """
     return FP8GroupedMM.apply(*grouped_mm_arguments(
         x, w, offs, recipe=recipe, backend=backend, out_dtype=out_dtype, weight_cache=weight_cache, x_fp8=x_fp8,
-        save_x_fp8=save_x_fp8, wgrad_offs=wgrad_offs,
+        save_x_fp8=save_x_fp8, wgrad_offs=wgrad_offs, grad_into=grad_into,
     ))
 
 
@@ -114,10 +119,11 @@ def grouped_mm_arguments(
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     save_x_fp8: bool = False,
     wgrad_offs: torch.Tensor | None = None,
+    grad_into: torch.Tensor | None = None,
 ) -> tuple:
-    """:func:`fp8_grouped_mm`'s arguments checked and resolved into the 15 inputs of
+    """:func:`fp8_grouped_mm`'s arguments checked and resolved into the 16 inputs of
     ``FP8GroupedMM.apply`` (``x, w, offs, w_quant, x_fp8, scaling, fp8_wgrad, backend, fmt, pow2,
-    out_dtype, save_w, save_x_fp8, cached, wgrad_offs``), which any Function built on
+    out_dtype, save_w, save_x_fp8, cached, wgrad_offs, grad_into``), which any Function built on
     ``grouped_mm_forward`` takes first."""
     rec = get_recipe(recipe)
     if rec.grad_format is not None:
@@ -143,6 +149,11 @@ def grouped_mm_arguments(
         raise ValueError("w: a Fp8WeightCache.stand_in holds no values; pass it only with weight_cache and an "
                          "FP8 recipe (the weights are then read through the cache)")
     quantized = isinstance(w, QuantizedExpertWeight)
+    if grad_into is not None:
+        check_tensor("grad_into", grad_into, dtypes=(torch.bfloat16, torch.float16), shape=tuple(w.shape))
+        if grad_into.dtype != w.dtype or quantized or hasattr(w, "_fp8_cache_source"):
+            raise TypeError("grad_into: takes a weight that is its parameter (or a view of it) in the GEMMs' dtype")
+        check_same_device(w=w, grad_into=grad_into)
     if quantized and rec.scaling != "rowwise":
         raise ValueError(f"w: a QuantizedExpertWeight holds row-scaled FP8 operands; recipe {rec.name!r} takes others")
     be = select_backend(backend, x.device)
@@ -179,7 +190,7 @@ def grouped_mm_arguments(
     save_w = (not quantized and w_quant is None and cached is None and rec.scaling == "rowwise" and w_mat is w
               and (_kept_alive(w) or torch.compiler.is_compiling()))
     return (x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
-            bool(save_x_fp8), cached, wgrad_offs)
+            bool(save_x_fp8), cached, wgrad_offs, grad_into)
 
 
 def _safe_offsets(offs: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:

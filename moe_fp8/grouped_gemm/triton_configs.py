@@ -16,7 +16,7 @@ from ..kernel_backend import launch_target
 
 __all__ = ["GemmConfig", "config_2d3d", "config_2d2d"]
 
-SCALE_TENSORWISE, SCALE_ROWWISE, SCALE_BLOCKWISE = 0, 1, 2
+SCALE_TENSORWISE, SCALE_ROWWISE, SCALE_BLOCKWISE, SCALE_NONE = 0, 1, 2, 3  # SCALE_NONE: bf16 / fp16 operands
 BLOCKWISE_BLOCK = 128  # 1x128 activation blocks, 128x128 weight blocks
 
 
@@ -71,4 +71,6 @@ def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.
     if not target.is_sm90():
         return GemmConfig(128, 128, 64, 8, 3, 8)
     wide = k >= 256 and k % 256 == 0
+    if scale_mode == SCALE_NONE:  # 2-byte operands: half the reduction depth in the same shared memory
+        return GemmConfig(128, 256 if wide else 128, 64, 8, 3 if wide else 4, 8)
     return GemmConfig(128, 256 if wide else 128, 128, 8, 3 if wide else 4, 8)

@@ -15,7 +15,10 @@ How the work is laid out, with no host sync (nothing is read from ``offs`` on th
   past the last tile return at once. Row tiles are visited ``group_m`` at a time per column sweep,
   so consecutive programs reuse one expert's weight tiles from L2.
 * 2D x 2D: one program per ``(group, output tile)``; it loops over its group's rows (any count:
-  no 16-row padding is needed) and an empty group stores zeros. The rows are split into a
+  no 16-row padding is needed) and an empty group stores zeros. The same kernel takes bf16 / fp16
+  operands without scales (a BF16 weight gradient), and can add its products to an existing
+  ``(E, N, K)`` tensor in place (``accumulate_into``: gradient accumulation without a separate add;
+  empty groups then touch nothing). The rows are split into a
   16-aligned body, loaded as 16-byte vectors when the rows are the contiguous dim (column-major
   operands, ``M % 16 == 0``) in ``BK``-row blocks aligned to multiples of ``BK`` (the first one
   masked), and up to 15 head and 15 tail rows handled in one masked slice, skipped when the group
@@ -42,6 +45,7 @@ from .triton_configs import (
     BLOCKWISE_BLOCK,
     SCALE_BLOCKWISE,
     SCALE_ROWWISE,
+    SCALE_NONE,
     SCALE_TENSORWISE,
     GemmConfig,
     config_2d2d,
@@ -51,6 +55,7 @@ from .triton_configs import (
 __all__ = ["triton_grouped_mm_2d3d", "triton_grouped_mm_2d2d"]
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_UNSCALED_DTYPES = (torch.bfloat16, torch.float16)  # 2D x 2D without scales
 
 
 @triton.jit
@@ -159,11 +164,15 @@ def _grouped_mm_2d3d_kernel(
 
 @triton.jit
 def _dot_rows(a_ptr, b_ptr, rows, r_mask, ns, ks, stride_ar, stride_an, stride_br, stride_bk, acc,
-              MAX_IMPRECISE: tl.constexpr):  # fmt: skip
-    """``acc + a[rows, ns].T @ b[rows, ks]`` with masked-out rows read as zeros."""
+              MAX_IMPRECISE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """``acc + a[rows, ns].T @ b[rows, ks]`` with masked-out rows read as zeros. ``UPCAST``: the
+    operands go to ``tl.dot`` as fp32 (the interpreter's bf16 ``tl.dot`` is wrong; the products of
+    bf16 / fp16 values are exact in fp32 either way)."""
     rows64 = rows.to(tl.int64)
     a = tl.load(a_ptr + ns[:, None] * stride_an + rows64[None, :] * stride_ar, mask=r_mask[None, :], other=0.0)
     b = tl.load(b_ptr + rows64[:, None] * stride_br + ks[None, :] * stride_bk, mask=r_mask[:, None], other=0.0)
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, max_num_imprecise_acc=MAX_IMPRECISE)
 
 
@@ -179,8 +188,10 @@ def _grouped_mm_2d2d_kernel(
     SCALE_MODE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     MAX_IMPRECISE: tl.constexpr, EDGE_MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     # Output tile (BM rows of N) x (BN cols of K) of group g; BK is the reduction over rows.
+    # ACCUMULATE: out += the product (one rounding); an empty group's tile is left as it is.
     pid = tl.program_id(0)
     num_m = tl.cdiv(N, BM)
     num_n = tl.cdiv(K, BN)
@@ -197,6 +208,8 @@ def _grouped_mm_2d2d_kernel(
     # Clamped into [0, M] so that bad offsets can never address memory outside the tensors.
     end = tl.minimum(tl.maximum(end, 0), M)
     start = tl.minimum(tl.maximum(start, 0), end)
+    if ACCUMULATE and start == end:
+        return
 
     ns = tile_m * BM + tl.arange(0, BM)
     ks = tile_n * BN + tl.arange(0, BN)
@@ -221,27 +234,30 @@ def _grouped_mm_2d2d_kernel(
     for r0 in range(body_start // BK * BK, body_end, BK):
         rows = r0 + r
         acc = _dot_rows(a_ptr, b_ptr, rows, (rows >= body_start) & (rows < body_end), ns_ld, ks_ld,
-                        stride_ar, stride_an, stride_br, stride_bk, acc, MAX_IMPRECISE)  # fmt: skip
+                        stride_ar, stride_an, stride_br, stride_bk, acc, MAX_IMPRECISE, UPCAST)  # fmt: skip
     if (start < body_start) | (body_end < end):
         i = tl.arange(0, 32)
         rows = tl.where(i < 16, start // 16 * 16 + i, body_end + i - 16)
         r_mask = tl.where(i < 16, (rows >= start) & (rows < head_end), (rows >= tail_start) & (rows < end))
         acc = _dot_rows(a_ptr, b_ptr, rows, r_mask, ns_ld, ks_ld, stride_ar, stride_an, stride_br, stride_bk,
-                        acc, EDGE_MAX_IMPRECISE)  # fmt: skip
+                        acc, EDGE_MAX_IMPRECISE, UPCAST)  # fmt: skip
 
     if SCALE_MODE == 1:
         sa = tl.load(sa_ptr + g.to(tl.int64) * stride_sae + ns_ld * stride_san)
         sb = tl.load(sb_ptr + g.to(tl.int64) * stride_sbe + ks_ld * stride_sbk)
         acc = sb[None, :] * (sa[:, None] * acc)
-    else:
+    elif SCALE_MODE == 0:
         acc = tl.load(sb_ptr) * (tl.load(sa_ptr) * acc)
     out_g = out_ptr + g.to(tl.int64) * stride_oe
+    if ACCUMULATE:
+        old = tl.load(out_g + ns_ld[:, None] * stride_on + ks_ld[None, :] * stride_ok)
+        acc += old.to(tl.float32)
     _store_tile(out_g, ns, ks, n_mask, k_mask, stride_on, stride_ok, acc, OUT_BF16)
 
 
-def _check_dtypes(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> None:
-    check_tensor("a", a, dtypes=FP8_DTYPES, ndim=2)
-    check_tensor("b", b, dtypes=FP8_DTYPES)
+def _check_dtypes(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, scaled: bool = True) -> None:
+    check_tensor("a", a, dtypes=FP8_DTYPES if scaled else _UNSCALED_DTYPES, ndim=2)
+    check_tensor("b", b, dtypes=FP8_DTYPES if scaled else _UNSCALED_DTYPES)
     if b.dtype != a.dtype:
         raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
     if out_dtype not in _OUT_DTYPES:
@@ -252,7 +268,8 @@ def _check_can_launch(a: torch.Tensor) -> None:
     """The device of ``a`` can run the kernel (checked after the arguments themselves)."""
     if a.device.type == "cpu" and not interpreter_enabled():
         raise ValueError("a: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
-    if a.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(a.device) < (8, 9):
+    fp8 = a.dtype in FP8_DTYPES
+    if fp8 and a.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(a.device) < (8, 9):
         raise ValueError(f"a: FP8 tl.dot needs compute capability >= 8.9, {a.device} has "
                          f"{torch.cuda.get_device_capability(a.device)}")  # fmt: skip
 
@@ -345,30 +362,36 @@ def triton_grouped_mm_2d3d(
 
 def triton_grouped_mm_2d2d(
     a: torch.Tensor,
-    scale_a: torch.Tensor,
+    scale_a: torch.Tensor | None,
     b: torch.Tensor,
-    scale_b: torch.Tensor,
+    scale_b: torch.Tensor | None,
     offs: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     config: GemmConfig | None = None,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped ``a[rows of g].T @ b[rows of g]`` (wgrad form: ``dW_g = dy_g.T @ x_g``).
 
     Args:
         a: ``(M, N)`` fp8, row-major or column-major (physically ``(N, M)`` contiguous, the fast
-            layout: the reduction over rows is then contiguous).
-        scale_a: fp32 ``(E, N)`` (per group and column) or ``()`` (tensorwise).
-        b: ``(M, K)`` fp8, same dtype as ``a``, row- or column-major (column-major is fast).
-        scale_b: fp32 ``(E, K)``, or ``()`` when ``scale_a`` is ``()``.
+            layout for fp8: the reduction over rows is then contiguous); bf16 / fp16 without scales.
+        scale_a: fp32 ``(E, N)`` (per group and column), ``()`` (tensorwise), or ``None`` for
+            bf16 / fp16 operands.
+        b: ``(M, K)``, same dtype as ``a``, row- or column-major.
+        scale_b: fp32 ``(E, K)``, or ``()`` when ``scale_a`` is ``()``, or ``None`` with it.
         offs: ``(E,)`` int32 cumulative end offsets over the M rows; groups of any size, empty
             groups give zeros, rows past ``offs[-1]`` are ignored. Not read on the host.
         out_dtype: bf16 (default), fp16 or fp32.
         config: tile configuration override (default: :func:`.triton_configs.config_2d2d`).
+        accumulate_into: ``(E, N, K)`` tensor of ``out_dtype`` (any strides) to add the products
+            to, in place: ``out[g] + a_g^T @ b_g`` computed in fp32 and rounded once; empty
+            groups leave their slice untouched (not read, not written).
     Returns:
-        ``(E, N, K)`` contiguous ``out_dtype``.
+        ``(E, N, K)`` contiguous ``out_dtype``, or ``accumulate_into``.
     """
-    _check_dtypes(a, b, out_dtype)
+    scaled = scale_a is not None
+    _check_dtypes(a, b, out_dtype, scaled)
     check_tensor("b", b, ndim=2, shape=(a.shape[0], None))
     M, N = a.shape
     K = b.shape[1]
@@ -378,22 +401,31 @@ def triton_grouped_mm_2d2d(
     E = offs.numel()
     if E < 1:
         raise ValueError("offs: expected at least one group")
-    check_tensor("scale_a", scale_a, dtypes=(torch.float32,), ndim=(0, 2))
-    if scale_a.dim() == 0:
-        mode = SCALE_TENSORWISE
-        check_tensor("scale_b", scale_b, dtypes=(torch.float32,), ndim=0)
+    if not scaled:
+        if scale_b is not None:
+            raise ValueError("scale_b: expected None when scale_a is None")
+        mode, scale_a, scale_b = SCALE_NONE, offs, offs  # never read
         sa_strides, sb_strides = (0, 0), (0, 0)
     else:
-        mode = SCALE_ROWWISE
-        check_tensor("scale_a", scale_a, shape=(E, N))
-        check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, K))
-        sa_strides, sb_strides = tuple(scale_a.stride()), tuple(scale_b.stride())
-    check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, offs=offs)
+        check_tensor("scale_a", scale_a, dtypes=(torch.float32,), ndim=(0, 2))
+        if scale_a.dim() == 0:
+            mode = SCALE_TENSORWISE
+            check_tensor("scale_b", scale_b, dtypes=(torch.float32,), ndim=0)
+            sa_strides, sb_strides = (0, 0), (0, 0)
+        else:
+            mode = SCALE_ROWWISE
+            check_tensor("scale_a", scale_a, shape=(E, N))
+            check_tensor("scale_b", scale_b, dtypes=(torch.float32,), shape=(E, K))
+            sa_strides, sb_strides = tuple(scale_a.stride()), tuple(scale_b.stride())
+    if accumulate_into is not None:
+        check_tensor("accumulate_into", accumulate_into, dtypes=(out_dtype,), shape=(E, N, K))
+    check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, offs=offs,
+                      **({} if accumulate_into is None else {"accumulate_into": accumulate_into}))
     _check_can_launch(a)
 
-    out = torch.empty((E, N, K), dtype=out_dtype, device=a.device)
+    out = torch.empty((E, N, K), dtype=out_dtype, device=a.device) if accumulate_into is None else accumulate_into
     cfg = config or config_2d2d(N, K, E, mode, a.device)
-    max_imprecise = _max_imprecise(cfg, a.device)  # the head/tail slice is only 32 rows deep
+    max_imprecise = _max_imprecise(cfg, a.device) if scaled else None  # fp8 only
     grid = (E * cdiv(N, cfg.block_m) * cdiv(K, cfg.block_n),)
     launch(_grouped_mm_2d2d_kernel)[grid](
         a, b, out, scale_a, scale_b, offs,
@@ -406,7 +438,8 @@ def triton_grouped_mm_2d2d(
         SCALE_MODE=mode,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         MAX_IMPRECISE=max_imprecise, EDGE_MAX_IMPRECISE=max_imprecise and min(max_imprecise, 32),
-        OUT_BF16=out_dtype == torch.bfloat16,
+        OUT_BF16=out_dtype == torch.bfloat16, ACCUMULATE=accumulate_into is not None,
+        UPCAST=not scaled and interpreter_enabled(),
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

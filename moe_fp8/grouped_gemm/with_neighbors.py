@@ -29,12 +29,10 @@ from ..quant.formats import resolve_format
 from ..quant.swiglu import SwiGLUQuantize, swiglu_backward_quantize, swiglu_quantize
 from ..routing.combine_ops import _combine_op, combine, combine_backward_rows
 from ..routing.plan import DispatchPlan
-from .autograd import FP8GroupedMM, grouped_mm_backward, grouped_mm_forward, takes_grad_rows
+from .autograd import NONE_GRADS, FP8GroupedMM, grouped_mm_backward, grouped_mm_forward, takes_grad_rows
 from .op import grouped_mm_arguments
 
 __all__ = ["fp8_grouped_mm_combine", "fp8_grouped_mm_swiglu"]
-
-_NONES = (None,) * 13  # gradients of the GEMM arguments after x and w
 
 
 class _GroupedMMTakingRows(torch.autograd.Function):
@@ -54,8 +52,8 @@ class _GroupedMMTakingRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, q, scale):
         if grad_out is None:  # out took no part in what is differentiated
-            return None, None, *_NONES
-        return (*grouped_mm_backward(ctx, ctx.saved_tensors, grad_out, (q, scale)), *_NONES)
+            return None, None, *NONE_GRADS
+        return (*grouped_mm_backward(ctx, ctx.saved_tensors, grad_out, (q, scale)), *NONE_GRADS)
 
 
 class _SwiGLUGivingRows(torch.autograd.Function):

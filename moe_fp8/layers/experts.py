@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from ..checks import check_multiple_of, check_tensor
 from ..grouped_gemm import Fp8WeightCache, QuantizedExpertWeight, compiled_weight_cache, fp8_grouped_mm, select_backend
 from ..quant import formats, quantize_rowwise
+from ..grouped_gemm.grad_accumulation import accumulation_target
 from ..grouped_gemm.with_neighbors import fp8_grouped_mm_combine, fp8_grouped_mm_swiglu
 from ..quant.recipes import get_recipe
 from ..quant.swiglu import SwiGLUQuantize
@@ -62,6 +63,12 @@ class FP8GroupedExperts(nn.Module):
             (without input scales), and the saved activation is half the bytes. The gate/up weight
             gradient reads those rows dequantized, so it sees the input quantized twice (as
             DeepSeek-V3's FP8 training does); outputs and the other gradients are unchanged.
+        fused_grad_accumulation: once the weights hold a ``.grad`` (from the second micro-batch of
+            gradient accumulation on, or always with ``zero_grad(set_to_none=False)``), the weight
+            gradient GEMMs add their results to it in place instead of autograd adding them in
+            a kernel of its own (``grouped_gemm.grad_accumulation``: its contract, and what then
+            does not see the weight gradients, e.g. DDP). Not for ``DTensor`` weights (FSDP2,
+            expert parallelism), which keep autograd's path.
 
     ``global_num_experts``: the count of experts its ``top_k_index`` ids index (``E`` here; the
     expert-parallel subclass holds a shard of them).
@@ -85,6 +92,7 @@ class FP8GroupedExperts(nn.Module):
         in_out_layout: bool = False,
         cache_weights: bool = True,
         fp8_saved_input: bool = False,
+        fused_grad_accumulation: bool = False,
         device=None,
         dtype=None,
     ) -> None:
@@ -101,6 +109,7 @@ class FP8GroupedExperts(nn.Module):
             raise ValueError(f"fp8_saved_input: needs a recipe with row scales (rowwise, rowwise_gw_hp), "
                              f"got recipe {self.recipe.name!r}")
         self.fp8_saved_input = fp8_saved_input
+        self.fused_grad_accumulation = fused_grad_accumulation
         self.backend = backend
         self.fmt = None if fmt is None else formats.resolve_format(fmt)
         self.in_out_layout = in_out_layout
@@ -235,14 +244,16 @@ class FP8GroupedExperts(nn.Module):
         w1, w2 = self._weights()
         cache = self._caches if self._reads_cache(w1, x_perm) else (None, None)
         w1 = _cast(w1, x_perm.dtype, cache[0])
+        into1 = self._grad_target(self.gate_up_proj, w1)
         offsets, save = plan.offsets, save_x_fp8 and x_fp8 is not None
         if fp8_rows and self.fused_grad_quant:
             a, a_q, a_scale = fp8_grouped_mm_swiglu(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8,
-                                                    save_x_fp8=save, **gemm)
+                                                    save_x_fp8=save, grad_into=into1, **gemm)
             w2 = _cast(w2, a.dtype, cache[1])
             return fp8_grouped_mm_combine(a, w2, offsets, plan, weights, weight_cache=cache[1], x_fp8=(a_q, a_scale),
-                                          **gemm)
-        h = fp8_grouped_mm(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8, save_x_fp8=save, **gemm)
+                                          grad_into=self._grad_target(self.down_proj, w2), **gemm)
+        h = fp8_grouped_mm(x_perm, w1, offsets, weight_cache=cache[0], x_fp8=x_fp8, save_x_fp8=save,
+                           grad_into=into1, **gemm)
         if fp8_rows:
             a, a_q, a_scale = SwiGLUQuantize.apply(h, formats.resolve_format(self.fmt, x_perm.device),
                                                    recipe.pow2_scales)
@@ -252,7 +263,16 @@ class FP8GroupedExperts(nn.Module):
             a, a_fp8 = nn.functional.silu(gate) * up, None
         # The grouped GEMMs write bf16; fp32 modules (no autocast) get their dtype back at the end.
         w2 = _cast(w2, a.dtype, cache[1])
-        return combine(fp8_grouped_mm(a, w2, offsets, weight_cache=cache[1], x_fp8=a_fp8, **gemm), plan, weights)
+        into2 = self._grad_target(self.down_proj, w2)
+        return combine(fp8_grouped_mm(a, w2, offsets, weight_cache=cache[1], x_fp8=a_fp8, grad_into=into2, **gemm),
+                       plan, weights)
+
+    def _grad_target(self, param: nn.Parameter, w: torch.Tensor) -> torch.Tensor | None:
+        """What the GEMM of weight ``w`` (``param``'s ``(E, N, K)`` view) adds its weight gradient to
+        (``fused_grad_accumulation``), or ``None``: autograd's path."""
+        if not self.fused_grad_accumulation:
+            return None
+        return accumulation_target(param, w, self.in_out_layout)
 
     def _reads_cache(self, w1: torch.Tensor, x_perm: torch.Tensor) -> bool:
         """Whether the GEMMs read the weights through the caches (FP8 recipes only; eagerly a weight
@@ -271,7 +291,7 @@ class FP8GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "
                 f"recipe={self.recipe.name}, in_out_layout={self.in_out_layout}, "
-                f"fp8_saved_input={self.fp8_saved_input}")
+                f"fp8_saved_input={self.fp8_saved_input}, fused_grad_accumulation={self.fused_grad_accumulation}")
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

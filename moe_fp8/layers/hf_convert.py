@@ -57,7 +57,8 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
             filter_fn: Callable[[nn.Module, str], bool] | None = None, min_dense_size: int = MIN_DENSE_SIZE,
             min_expert_size: int = MIN_EXPERT_SIZE, min_bf16_expert_size: int = MIN_BF16_EXPERT_SIZE,
             min_fp8_wgrad_size: int = MIN_FP8_WGRAD_SIZE, backend: str | None = None, fmt=None,
-            cache_weights: bool = True, cache_dense_weights: bool = False) -> nn.Module:
+            cache_weights: bool = True, cache_dense_weights: bool = False,
+            fused_grad_accumulation: bool = False) -> nn.Module:
     """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
     return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it
     became and why anything was kept; ``print`` it for a table). A model without MoE blocks (Llama,
@@ -89,6 +90,10 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       ``cache_dense_weights``: those ``FP8Linear`` keep their weights' FP8 layouts while unchanged,
       so gradient accumulation quantizes them once per optimizer step (one BF16-sized copy of the
       converted dense weights; off by default, for peak memory).
+    * ``fused_grad_accumulation``: the experts' weight-gradient GEMMs add to the weights' ``.grad``
+      in place under gradient accumulation (``FP8GroupedExperts``; off by default: autograd then no
+      longer sees those gradients pass, which DDP and gradient hooks need; see
+      ``moe_fp8/grouped_gemm/grad_accumulation.py``).
 
     ``model`` may also be a single block: the result is then the converted block (the same object
     for transformers 5.x blocks but Llama 4's, a new one otherwise). Raises ``ValueError`` naming the
@@ -102,12 +107,14 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     check_size("min_expert_size", min_expert_size)
     check_size("min_bf16_expert_size", min_bf16_expert_size)
     check_size("min_fp8_wgrad_size", min_fp8_wgrad_size)
-    if not isinstance(dense, bool):
-        raise TypeError(f"dense: expected a bool, got {type(dense).__name__}")
+    for name, flag in (("dense", dense), ("fused_grad_accumulation", fused_grad_accumulation)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     expert_recipe = get_recipe(recipe)
     linear_recipe = _dense_recipe(expert_recipe, dense_recipe, dense)
     _refuse_converted(model)
-    opts = dict(recipe=expert_recipe, backend=backend, fmt=fmt, cache_weights=cache_weights)
+    opts = dict(recipe=expert_recipe, backend=backend, fmt=fmt, cache_weights=cache_weights,
+                fused_grad_accumulation=fused_grad_accumulation)
     rule = _SizeRule(min_expert_size if expert_recipe.is_fp8 else 0, min_bf16_expert_size, min_fp8_wgrad_size)
     root = _convert_block(model, opts, rule)
     if root is not None:  # a bare block: converted in place, its replacement, or itself when kept

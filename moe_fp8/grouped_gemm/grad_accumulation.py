@@ -1,0 +1,62 @@
+"""Weight gradients added to ``.grad`` by the GEMM that makes them.
+
+With gradient accumulation, autograd adds each micro-batch's weight gradient to the parameter's
+``.grad`` in a separate kernel: per weight element a read of both and a write (6 bytes in bf16).
+A grouped weight-gradient GEMM handed that ``.grad`` (``fp8_grouped_mm(..., grad_into=...)``) adds
+its result in its epilogue instead (a read and a write of the gradient, 4 bytes, and no launch),
+and returns no gradient for the weight, so autograd adds nothing. Empty experts' slices are not
+touched at all.
+
+The contract: the gradient is added to the tensor that was the parameter's ``.grad`` when the
+forward ran. Zero gradients in place (``zero_grad(set_to_none=False)``), or set them to ``None``
+between a backward and the next forward (the usual training loop); setting them to ``None``
+between a forward and its backward would drop that backward's weight gradient. Eagerly the
+backward checks this and raises; a compiled graph cannot check it. Nothing sees the weight's
+gradient pass through autograd: the weight's tensor hooks receive ``None``, ``torch.autograd.grad``
+does not return it, and DDP (whose hooks reduce what autograd accumulates) does not reduce it.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["accumulation_target", "check_accumulation_target"]
+
+_OWNER = "_moe_fp8_grad_of"  # eagerly, the tensor handed to the GEMM names its parameter
+
+
+def accumulation_target(param: nn.Parameter, w: torch.Tensor, transposed: bool) -> torch.Tensor | None:
+    """``param.grad`` laid out as the GEMM's weight ``w`` (``(E, N, K)``; ``transposed``: ``w`` is
+    ``param.transpose(1, 2)``), or ``None`` where the gradient must go through autograd: no
+    gradient yet (the first micro-batch), grad mode off, ``param`` a ``DTensor`` (FSDP2 and the
+    expert-parallel mesh reduce what autograd hands them), a ``.grad`` of another shape or strides
+    than ``param``, or of another dtype than ``w`` (a weight cast for the GEMM)."""
+    grad = param.grad
+    if grad is None or not torch.is_grad_enabled() or not param.requires_grad:
+        return None
+    if isinstance(param, DTensor):
+        return None
+    if grad.dtype != w.dtype or grad.shape != param.shape or grad.stride() != param.stride():
+        return None
+    target = grad.transpose(1, 2) if transposed else grad
+    if not torch.compiler.is_compiling():
+        setattr(target, _OWNER, weakref.ref(param))
+    return target
+
+
+def check_accumulation_target(target: torch.Tensor) -> None:
+    """Raise if the parameter ``target`` was taken from (eagerly) holds another ``.grad`` now."""
+    ref = getattr(target, _OWNER, None)
+    param = ref() if ref is not None else None
+    if param is None:
+        return
+    grad = param.grad
+    if grad is None or grad.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
+        raise RuntimeError(
+            "fused_grad_accumulation: the parameter's .grad was replaced (or set to None) between the forward and "
+            "its backward, so the weight gradient has no tensor to be added to; zero gradients in place "
+            "(zero_grad(set_to_none=False)) or only between a backward and the next forward")

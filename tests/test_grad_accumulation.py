@@ -1,0 +1,153 @@
+"""``fused_grad_accumulation``: under gradient accumulation the experts' weight-gradient GEMMs add to
+``.grad`` in place (``moe_fp8/grouped_gemm/grad_accumulation.py``). The sums equal autograd's to
+within the one rounding they save, against an fp64 sum of the micro-batches' gradients, for every
+recipe, both weight layouts and the kernel (interpreter) and reference (emulated) paths; autograd
+adds nothing once ``.grad`` exists; the contract is enforced eagerly; a compiled module gives the
+eager module's bits."""
+
+import pytest
+import torch
+
+from moe_fp8 import fp8_grouped_mm
+from moe_fp8.kernel_backend import interpreter_enabled
+from moe_fp8.layers.experts import FP8GroupedExperts
+
+T, H, I, E, K = 40, 32, 16, 6, 2
+MICRO_BATCHES = 3
+BACKENDS = ["emulated", pytest.param("triton", marks=pytest.mark.skipif(not interpreter_enabled(),
+                                                                          reason="needs TRITON_INTERPRET=1"))]
+
+
+def _experts(fused: bool, recipe: str, backend: str, in_out: bool = False, dtype=torch.bfloat16) -> FP8GroupedExperts:
+    torch.manual_seed(0)
+    return FP8GroupedExperts(E, H, I, recipe=recipe, backend=backend, in_out_layout=in_out,
+                             fused_grad_accumulation=fused, dtype=dtype)
+
+
+def _micro_batch(i: int):
+    """Tokens, ids and weights of micro-batch ``i``; the last two experts get no token."""
+    g = torch.Generator().manual_seed(10 + i)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    return x, torch.randint(0, E - 2, (T, K), generator=g), torch.rand(T, K, generator=g)
+
+
+def _backward(module: torch.nn.Module, i: int) -> None:
+    module(*_micro_batch(i)).float().square().sum().backward()
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    _, exp = torch.frexp(x.float())
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exp - 8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise", "bf16"])
+@pytest.mark.parametrize("in_out", [False, True])
+def test_fused_sum_matches_the_fp64_sum_of_micro_batches(recipe, backend, in_out):
+    fused, plain = _experts(True, recipe, backend, in_out), _experts(False, recipe, backend, in_out)
+    parts = {name: [] for name, _ in plain.named_parameters()}
+    for i in range(MICRO_BATCHES):
+        _backward(fused, i)
+        _backward(plain, i)
+        for name, p in plain.named_parameters():
+            parts[name].append(p.grad.double())
+            p.grad = None
+    for name, p in fused.named_parameters():
+        reference = sum(parts[name])
+        diff = (p.grad.double() - reference).abs()
+        # the fused sum rounds once per micro-batch, to the partial sum's bf16 grid; the gradients it
+        # adds are the unrounded fp32 products of the micro-batches' bf16 gradients: half an ulp each
+        partial = torch.cumsum(torch.stack(parts[name]), 0)
+        bound = sum(_bf16_ulp(t).double() for t in (*partial, *parts[name]))
+        assert bool((diff <= bound).all()), (name, float(diff.max()))
+        assert bool((p.grad[-2:] == 0).all())  # the experts no token reached
+        assert float(reference[:-2].abs().max()) > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autograd_adds_nothing_once_grad_exists(backend):
+    """The first micro-batch's gradient goes through autograd (``.grad`` is None); later ones are added
+    by the GEMMs into the same tensor, so autograd hands the weights no gradient to add (their tensor
+    hooks see ``None``)."""
+    counts = {}
+    for fused in (False, True):
+        module = _experts(fused, "rowwise_gw_hp", backend)
+        seen = []
+        for p in module.parameters():
+            p.register_hook(lambda g, seen=seen: seen.append(g) if g is not None else None)
+        first = {}
+        for i in range(MICRO_BATCHES):
+            _backward(module, i)
+            first = first or {id(p): p.grad for p in module.parameters()}
+        assert all(p.grad is first[id(p)] for p in module.parameters())
+        counts[fused] = len(seen)
+    assert counts == {False: 2 * MICRO_BATCHES, True: 2}
+
+
+def test_replacing_grad_between_forward_and_backward_raises():
+    module = _experts(True, "rowwise", "emulated")
+    _backward(module, 0)
+    out = module(*_micro_batch(1))
+    module.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="replaced"):
+        out.float().square().sum().backward()
+
+
+def test_in_place_zeroing_keeps_the_gemms_adding():
+    """``zero_grad(set_to_none=False)``: every micro-batch after the first step's first one adds to the
+    zeroed tensors; a second optimizer step equals a fresh module's first."""
+    module, fresh = _experts(True, "rowwise", "emulated"), _experts(True, "rowwise", "emulated")
+    for i in range(MICRO_BATCHES):
+        _backward(module, i)
+    module.zero_grad(set_to_none=False)
+    for i in range(MICRO_BATCHES):
+        _backward(module, i)
+        _backward(fresh, i)
+    for p, q in zip(module.parameters(), fresh.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_takes_autograd_path_where_it_must():
+    """fp32 weights cast to the GEMMs' bf16 (autocast), grad mode off: no ``.grad`` is written in
+    place, and the gradients still arrive."""
+    module = _experts(True, "rowwise", "emulated", dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(2):
+            _backward(module, i)
+    plain = _experts(False, "rowwise", "emulated", dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(2):
+            _backward(plain, i)
+    for p, q in zip(module.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    module = _experts(True, "rowwise", "emulated")
+    _backward(module, 0)
+    before = [p.grad.clone() for p in module.parameters()]
+    with torch.no_grad():
+        module(*_micro_batch(1))
+    assert all(torch.equal(p.grad, b) for p, b in zip(module.parameters(), before))
+
+
+def test_grad_into_argument_checks():
+    x, w = torch.randn(8, 32).bfloat16(), torch.randn(2, 16, 32).bfloat16()
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="grad_into"):
+        fp8_grouped_mm(x, w, offs, backend="emulated", grad_into=torch.zeros(2, 16, 32))
+    with pytest.raises(ValueError, match="grad_into"):
+        fp8_grouped_mm(x, w, offs, backend="emulated", grad_into=torch.zeros(2, 32, 16).bfloat16())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_module_gives_the_eager_bits(backend):
+    """``torch.compile`` (aot_eager: the graphs AOTAutograd traces, with the in-place add in the
+    backward graph): two optimizer steps of 3 micro-batches, gradients bit for bit the eager module's."""
+    eager, compiled = _experts(True, "rowwise_gw_hp", backend), _experts(True, "rowwise_gw_hp", backend)
+    run = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        for i in range(MICRO_BATCHES):
+            eager(*_micro_batch(i)).float().square().sum().backward()
+            run(*_micro_batch(i)).float().square().sum().backward()
+        for p, q in zip(eager.parameters(), compiled.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        eager.zero_grad()
+        compiled.zero_grad()
