@@ -102,7 +102,8 @@ def wgrad_rows(variants: dict) -> list[dict]:
     for name, cfg in variants.items():
         imprecise = None if cfg.fast_accum else cfg.block_k
         meta = dict(SCALE_MODE=1, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-                    MAX_IMPRECISE=imprecise, EDGE_MAX_IMPRECISE=imprecise and min(imprecise, 32), OUT_BF16=True, **ones)
+                    MAX_IMPRECISE=imprecise, EDGE_MAX_IMPRECISE=imprecise and min(imprecise, 32), OUT_BF16=True,
+                    ACCUMULATE=False, UPCAST=False, **ones)
         res = compile_sm90(fn, pointers, meta, aligned, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         rows.append(dict(kernel="wgrad 2D x 2D", variant=name, **res))
     return rows

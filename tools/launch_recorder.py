@@ -110,7 +110,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def workload(fmt) -> None:
     """Launch every kernel of the library at least once, in the layouts training uses: FP8MoE
     (rowwise, weights cached and not, the gradients' FP8 rows from the SwiGLU and combine backwards
-    and from the dgrads), the grouped GEMM in each FP8 recipe, FP8Linear, the zeroing kernels, the
+    and from the dgrads), the grouped GEMM in each FP8 recipe and adding its weight gradient in
+    place (fp8 and bf16 operands), FP8Linear, the zeroing kernels, the
     dispatch plan without empty-expert rows, and the fused AdamW + quantize step. Shapes are small
     but wide enough (256) for the GPU's widest tiles."""
     torch.manual_seed(0)
@@ -127,6 +128,10 @@ def workload(fmt) -> None:
         x = torch.randn(T, H, dtype=bf16, requires_grad=True)
         w = torch.randn(E, I, H, dtype=bf16, requires_grad=True)
         fp8_grouped_mm(x, w, offs, recipe=recipe, backend="triton").sum().backward()
+    for recipe in ("rowwise", "rowwise_gw_hp"):  # the weight gradient added to .grad in place (fp8, bf16)
+        x = torch.randn(T, H, dtype=bf16, requires_grad=True)
+        w = torch.randn(E, I, H, dtype=bf16, requires_grad=True)
+        fp8_grouped_mm(x, w, offs, recipe=recipe, backend="triton", grad_into=torch.zeros_like(w)).sum().backward()
     for recipe in ("rowwise", "tensorwise"):
         x = torch.randn(48, H, dtype=bf16, requires_grad=True)
         w = torch.randn(I, H, dtype=bf16, requires_grad=True)

@@ -61,8 +61,11 @@ def config_2d3d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.
     return GemmConfig(128, 256 if wide else 128, 128, 8, 3 if wide else 4, 8)
 
 
-def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.device) -> GemmConfig:
-    """Configuration of the 2D x 2D kernel (wgrad) producing ``(num_groups, n, k)``."""
+def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.device,
+                accumulate: bool = False) -> GemmConfig:
+    """Configuration of the 2D x 2D kernel (wgrad) producing ``(num_groups, n, k)``; ``accumulate``:
+    adding to an existing output, whose tile the epilogue holds beside the accumulator (a 128 x 256
+    tile then spills on sm90)."""
     target = launch_target(device)
     if target.kind == "interpreter":
         return GemmConfig(16, 16, 16, 2, 1, 1)
@@ -70,7 +73,7 @@ def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.
         return GemmConfig(128, 128, 64, 8, 2, 8)
     if not target.is_sm90():
         return GemmConfig(128, 128, 64, 8, 3, 8)
-    wide = k >= 256 and k % 256 == 0
+    wide = k >= 256 and k % 256 == 0 and not accumulate
     if scale_mode == SCALE_NONE:  # 2-byte operands: half the reduction depth in the same shared memory
         return GemmConfig(128, 256 if wide else 128, 64, 8, 3 if wide else 4, 8)
     return GemmConfig(128, 256 if wide else 128, 128, 8, 3 if wide else 4, 8)

@@ -208,8 +208,9 @@ def _grouped_mm_2d2d_kernel(
     # Clamped into [0, M] so that bad offsets can never address memory outside the tensors.
     end = tl.minimum(tl.maximum(end, 0), M)
     start = tl.minimum(tl.maximum(start, 0), end)
-    if ACCUMULATE and start == end:
-        return
+    if ACCUMULATE:
+        if start == end:
+            return
 
     ns = tile_m * BM + tl.arange(0, BM)
     ks = tile_n * BN + tl.arange(0, BN)
@@ -424,7 +425,7 @@ def triton_grouped_mm_2d2d(
     _check_can_launch(a)
 
     out = torch.empty((E, N, K), dtype=out_dtype, device=a.device) if accumulate_into is None else accumulate_into
-    cfg = config or config_2d2d(N, K, E, mode, a.device)
+    cfg = config or config_2d2d(N, K, E, mode, a.device, accumulate_into is not None)
     max_imprecise = _max_imprecise(cfg, a.device) if scaled else None  # fp8 only
     grid = (E * cdiv(N, cfg.block_m) * cdiv(K, cfg.block_n),)
     launch(_grouped_mm_2d2d_kernel)[grid](
@@ -439,7 +440,7 @@ def triton_grouped_mm_2d2d(
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         MAX_IMPRECISE=max_imprecise, EDGE_MAX_IMPRECISE=max_imprecise and min(max_imprecise, 32),
         OUT_BF16=out_dtype == torch.bfloat16, ACCUMULATE=accumulate_into is not None,
-        UPCAST=not scaled and interpreter_enabled(),
+        UPCAST=not scaled and launch_target(a.device).kind == "interpreter",
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
