@@ -5,7 +5,8 @@
 #   STAGE: tests [PATH...] (the GPU tests of PATHs, default all of tests/, in $WORKERS pytest-xdist
 #   processes, default 4; the failures' names in the log's last lines) | ep | epscale | parscale (every GPU, torchrun: moe_fp8.bench.ep_scaling / parallel_step; run
 #   parscale on one GPU too, then `python -m moe_fp8.bench.parallel_step --weak-scaling --out DIR` over the
-#   reports gathered in DIR tabulates weak scaling) | parallel | harness | demo | weightquant | layerpeak (benchmarks/bench_layer_peak.py) | models | dsv3 | qwen3 | llama4 (the last four:
+#   reports gathered in DIR tabulates weak scaling) | parallel | harness | demo | weightquant | layerpeak (benchmarks/bench_layer_peak.py) | gradacc (the GPU tests of
+#   tests/test_grad_accumulation.py, benchmarks/bench_grad_accumulation.py) | models | dsv3 | qwen3 | llama4 (the last four:
 #   python -m moe_fp8.bench presets) | whole MODEL... (the whole-model step of the named models against HF
 #   BF16 and TorchAO, eager and compiled: bench_whole_<first model>.json/.md) | job ACCUMULATE MODEL...
 #   (the whole-model step with 4 decoder layers and ACCUMULATE micro-batches per optimizer step;
@@ -21,7 +22,7 @@
 # into a temporary folder first, for the side-by-side columns. Each stage is time-limited so that
 # a hang ends the stage instead of the run.
 set -uo pipefail
-stage=${1:?usage: run_gpu.sh tests|ep|epscale|parscale|parallel|harness|demo|weightquant|layerpeak|models|dsv3|qwen3|llama4|whole|job|ab [OUT] [ARGS...]}
+stage=${1:?usage: run_gpu.sh tests|ep|epscale|parscale|parallel|harness|demo|weightquant|layerpeak|gradacc|models|dsv3|qwen3|llama4|whole|job|ab [OUT] [ARGS...]}
 out=${2:-benchmarks/results}
 shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -66,6 +67,8 @@ case $stage in
            run 300 parallel_step.log python3 -m moe_fp8.bench.parallel_step --out "$out" ;;
   demo)    run 420 demo.log python3 -m moe_fp8.demo --plot "$out/demo_loss.png" ;;
   layerpeak) run 300 layer_peak.log python3 benchmarks/bench_layer_peak.py --out "$out" ;;
+  gradacc) run 150 grad_accumulation_tests.log python3 -m pytest -q -m gpu tests/test_grad_accumulation.py -p no:cacheprovider
+           run 120 grad_accumulation.log python3 benchmarks/bench_grad_accumulation.py --out "$out" ;;
   weightquant) run 300 weight_quant_tests.log python3 -m pytest -q -m gpu tests/test_adamw_quantize_gpu.py \
              -p no:cacheprovider
            run 180 weight_quant_step.log python3 benchmarks/bench_weight_quant_step.py --out "$out" ;;

@@ -280,3 +280,15 @@ def test_bench_stale_cache_gap_finds_copies_of_old_weights(bumped, monkeypatch):
         step([data[2 * i], data[2 * i + 1]])
     gap = models.stale_cache_gap(model, step.forward, data[4, :, :-1], graphs=False)
     assert gap == 0 if bumped else gap > 0
+
+
+@pytest.mark.interpreter
+def test_bench_grad_accumulation_quick(tmp_path):
+    """The fused-accumulation benchmark runs its CPU smoke shapes (checking each fused sum against
+    autograd's) and writes its report."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_grad_accumulation.py"), "--quick", "--steps", "1",
+           "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "grad_accumulation_quick.json").read_text())["rows"]
+    assert {(r["gradient"], r["active"]) for r in rows} == {("gate_up", 8), ("down", 8), ("gate_up", 1), ("down", 1)}

@@ -80,3 +80,30 @@ if __name__ == "__main__":
     for r in sorted(EXPECTED):
         c = _count(r)
         print(f'"{r}": ({c.total}, {c.triton}),', sorted(c.ops.items()))
+
+
+def _accumulating_count(recipe: str, fused: bool):
+    torch.manual_seed(0)
+    moe = FP8MoE(H, I, E, K, recipe=recipe, backend="triton").to(torch.bfloat16)
+    moe.experts.fused_grad_accumulation = fused
+    x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):  # the weights hold a .grad from here on
+        moe(x).float().sum().backward()
+    with count_launches() as n:
+        moe(x).float().sum().backward()
+    return n
+
+
+@pytest.mark.slow(8)
+def test_fused_grad_accumulation_drops_autograds_adds():
+    """A micro-batch that accumulates: with ``fused_grad_accumulation`` the two expert weights'
+    gradients are added by their weight-gradient GEMMs (one Triton launch each, the BF16 ones too,
+    which otherwise run ``torch._grouped_mm`` and the zeroing of empty groups), and autograd's two
+    adds into ``.grad`` are gone."""
+    plain, fused = _accumulating_count("rowwise", False), _accumulating_count("rowwise", True)
+    assert fused.total == plain.total - 2 and fused.triton == plain.triton
+    assert fused.ops["aten.add_"] == plain.ops["aten.add_"] - 2
+    plain, fused = _accumulating_count("bf16", False), _accumulating_count("bf16", True)
+    assert fused.ops["aten.add_"] == plain.ops["aten.add_"] - 2
+    assert fused.ops["aten._grouped_mm"] == plain.ops["aten._grouped_mm"] - 2
+    assert fused.ops["triton:_grouped_mm_2d2d_kernel"] == 2 and fused.triton == plain.triton + 2

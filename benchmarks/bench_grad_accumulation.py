@@ -1,0 +1,102 @@
+"""A BF16 expert weight gradient added to ``.grad``: autograd's path against the GEMM's epilogue.
+
+Under gradient accumulation every micro-batch after the first adds its weight gradient to the
+weight's ``.grad``. Autograd's path: the grouped GEMM writes ``(E, N, K)`` (``torch._grouped_mm``,
+CUTLASS, then the zeroing of empty experts) and a separate kernel adds it to ``.grad``.
+``fused_grad_accumulation``: our Triton 2D x 2D kernel adds its fp32 tile to ``.grad`` in its epilogue
+(``accumulate_into``), and leaves experts without rows untouched. Also timed: the Triton kernel
+writing a new output (its GEMM speed against CUTLASS's). Shapes: Qwen3-30B-A3B's two expert weight
+gradients at 8 x 1024 tokens, top-8 (65536 routed rows), with every expert getting rows and with
+16 of 128 experts getting them all (what the whole-model benchmark's routing drifts towards).
+Medians of CUDA-event times; each run checks the fused sum against autograd's.
+
+Usage: ``python benchmarks/bench_grad_accumulation.py [--steps 20] [--out benchmarks/results]``
+(writes ``grad_accumulation.json`` and ``.md``); ``--quick``: tiny shapes on the CPU (a smoke run,
+under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from moe_fp8.bench.report import run_env, write_report
+from moe_fp8.bench.timing import event_median_ms
+from moe_fp8.grouped_gemm.tail import zero_empty_groups
+from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d2d
+
+ROWS, EXPERTS = 65536, 128
+SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}
+QUICK = dict(rows=96, experts=8, shapes={"gate_up": (32, 64), "down": (64, 16)})
+
+
+def _offsets(rows: int, experts: int, active: int, device: str) -> torch.Tensor:
+    """int32 end offsets: ``rows`` split evenly over ``active`` experts at random positions."""
+    sizes = torch.zeros(experts, dtype=torch.long)
+    sizes[torch.randperm(experts)[:active]] = rows // active
+    return sizes.cumsum(0).to(torch.int32).to(device)
+
+
+def _autograd_path(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, grad: torch.Tensor) -> None:
+    out = torch._grouped_mm(a.t(), b, offs=offs) if a.is_cuda else _reference(a, b, offs).to(a.dtype)
+    grad.add_(zero_empty_groups(out, offs))
+
+
+def _reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out, start = torch.zeros(offs.numel(), a.shape[1], b.shape[1]), 0
+    for g, end in enumerate(offs.tolist()):
+        out[g] = a[start:end].float().T @ b[start:end].float()
+        start = end
+    return out
+
+
+def _row(name: str, n: int, k: int, rows: int, experts: int, active: int, steps: int, device: str) -> dict:
+    offs = _offsets(rows, experts, active, device)
+    a = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    start = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16)
+    plain, fused = start.clone(), start.clone()
+    _autograd_path(a, b, offs, plain)
+    triton_grouped_mm_2d2d(a, None, b, None, offs, accumulate_into=fused)
+    gap = float((plain.float() - fused.float()).abs().max() / plain.float().abs().max())
+    if gap > 2**-6:
+        raise AssertionError(f"{name}: the fused sum differs from autograd's by {gap:.3g} of its largest value")
+    grad = start.clone()
+    autograd_ms = event_median_ms(lambda: _autograd_path(a, b, offs, grad), steps)
+    fused_ms = event_median_ms(lambda: triton_grouped_mm_2d2d(a, None, b, None, offs, accumulate_into=grad), steps)
+    triton_ms = event_median_ms(lambda: triton_grouped_mm_2d2d(a, None, b, None, offs), steps)
+    gemm_ms = event_median_ms(lambda: torch._grouped_mm(a.t(), b, offs=offs), steps) if a.is_cuda else None
+    return dict(gradient=name, experts=experts, n=n, k=k, rows=rows, active=active, autograd_ms=autograd_ms,
+                fused_ms=fused_ms, triton_gemm_ms=triton_ms, grouped_mm_ms=gemm_ms, speedup=autograd_ms / fused_ms,
+                max_gap=gap)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a smoke run)")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    rows, experts, shapes = (QUICK["rows"], QUICK["experts"], QUICK["shapes"]) if args.quick else (
+        ROWS, EXPERTS, SHAPES)
+    torch.manual_seed(0)
+    table = [_row(name, n, k, rows, experts, active, args.steps, device)
+             for active in (experts, experts // 8) for name, (n, k) in shapes.items()]
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    body = ["| gradient (E, N, K) | experts with rows | autograd: GEMM + add ms | fused ms | speedup | "
+            "Triton GEMM alone ms | torch._grouped_mm alone ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    body += [f"| {r['gradient']} ({r['experts']}, {r['n']}, {r['k']}) | {r['active']} | {fmt(r['autograd_ms'])} | "
+             f"{fmt(r['fused_ms'])} | {r['speedup']:.2f}x | {fmt(r['triton_gemm_ms'])} | {fmt(r['grouped_mm_ms'])} |"
+             for r in table]
+    print("\n".join(body))
+    stem = "grad_accumulation" + ("_quick" if args.quick else "")
+    write_report(args.out, stem, run_env(device), table,
+                 "A BF16 expert weight gradient added to .grad: autograd's GEMM + add against the GEMM's epilogue",
+                 f"`python benchmarks/bench_grad_accumulation.py --steps {args.steps}`, {rows} routed rows, "
+                 "medians of CUDA-event times", body)
+
+
+if __name__ == "__main__":
+    main()
