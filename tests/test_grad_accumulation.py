@@ -108,8 +108,8 @@ def test_in_place_zeroing_keeps_the_gemms_adding():
 
 
 def test_takes_autograd_path_where_it_must():
-    """fp32 weights cast to the GEMMs' bf16 (autocast), grad mode off: no ``.grad`` is written in
-    place, and the gradients still arrive."""
+    """fp32 weights cast to the GEMMs' bf16 (autocast), grad mode off, a module FSDP2 manages: no
+    ``.grad`` is written in place, and the gradients still arrive."""
     module = _experts(True, "rowwise", "emulated", dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for i in range(2):
@@ -126,6 +126,12 @@ def test_takes_autograd_path_where_it_must():
     with torch.no_grad():
         module(*_micro_batch(1))
     assert all(torch.equal(p.grad, b) for p, b in zip(module.parameters(), before))
+    module._is_fsdp_managed_module = True  # FSDP2's mark: its gathered weights' gradients go through autograd
+    seen = []
+    for p in module.parameters():
+        p.register_hook(lambda g: seen.append(g) if g is not None else None)
+    _backward(module, 1)
+    assert len(seen) == 2
 
 
 def test_grad_into_argument_checks():

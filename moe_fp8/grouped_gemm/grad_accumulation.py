@@ -32,8 +32,8 @@ _OWNER = "_moe_fp8_grad_of"  # eagerly, the tensor handed to the GEMM names its 
 def accumulation_target(param: nn.Parameter, w: torch.Tensor, transposed: bool) -> torch.Tensor | None:
     """``param.grad`` laid out as the GEMM's weight ``w`` (``(E, N, K)``; ``transposed``: ``w`` is
     ``param.transpose(1, 2)``), or ``None`` where the gradient must go through autograd: no
-    gradient yet (the first micro-batch), grad mode off, ``param`` a ``DTensor`` (FSDP2 and the
-    expert-parallel mesh reduce what autograd hands them), a ``.grad`` of another shape or strides
+    gradient yet (the first micro-batch), grad mode off, ``param`` a ``DTensor`` (sharded over an
+    expert-parallel or FSDP mesh, whose reductions take what autograd hands them), a ``.grad`` of another shape or strides
     than ``param``, or of another dtype than ``w`` (a weight cast for the GEMM)."""
     grad = param.grad
     if grad is None or not torch.is_grad_enabled() or not param.requires_grad:

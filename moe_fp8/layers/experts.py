@@ -67,8 +67,8 @@ class FP8GroupedExperts(nn.Module):
             gradient accumulation on, or always with ``zero_grad(set_to_none=False)``), the weight
             gradient GEMMs add their results to it in place instead of autograd adding them in
             a kernel of its own (``grouped_gemm.grad_accumulation``: its contract, and what then
-            does not see the weight gradients, e.g. DDP). Not for ``DTensor`` weights (FSDP2,
-            expert parallelism), which keep autograd's path.
+            does not see the weight gradients, e.g. DDP). Not for weights FSDP2 manages, nor
+            ``DTensor`` weights (expert parallelism): those keep autograd's path.
 
     ``global_num_experts``: the count of experts its ``top_k_index`` ids index (``E`` here; the
     expert-parallel subclass holds a shard of them).
@@ -269,8 +269,9 @@ class FP8GroupedExperts(nn.Module):
 
     def _grad_target(self, param: nn.Parameter, w: torch.Tensor) -> torch.Tensor | None:
         """What the GEMM of weight ``w`` (``param``'s ``(E, N, K)`` view) adds its weight gradient to
-        (``fused_grad_accumulation``), or ``None``: autograd's path."""
-        if not self.fused_grad_accumulation:
+        (``fused_grad_accumulation``), or ``None``: autograd's path, also for weights FSDP2 gathers
+        (its unsharded parameters are plain tensors whose gradients it reduces)."""
+        if not self.fused_grad_accumulation or getattr(self, "_is_fsdp_managed_module", False):
             return None
         return accumulation_target(param, w, self.in_out_layout)
 
