@@ -108,8 +108,8 @@ def test_in_place_zeroing_keeps_the_gemms_adding():
 
 
 def test_takes_autograd_path_where_it_must():
-    """fp32 weights cast to the GEMMs' bf16 (autocast), grad mode off, a module FSDP2 manages: no
-    ``.grad`` is written in place, and the gradients still arrive."""
+    """fp32 weights cast to the GEMMs' bf16 (autocast), fp32 GEMMs, grad mode off, a module FSDP2
+    manages: no ``.grad`` is written in place, and the gradients still arrive."""
     module = _experts(True, "rowwise", "emulated", dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for i in range(2):
@@ -120,6 +120,13 @@ def test_takes_autograd_path_where_it_must():
             _backward(plain, i)
     for p, q in zip(module.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+    fp32, plain = _experts(True, "rowwise", "emulated", dtype=torch.float32), _experts(False, "rowwise", "emulated",
+                                                                                        dtype=torch.float32)
+    for i in range(2):  # fp32 GEMMs (the emulated backend takes them): fp32 gradients, autograd's path
+        for m in (fp32, plain):
+            x, ids, weights = _micro_batch(i)
+            m(x.float(), ids, weights).square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(fp32.parameters(), plain.parameters()))
     module = _experts(True, "rowwise", "emulated")
     _backward(module, 0)
     before = [p.grad.clone() for p in module.parameters()]

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = ["accumulation_target", "check_accumulation_target"]
 
+_DTYPES = (torch.bfloat16, torch.float16)  # what the kernel adds to
 _OWNER = "_moe_fp8_grad_of"  # eagerly, the tensor handed to the GEMM names its parameter
 
 
@@ -33,14 +34,17 @@ def accumulation_target(param: nn.Parameter, w: torch.Tensor, transposed: bool) 
     """``param.grad`` laid out as the GEMM's weight ``w`` (``(E, N, K)``; ``transposed``: ``w`` is
     ``param.transpose(1, 2)``), or ``None`` where the gradient must go through autograd: no
     gradient yet (the first micro-batch), grad mode off, ``param`` a ``DTensor`` (sharded over an
-    expert-parallel or FSDP mesh, whose reductions take what autograd hands them), a ``.grad`` of another shape or strides
-    than ``param``, or of another dtype than ``w`` (a weight cast for the GEMM)."""
+    expert-parallel or FSDP mesh, whose reductions take what autograd hands them), a ``.grad`` of
+    another shape or strides than ``param``, of another dtype than ``w`` (a weight cast for the
+    GEMM), or not bf16 / fp16."""
     grad = param.grad
     if grad is None or not torch.is_grad_enabled() or not param.requires_grad:
         return None
     if isinstance(param, DTensor):
         return None
-    if grad.dtype != w.dtype or grad.shape != param.shape or grad.stride() != param.stride():
+    if grad.dtype != w.dtype or grad.dtype not in _DTYPES:
+        return None
+    if grad.shape != param.shape or grad.stride() != param.stride():
         return None
     target = grad.transpose(1, 2) if transposed else grad
     if not torch.compiler.is_compiling():
