@@ -139,7 +139,8 @@ def test_bench_whole_model_kind_cpu(torch_references):
         assert experts and {(m.recipe.name, m.cache_weights, m.fused_grad_quant) for m in experts} == {
             (recipe, "cached" in variant, "unfused" not in variant)}
     assert by_variant["hf_bf16"]["speedup"] == 1.0
-    for name in models.LOSS_VARIANTS:
+    assert set(models.LOSS_VARIANTS) - set(by_variant) == {"ours_fp8_experts_cached_fused_acc"}  # when named
+    for name in set(models.LOSS_VARIANTS) & set(by_variant):
         assert 4.0 < by_variant[name]["final_loss"] < 6.5  # a byte-level model after 3 steps: ~ln(272)
     assert abs(by_variant["ours_fp8"]["loss_gap"]) < 0.02
     assert report.table("model", rows).count("\n") == len(rows)
@@ -292,3 +293,22 @@ def test_bench_grad_accumulation_quick(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "grad_accumulation_quick.json").read_text())["rows"]
     assert {(r["gradient"], r["active"]) for r in rows} == {("gate_up", 8), ("down", 8), ("gate_up", 1), ("down", 1)}
+
+
+def test_bench_fused_accumulation_variant_cpu(torch_references):
+    """``ours_fp8_experts_cached_fused_acc`` converts with ``fused_grad_accumulation`` and, with 2
+    micro-batches per step, trains to the loss of the same experts without it (its caches current)."""
+    pytest.importorskip("transformers")
+    from moe_fp8.bench import models
+
+    variants = ["hf_bf16", "ours_fp8_experts", "ours_fp8_experts_cached_fused_acc"]
+    rows = models.collect("cpu", models=["qwen3_h1024"], loss_steps=3, accumulate=2, variants=variants)
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == set(variants) and all("error" not in r for r in rows), rows
+    fused = by_variant["ours_fp8_experts_cached_fused_acc"]
+    assert fused["cache_gap"] == 0
+    assert abs(fused["final_loss"] / by_variant["ours_fp8_experts"]["final_loss"] - 1) < 0.01
+    base = models.build(models._spec("qwen3_h1024", "cpu", None), 32, "cpu")
+    experts = [m for m in models.convert(base, "ours_fp8_experts_cached_fused_acc", None).modules()
+               if type(m).__name__ == "FP8GroupedExperts"]
+    assert experts and all(m.fused_grad_accumulation and m.cache_weights for m in experts)

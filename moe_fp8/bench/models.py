@@ -100,7 +100,7 @@ MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v and
                  "compiled": ("hf_bf16", "ours_fp8", "ours_fp8_experts", "ours_fp8_cached", "ours_fp8_experts_cached",
                               "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
                  "reduce-overhead": ("hf_bf16", "ours_fp8")}
-LOSS_VARIANTS = ("hf_bf16", "ours_fp8_experts", "ours_fp8")
+LOSS_VARIANTS = ("hf_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_experts_cached_fused_acc")
 
 
 @dataclass(frozen=True)
