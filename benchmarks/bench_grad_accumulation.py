@@ -17,11 +17,9 @@ under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from moe_fp8.bench.report import run_env, write_report
+from moe_fp8.bench.report import run_env, script_args, write_report
 from moe_fp8.bench.timing import event_median_ms
 from moe_fp8.grouped_gemm.tail import zero_empty_groups
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d2d
@@ -73,12 +71,7 @@ def _row(name: str, n: int, k: int, rows: int, experts: int, active: int, steps:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a smoke run)")
-    args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    args, device = script_args(__doc__, 20)
     rows, experts, shapes = (QUICK["rows"], QUICK["experts"], QUICK["shapes"]) if args.quick else (
         ROWS, EXPERTS, SHAPES)
     torch.manual_seed(0)

@@ -14,11 +14,9 @@ Usage: ``python benchmarks/bench_zero_empty_groups.py [--steps 100] [--out bench
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from moe_fp8.bench.report import run_env, write_report
+from moe_fp8.bench.report import run_env, script_args, write_report
 from moe_fp8.bench.timing import event_median_ms
 from moe_fp8.grouped_gemm.tail import zero_empty_groups
 
@@ -53,12 +51,7 @@ def _row(name: str, shape: tuple[int, int, int], empty: int, steps: int, device:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a smoke run)")
-    args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    args, device = script_args(__doc__, 100)
     shapes, empties = (QUICK_SHAPES, QUICK_EMPTY) if args.quick else (SHAPES, EMPTY)
     torch.manual_seed(0)
     rows = [_row(name, shape, empty, args.steps, device) for name, shape in shapes.items() for empty in empties]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 from pathlib import Path
@@ -141,6 +142,17 @@ def plot(bars: list[tuple[str, float, str]], path: Path, title: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def script_args(doc: str, steps: int) -> tuple[argparse.Namespace, str]:
+    """A benchmark script's ``--steps`` (default ``steps``), ``--out`` and ``--quick`` (tiny shapes on
+    the CPU, a smoke run) from the command line, and the device it runs on."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a smoke run)")
+    args = ap.parse_args()
+    return args, "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
 
 
 def run_env(device: str, **extra) -> dict:
