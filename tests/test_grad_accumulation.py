@@ -14,8 +14,8 @@ from moe_fp8.layers.experts import FP8GroupedExperts
 
 T, H, I, E, K = 40, 32, 16, 6, 2
 MICRO_BATCHES = 3
-BACKENDS = ["emulated", pytest.param("triton", marks=pytest.mark.skipif(not interpreter_enabled(),
-                                                                          reason="needs TRITON_INTERPRET=1"))]
+NEEDS_INTERPRETER = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
+BACKENDS = ["emulated", pytest.param("triton", marks=NEEDS_INTERPRETER)]
 
 
 def _experts(fused: bool, recipe: str, backend: str, in_out: bool = False, dtype=torch.bfloat16) -> FP8GroupedExperts:
@@ -150,11 +150,13 @@ def test_grad_into_argument_checks():
         fp8_grouped_mm(x, w, offs, backend="emulated", grad_into=torch.zeros(2, 32, 16).bfloat16())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_module_gives_the_eager_bits(backend):
+@pytest.mark.parametrize(("backend", "in_out"), [("emulated", False), ("emulated", True),
+                                                  pytest.param("triton", False, marks=NEEDS_INTERPRETER)])
+def test_compiled_module_gives_the_eager_bits(backend, in_out):
     """``torch.compile`` (aot_eager: the graphs AOTAutograd traces, with the in-place add in the
-    backward graph): two optimizer steps of 3 micro-batches, gradients bit for bit the eager module's."""
-    eager, compiled = _experts(True, "rowwise_gw_hp", backend), _experts(True, "rowwise_gw_hp", backend)
+    backward graph; ``in_out``: into a transposed view of ``.grad``): two optimizer steps of 3
+    micro-batches, gradients bit for bit the eager module's."""
+    eager, compiled = (_experts(True, "rowwise_gw_hp", backend, in_out) for _ in range(2))
     run = torch.compile(compiled, backend="aot_eager", fullgraph=True)
     for _ in range(2):
         for i in range(MICRO_BATCHES):

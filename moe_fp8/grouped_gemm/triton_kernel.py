@@ -269,8 +269,8 @@ def _check_can_launch(a: torch.Tensor) -> None:
     """The device of ``a`` can run the kernel (checked after the arguments themselves)."""
     if a.device.type == "cpu" and not interpreter_enabled():
         raise ValueError("a: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
-    fp8 = a.dtype in FP8_DTYPES
-    if fp8 and a.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(a.device) < (8, 9):
+    nvidia = a.device.type == "cuda" and torch.version.hip is None
+    if a.dtype in FP8_DTYPES and nvidia and torch.cuda.get_device_capability(a.device) < (8, 9):
         raise ValueError(f"a: FP8 tl.dot needs compute capability >= 8.9, {a.device} has "
                          f"{torch.cuda.get_device_capability(a.device)}")  # fmt: skip
 
