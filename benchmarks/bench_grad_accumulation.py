@@ -21,7 +21,7 @@ import torch
 
 from moe_fp8.bench.report import run_env, script_args, write_report
 from moe_fp8.bench.timing import event_median_ms
-from moe_fp8.grouped_gemm.tail import zero_empty_groups
+from moe_fp8.grouped_gemm import select_backend
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d2d
 
 ROWS, EXPERTS = 65536, 128
@@ -37,16 +37,7 @@ def _offsets(rows: int, experts: int, active: int, device: str) -> torch.Tensor:
 
 
 def _autograd_path(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, grad: torch.Tensor) -> None:
-    out = torch._grouped_mm(a.t(), b, offs=offs) if a.is_cuda else _reference(a, b, offs).to(a.dtype)
-    grad.add_(zero_empty_groups(out, offs))
-
-
-def _reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    out, start = torch.zeros(offs.numel(), a.shape[1], b.shape[1]), 0
-    for g, end in enumerate(offs.tolist()):
-        out[g] = a[start:end].float().T @ b[start:end].float()
-        start = end
-    return out
+    grad.add_(select_backend(None, a.device).bf16_mm_2d2d(a, b, offs))
 
 
 def _row(name: str, n: int, k: int, rows: int, experts: int, active: int, steps: int, device: str) -> dict:

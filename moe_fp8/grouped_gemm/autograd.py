@@ -234,7 +234,7 @@ def grouped_mm_backward(ctx, saved: tuple, grad_out: torch.Tensor,
         x, w, offs, w_offs = saved
         g = grad_out.to(x.dtype)
         dx = lib.bf16_mm_2d3d(ctx.backend, g, w, offs, False) if need_dx else None
-        dw = _bf16_wgrad(ctx, g, x, offs if into is not None else w_offs) if need_dw else None
+        dw = _wgrad_gemm(ctx, g, None, x, None, offs if into is not None else w_offs) if need_dw else None
         return dx, dw
     x, offs, q_bwd, s_bwd, x_extra, w_offs = saved
     # groups that gain nothing leave an accumulated gradient untouched: the forward's groups, not the
@@ -300,32 +300,26 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, g_a
     grad_out's and x's per-group column amaxes (from the dgrad and the forward; ``None``: reduced
     here)."""
     if not ctx.fp8_wgrad:
-        dw = _bf16_wgrad(ctx, grad_out.to(x.dtype), x, offs)
+        dw = _wgrad_gemm(ctx, grad_out.to(x.dtype), None, x, None, offs)
         return None if dw is None else dw.to(ctx.w_dtype)
     backend = get_backend(ctx.backend)
     p_offs, rows = _wgrad_padding(backend, x.shape[0], offs)
     qa, sa, qb, sb = lib.quantize_wgrad_operands(
         grad_out, x, offs, ctx.fmt, ctx.pow2, backend.fused_quant, p_offs, rows, g_amax, x_amax
     )
-    return _fp8_wgrad(ctx, qa, sa, qb, sb, offs if p_offs is None else p_offs)
+    return _wgrad_gemm(ctx, qa, sa, qb, sb, offs if p_offs is None else p_offs)
 
 
-def _bf16_wgrad(ctx, g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor | None:
-    """``g_g^T @ x_g`` in BF16 GEMMs, ``(E, N, K)``; or ``None`` after adding it to ``ctx.grad_into``."""
-    if ctx.grad_into is None:
-        return lib.bf16_mm_2d2d(ctx.backend, g, x, offs)
-    lib.mm_2d2d_into(ctx.backend, ctx.grad_into, g, None, x, None, offs)
-    return None
-
-
-def _fp8_wgrad(ctx, qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-               offs: torch.Tensor) -> torch.Tensor | None:
-    """The FP8 wgrad GEMM on its operands, in the weights' dtype; or ``None`` after adding its result
-    to ``ctx.grad_into``."""
-    if ctx.grad_into is None:
-        return lib.mm_2d2d(ctx.backend, qa, sa, qb, sb, offs, ctx.w_dtype)
-    lib.mm_2d2d_into(ctx.backend, ctx.grad_into, qa, sa, qb, sb, offs)
-    return None
+def _wgrad_gemm(ctx, a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Tensor | None,
+                offs: torch.Tensor) -> torch.Tensor | None:
+    """``a_g^T @ b_g``, ``(E, N, K)``: FP8 operands with their scales (in the weights' dtype), or BF16
+    ones with ``None``; or ``None`` after adding it to ``ctx.grad_into``."""
+    if ctx.grad_into is not None:
+        lib.mm_2d2d_into(ctx.backend, ctx.grad_into, a, sa, b, sb, offs)
+        return None
+    if sa is None:
+        return lib.bf16_mm_2d2d(ctx.backend, a, b, offs)
+    return lib.mm_2d2d(ctx.backend, a, sa, b, sb, offs, ctx.w_dtype)
 
 
 def _wgrad_tensorwise(ctx, grad_out: torch.Tensor, g_fp8: tuple[torch.Tensor, torch.Tensor] | None,
@@ -341,4 +335,4 @@ def _wgrad_tensorwise(ctx, grad_out: torch.Tensor, g_fp8: tuple[torch.Tensor, to
     p_offs, rows = _wgrad_padding(backend, xq.shape[0], offs)
     qa = lib.wgrad_operand_layout(gq, offs, fused, p_offs, rows)
     qb = lib.wgrad_operand_layout(xq, offs, fused, p_offs, rows)
-    return _fp8_wgrad(ctx, qa, gs, qb, xs, offs if p_offs is None else p_offs)
+    return _wgrad_gemm(ctx, qa, gs, qb, xs, offs if p_offs is None else p_offs)
