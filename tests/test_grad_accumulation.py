@@ -175,7 +175,9 @@ def test_compiled_module_gives_the_eager_bits(backend, in_out):
 def test_fused_sum_on_gpu(recipe, compiled):
     """The platform's backend, eager and under Inductor, Qwen3-30B-A3B-sized experts (64 of them, a
     quarter without tokens): 3 micro-batches summed by the GEMMs against the fp64 sum of autograd's
-    per-micro-batch gradients, within the roundings the fused sum makes."""
+    per-micro-batch gradients: within the roundings the fused sum makes where autograd's path runs
+    the same arithmetic (eager, BF16 weight gradient); else (an FP8 weight-gradient GEMM of another
+    library, Inductor's fusions) within 2^-8 of the reference's norm per parameter."""
     E_, H_, I_, T_ = 64, 2048, 768, 2048
     torch.manual_seed(0)
     fused = FP8GroupedExperts(E_, H_, I_, recipe=recipe, fused_grad_accumulation=True, device="cuda",
@@ -197,7 +199,11 @@ def test_fused_sum_on_gpu(recipe, compiled):
     for name, p in fused.named_parameters():
         reference = sum(parts[name])
         partial = torch.cumsum(torch.stack(parts[name]), 0)
-        bound = sum(_bf16_ulp(t).double() for t in (*partial, *parts[name]))
-        # the GPU GEMMs sum in another order than each other: a few fp32 roundings more
-        assert bool(((p.grad.double() - reference).abs() <= bound + 1e-6 * reference.abs()).all()), name
+        diff = (p.grad.double() - reference).abs()
+        if compiled or recipe == "rowwise":
+            assert float(diff.norm() / reference.norm()) <= 2.0**-8, (name, float(diff.norm() / reference.norm()))
+        else:
+            bound = sum(_bf16_ulp(t).double() for t in (*partial, *parts[name]))
+            # the GPU GEMMs sum in another order than each other: a few fp32 roundings more
+            assert bool((diff <= bound + 1e-6 * reference.abs()).all()), name
         assert bool((p.grad[3 * E_ // 4:] == 0).all())

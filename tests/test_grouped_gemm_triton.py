@@ -518,3 +518,29 @@ def test_gpu_2d2d_large(layout):
     assert sqnr(ref, out) >= FAST_ACCUM_MIN_SQNR
     empty = ref.flatten(1).abs().amax(1) == 0
     assert bool((out.cpu()[empty] == 0).all())
+
+
+@pytest.mark.parametrize("layout", ["row", "col"])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_2d2d_bf16_accumulates(layout):
+    """Unscaled bf16 operands added into a transposed ``(E, N, K)`` target on the GPU (the fused
+    weight-gradient accumulation): each element within one bf16 rounding plus the fp32 summation's
+    bound (rows x 2^-24 x sum |a||b|) of the fp64 ``old + a_g^T @ b_g``; empty groups keep their bits."""
+    dy, x, offs, *_ = _problem_2d2d(6007, 1024, 2048, 8, 6000, "empty")
+    a, b = dy.bfloat16(), x.bfloat16()
+    if layout == "col":
+        a, b = _col_major(a), _col_major(b)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    target = torch.randn(8, 2048, 1024, device="cuda", generator=gen).bfloat16().transpose(1, 2)
+    before = target.clone()
+    out = triton_grouped_mm_2d2d(a.cuda(), None, b.cuda(), None, offs.cuda(), accumulate_into=target)
+    assert out is target
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).cuda()
+    assert bool((sizes == 0).any()) and bool((sizes > 0).any())
+    expected = before.double() + _reference_wgrad(a.float(), b.float(), offs).cuda()
+    magnitude = _reference_wgrad(a.float().abs(), b.float().abs(), offs).cuda()
+    ulp = torch.ldexp(torch.ones_like(expected), torch.frexp(expected)[1] - 8)
+    bound = ulp / 2 + sizes.double().amax() * 2.0**-24 * magnitude
+    assert bool(((out.double() - expected).abs() <= bound).all())
+    assert torch.equal(out[sizes == 0].view(torch.int16), before[sizes == 0].view(torch.int16))

@@ -216,8 +216,11 @@ def _grouped_mm_2d2d_kernel(
     ks = tile_n * BN + tl.arange(0, BN)
     n_mask = ns < N
     k_mask = ks < K
-    ns_ld = tl.minimum(ns, N - 1).to(tl.int64)
-    ks_ld = tl.minimum(ks, K - 1).to(tl.int64)
+    # Wrapped into range (N and K are multiples of 16) rather than clamped: each 16 aligned columns
+    # stay contiguous, so loads along a contiguous N or K dim (bf16 operands, row-major) are
+    # vectors; a clamp hides that and turns them into scalar loads.
+    ns_ld = tl.max_contiguous(tl.multiple_of((ns % N).to(tl.int64), 16), 16)
+    ks_ld = tl.max_contiguous(tl.multiple_of((ks % K).to(tl.int64), 16), 16)
     # Rows split into a 16-aligned body [body_start, body_end), whose loads are 16-byte vectors
     # when the rows are the contiguous dim, and at most 15 head rows [start, head_end) and 15 tail
     # rows [tail_start, end) outside it, gathered into one masked 32-row slice after the loop and
