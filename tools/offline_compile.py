@@ -4,13 +4,16 @@ For each target, ``launch_recorder.py`` (in a subprocess, under the interpreter)
 specializations a GPU of that kind would launch; each one is then compiled here by Triton's own
 compiler down to the binary (``cubin`` through ptxas for sm_90a, ``hsaco`` through the AMD backend's
 linker for gfx942 / gfx950). For sm_90a, ptxas ``-v`` reports registers and spill stores; for AMD the
-VGPR / SGPR spill counts come from the kernel's metadata in the AMDGCN assembly.
+VGPR / SGPR spill counts come from the kernel's metadata in the AMDGCN assembly. For sm_90a it also
+counts the PTX's narrow global loads (scalar 1- or 2-byte ``ld.global``): a tile load Triton could
+not prove contiguous becomes one such load per element instead of 16-byte vectors.
 
     python tools/offline_compile.py [--targets sm_90a gfx942 gfx950] [--out DIR] [--update-baseline]
 
 Fails (exit 1) when a specialization does not compile for a target, when a kernel of the library
 (a ``triton.jit`` function named ``*_kernel``) was never launched by the workload, when a kernel
-spills more on sm_90a than ``compile_baseline.json`` allows, or when torch's analysis of a traced
+spills more on sm_90a than ``compile_baseline.json`` allows, or issues more narrow loads than it
+allows, or when torch's analysis of a traced
 launch fails or misses a write (``traced_writes.py``). Writes ``offline_compile.json`` / ``.md``.
 """
 
@@ -116,6 +119,9 @@ def _ptxas_report(ptx: str) -> tuple[int, int]:
     return int(re.search(r"Used (\d+) registers", report)[1]), int(re.search(r"(\d+) bytes spill stores", report)[1])
 
 
+_NARROW_LOAD = re.compile(r"\bld\.global(?![\w.:]*\.v\d)[\w.:]*\.[bus](?:8|16)\b")
+
+
 def _amd_spills(amdgcn: str) -> tuple[int, int]:
     def count(key: str) -> int:
         m = re.search(rf"\.{key}:\s*(\d+)", amdgcn)
@@ -136,6 +142,7 @@ def compile_one(target: str, launch: dict) -> dict:
         kernel = triton.compile(_source(launch), target=GPU_TARGETS[target], options=options)
         if target == "sm_90a":
             row["registers"], row["spills"] = _ptxas_report(kernel.asm["ptx"])
+            row["narrow_loads"] = len(_NARROW_LOAD.findall(kernel.asm["ptx"]))
             row["stage"] = "cubin" if "cubin" in kernel.asm else "ptx"
         else:
             row["registers"], row["spills"] = _amd_spills(kernel.asm["amdgcn"])
@@ -157,27 +164,42 @@ def check(rows: list[dict], missing: set, baseline: dict) -> list[str]:
     problems = [f"{r['target']}: {_variant(r)} does not compile: {r['error']}" for r in rows if not r["ok"]]
     problems += [f"{mod}.{name} was never launched by the workload (add it to launch_recorder.workload)"
                  for mod, name in sorted(missing)]
-    allowed = baseline.get("sm_90a_spill_bytes", {})
-    for r in rows:
-        if r["ok"] and r["target"] == "sm_90a" and r["spills"] > allowed.get(r["kernel"], 0):
-            problems.append(f"sm_90a: {_variant(r)} spills {r['spills']} bytes (baseline allows "
-                            f"{allowed.get(r['kernel'], 0)} for {r['kernel']})")
+    for key, what in (("spills", "spill bytes"), ("narrow_loads", "narrow global loads")):
+        allowed = baseline.get(f"sm_90a_{key}", {})
+        for r in rows:
+            if r["ok"] and r["target"] == "sm_90a" and r[key] > allowed.get(r["kernel"], 0):
+                problems.append(f"sm_90a: {_variant(r)} has {r[key]} {what} (baseline allows "
+                                f"{allowed.get(r['kernel'], 0)} for {r['kernel']})")
     return problems
+
+
+def sm90_baseline(rows: list[dict]) -> dict:
+    """Per kernel, the most spill bytes and narrow loads of its sm_90a specializations (nonzero only)."""
+    baseline: dict[str, dict[str, int]] = {"sm_90a_spills": {}, "sm_90a_narrow_loads": {}}
+    for r in rows:
+        if r["ok"] and r["target"] == "sm_90a":
+            for key in ("spills", "narrow_loads"):
+                if r[key]:
+                    seen = baseline[f"sm_90a_{key}"]
+                    seen[r["kernel"]] = max(seen.get(r["kernel"], 0), r[key])
+    return baseline
 
 
 def markdown(rows: list[dict], problems: list[str], header: str) -> str:
     lines = [f"# Offline compile of the Triton kernels\n\n{header}\n",
-             "| kernel | target | specializations | compiled to | max registers | max spill bytes | max shared |",
-             "|---|---|---:|---|---:|---:|---:|"]
+             "| kernel | target | specializations | compiled to | max registers | max spill bytes | max narrow loads "
+             "| max shared |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["kernel"], r["target"]), []).append(r)
     for (kernel, target), rs in sorted(groups.items()):
         ok = [r for r in rs if r["ok"]]
         stage = ok[0]["stage"] if len(ok) == len(rs) else f"{len(rs) - len(ok)} failed"
-        peak = {key: max((r[key] for r in ok), default="-") for key in ("registers", "spills", "shared")}
+        peak = {key: max((r.get(key, "-") for r in ok), default="-")
+                for key in ("registers", "spills", "narrow_loads", "shared")}
         lines.append(f"| `{kernel}` | {target} | {len(rs)} | {stage} | {peak['registers']} | {peak['spills']} "
-                     f"| {peak['shared']} |")
+                     f"| {peak['narrow_loads']} | {peak['shared']} |")
     lines.append("\n" + ("Problems:\n\n" + "\n".join(f"- {p}" for p in problems) if problems else "No problems."))
     return "\n".join(lines) + "\n"
 
@@ -187,7 +209,8 @@ def main() -> int:
     parser.add_argument("--targets", nargs="+", default=list(GPU_TARGETS), choices=list(GPU_TARGETS))
     parser.add_argument("--out", type=Path, default=None, help="folder for offline_compile.json / .md")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--update-baseline", action="store_true", help="write the sm_90a spills seen as the baseline")
+    parser.add_argument("--update-baseline", action="store_true",
+                        help="write the sm_90a spills and narrow loads seen as the baseline")
     args = parser.parse_args()
 
     rows, launched, traced = [], set(), []
@@ -203,11 +226,7 @@ def main() -> int:
         print(f"{target}: {len(launches)} specializations, {failed} failed", flush=True)
     baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
     if args.update_baseline:
-        spills: dict[str, int] = {}
-        for r in rows:
-            if r["ok"] and r["target"] == "sm_90a" and r["spills"]:
-                spills[r["kernel"]] = max(spills.get(r["kernel"], 0), r["spills"])
-        baseline = {"sm_90a_spill_bytes": spills}
+        baseline = sm90_baseline(rows)
         BASELINE.write_text(json.dumps(baseline, indent=1, sort_keys=True) + "\n")
     problems = check(rows, library_kernels() - launched, baseline) + traced
     header = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, triton {triton.__version__}, "
