@@ -174,10 +174,11 @@ def test_compiled_module_gives_the_eager_bits(backend, in_out):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_sum_on_gpu(recipe, compiled):
     """The platform's backend, eager and under Inductor, Qwen3-30B-A3B-sized experts (64 of them, a
-    quarter without tokens): 3 micro-batches summed by the GEMMs against the fp64 sum of autograd's
-    per-micro-batch gradients: within the roundings the fused sum makes where autograd's path runs
-    the same arithmetic (eager, BF16 weight gradient); else (an FP8 weight-gradient GEMM of another
-    library, Inductor's fusions) within 2^-8 of the reference's norm per parameter."""
+    quarter without tokens): 3 micro-batches summed by the GEMMs against the fp64 sum of the plain
+    module's per-micro-batch gradients (compiled alike): within the roundings the fused sum makes
+    where both paths run the same arithmetic (eager, BF16 weight gradient); else (an FP8
+    weight-gradient GEMM of another library; Inductor fusing the two backward graphs differently)
+    within 2^-8 of the reference's norm per parameter."""
     E_, H_, I_, T_ = 64, 2048, 768, 2048
     torch.manual_seed(0)
     fused = FP8GroupedExperts(E_, H_, I_, recipe=recipe, fused_grad_accumulation=True, device="cuda",
