@@ -286,13 +286,16 @@ def test_bench_stale_cache_gap_finds_copies_of_old_weights(bumped, monkeypatch):
 @pytest.mark.interpreter
 def test_bench_grad_accumulation_quick(tmp_path):
     """The fused-accumulation benchmark runs its CPU smoke shapes (checking each fused sum against
-    autograd's) and writes its report."""
+    autograd's, under every swept tile configuration too) and writes its report."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_grad_accumulation.py"), "--quick", "--steps", "1",
            "--out", str(tmp_path)]
     run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "grad_accumulation_quick.json").read_text())["rows"]
-    assert {(r["gradient"], r["active"]) for r in rows} == {("gate_up", 8), ("down", 8), ("gate_up", 1), ("down", 1)}
+    paths = [r for r in rows if "config" not in r]
+    assert {(r["gradient"], r["active"]) for r in paths} == {("gate_up", 8), ("down", 8), ("gate_up", 1), ("down", 1)}
+    swept = [r for r in rows if "config" in r]
+    assert {r["gradient"] for r in swept} == {"gate_up", "down"} and len({r["config"] for r in swept}) > 1
 
 
 def test_bench_fused_accumulation_variant_cpu(torch_references):
