@@ -30,9 +30,12 @@ from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d2d
 ROWS, EXPERTS = 65536, 128
 SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}
 # (block_m, block_n, block_k, group_m, num_stages, num_warps); block_k is the reduction over rows
-SWEEP = tuple(GemmConfig(*c) for c in ((128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8),
-                                       (128, 128, 128, 8, 3, 8), (128, 128, 64, 8, 3, 4), (256, 128, 64, 8, 3, 8),
-                                       (64, 256, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4)))
+# (the 3- and 2-stage 128 x 128 tiles take 96 / 64 KiB of shared memory: two programs per SM, one's
+# epilogue under the other's main loop)
+SWEEP = tuple(GemmConfig(*c) for c in ((128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 2, 8),
+                                       (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 128, 8, 3, 8),
+                                       (128, 128, 64, 8, 3, 4), (256, 128, 64, 8, 3, 8), (64, 256, 64, 8, 4, 4),
+                                       (128, 64, 64, 8, 4, 4)))
 QUICK = dict(rows=96, experts=8, shapes={"gate_up": (32, 64), "down": (64, 16)})
 
 
