@@ -2,8 +2,8 @@
 ``.grad`` in place (``moe_fp8/grouped_gemm/grad_accumulation.py``). The sums equal autograd's to
 within the one rounding they save, against an fp64 sum of the micro-batches' gradients, for every
 recipe, both weight layouts and the kernel (interpreter) and reference (emulated) paths; autograd
-adds nothing once ``.grad`` exists; the contract is enforced eagerly; a compiled module gives the
-eager module's bits."""
+adds nothing once ``.grad`` exists; the contract is enforced eagerly; a compiled module and an
+activation-checkpointed one give the plain eager module's bits."""
 
 import pytest
 import torch
@@ -208,3 +208,25 @@ def test_fused_sum_on_gpu(recipe, compiled):
             # the GPU GEMMs sum in another order than each other: a few fp32 roundings more
             assert bool((diff <= bound + 1e-6 * reference.abs()).all()), name
         assert bool((p.grad[3 * E_ // 4:] == 0).all())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_same_bits(reentrant):
+    """Under activation checkpointing (the forward recomputed in the backward, where the GEMMs take
+    ``.grad`` again), both checkpoint implementations: the same gradient bits as without it, and
+    autograd hands the weights a gradient only while ``.grad`` does not exist."""
+    plain, checkpointed = (_experts(True, "rowwise", "emulated") for _ in range(2))
+    seen = []
+    for p in checkpointed.parameters():
+        p.register_hook(lambda g: seen.append(g is None))
+    for i in range(MICRO_BATCHES):
+        _backward(plain, i)
+        x, ids, weights = _micro_batch(i)
+        x.requires_grad_(reentrant)  # the reentrant form needs an input that requires grad
+        out = torch.utils.checkpoint.checkpoint(checkpointed, x, ids, weights, use_reentrant=reentrant)
+        out.float().square().sum().backward()
+    for p, q in zip(plain.parameters(), checkpointed.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert float(plain.gate_up_proj.grad.abs().max()) > 0
+    # the first micro-batch's gradients pass through autograd; the others' are added by the GEMMs
+    assert seen == [False] * 2 + [True] * 2 * (MICRO_BATCHES - 1)
