@@ -40,6 +40,11 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exp - 8)
 
 
+def _fp16_ulp(x: torch.Tensor) -> torch.Tensor:
+    _, exp = torch.frexp(x.float())
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exp - 11).clamp_min(2.0**-24)  # subnormals
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise", "bf16"])
 @pytest.mark.parametrize("in_out", [False, True])
@@ -62,6 +67,33 @@ def test_fused_sum_matches_the_fp64_sum_of_micro_batches(recipe, backend, in_out
         assert bool((diff <= bound).all()), (name, float(diff.max()))
         assert bool((p.grad[-2:] == 0).all())  # the experts no token reached
         assert float(reference[:-2].abs().max()) > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recipe", ["rowwise", "bf16"])
+def test_fp16_weights_sum_on_their_grid(recipe, backend):
+    """fp16 weights: the kernel adds to an fp16 ``.grad`` (rounded to fp16 once per micro-batch),
+    against the fp64 sum of the micro-batches' fp16 gradients."""
+    fused, plain = (_experts(f, recipe, backend, dtype=torch.float16) for f in (True, False))
+    parts = {name: [] for name, _ in plain.named_parameters()}
+    through_autograd = []
+    fused.gate_up_proj.register_hook(lambda g: through_autograd.append(g is not None))
+    for i in range(MICRO_BATCHES):
+        x, ids, weights = _micro_batch(i)
+        for module in (fused, plain):
+            module(x.half(), ids, weights).float().square().sum().backward()
+        for name, p in plain.named_parameters():
+            parts[name].append(p.grad.double())
+            p.grad = None
+    for name, p in fused.named_parameters():
+        assert p.grad.dtype == torch.float16
+        reference = sum(parts[name])
+        partial = torch.cumsum(torch.stack(parts[name]), 0)
+        bound = sum(_fp16_ulp(t).double() for t in (*partial, *parts[name]))
+        diff = (p.grad.double() - reference).abs()
+        assert bool((diff <= bound).all()), (name, float(diff.max()))
+        assert float(reference.abs().max()) > 0
+    assert through_autograd == [True] + [False] * (MICRO_BATCHES - 1)  # the GEMMs added the others
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
