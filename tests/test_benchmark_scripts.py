@@ -285,8 +285,8 @@ def test_bench_stale_cache_gap_finds_copies_of_old_weights(bumped, monkeypatch):
 
 @pytest.mark.interpreter
 def test_bench_grad_accumulation_quick(tmp_path):
-    """The fused-accumulation benchmark runs its CPU smoke shapes (checking each fused sum against
-    autograd's, under every swept tile configuration too) and writes its report."""
+    """The fused-accumulation benchmark runs its CPU smoke shapes, BF16 and FP8 operands (checking each
+    fused sum against autograd's, under every swept tile configuration too) and writes its report."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_grad_accumulation.py"), "--quick", "--steps", "1",
            "--out", str(tmp_path)]
     run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
@@ -294,6 +294,7 @@ def test_bench_grad_accumulation_quick(tmp_path):
     rows = json.loads((tmp_path / "grad_accumulation_quick.json").read_text())["rows"]
     paths = [r for r in rows if "config" not in r]
     assert {(r["gradient"], r["active"]) for r in paths} == {("gate_up", 8), ("down", 8), ("gate_up", 1), ("down", 1)}
+    assert {(r["model"], r["operands"]) for r in paths} == {("qwen3_30b", "bf16"), ("dsv3", "fp8")}
     swept = [r for r in rows if "config" in r]
     assert {r["gradient"] for r in swept} == {"gate_up", "down"} and len({r["config"] for r in swept}) > 1
 
