@@ -3,7 +3,7 @@
 within the one rounding they save, against an fp64 sum of the micro-batches' gradients, for every
 recipe, both weight layouts and the kernel (interpreter) and reference (emulated) paths; autograd
 adds nothing once ``.grad`` exists; the contract is enforced eagerly; a compiled module and an
-activation-checkpointed one give the plain eager module's bits."""
+activation-checkpointed one give the plain eager module's bits; a DDP forward keeps autograd's path."""
 
 import pytest
 import torch
@@ -262,3 +262,28 @@ def test_activation_checkpointing_gives_the_same_bits(reentrant):
     assert float(plain.gate_up_proj.grad.abs().max()) > 0
     # the first micro-batch's gradients pass through autograd; the others' are added by the GEMMs
     assert seen == [False] * 2 + [True] * 2 * (MICRO_BATCHES - 1)
+
+
+def test_ddp_forward_takes_autograd_path(tmp_path):
+    """Inside a ``DistributedDataParallel`` forward (gloo, one process) the weight gradients pass
+    through autograd, where DDP's reducer takes them: its hooks see every micro-batch's gradient,
+    and the sum is the plain module's bit for bit. Outside DDP the same module fuses."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        fused, plain = _experts(True, "rowwise", "emulated"), _experts(False, "rowwise", "emulated")
+        through_autograd = []
+        fused.gate_up_proj.register_hook(lambda g: through_autograd.append(g is not None))
+        ddp = DistributedDataParallel(fused)
+        for i in range(MICRO_BATCHES):
+            _backward(ddp, i)
+            _backward(plain, i)
+        assert through_autograd == [True] * MICRO_BATCHES
+        for p, q in zip(fused.parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        _backward(fused, 0)  # outside DDP, with .grad held: added by the GEMMs
+        assert through_autograd[-1] is False
+    finally:
+        dist.destroy_process_group()

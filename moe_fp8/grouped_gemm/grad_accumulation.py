@@ -12,8 +12,9 @@ forward ran. Zero gradients in place (``zero_grad(set_to_none=False)``), or set 
 between a backward and the next forward (the usual training loop); setting them to ``None``
 between a forward and its backward would drop that backward's weight gradient. Eagerly the
 backward checks this and raises; a compiled graph cannot check it. Nothing sees the weight's
-gradient pass through autograd: the weight's tensor hooks receive ``None``, ``torch.autograd.grad``
-does not return it, and DDP (whose hooks reduce what autograd accumulates) does not reduce it.
+gradient pass through autograd: the weight's tensor hooks receive ``None`` and
+``torch.autograd.grad`` does not return it. Inside a ``DistributedDataParallel`` forward (whose
+reducer's hooks reduce what autograd accumulates) the gradients take autograd's path.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import weakref
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["accumulation_target", "check_accumulation_target"]
 
@@ -34,13 +36,14 @@ def accumulation_target(param: nn.Parameter, w: torch.Tensor, transposed: bool) 
     """``param.grad`` laid out as the GEMM's weight ``w`` (``(E, N, K)``; ``transposed``: ``w`` is
     ``param.transpose(1, 2)``), or ``None`` where the gradient must go through autograd: no
     gradient yet (the first micro-batch), grad mode off, ``param`` a ``DTensor`` (sharded over an
-    expert-parallel or FSDP mesh, whose reductions take what autograd hands them), a ``.grad`` of
+    expert-parallel or FSDP mesh, whose reductions take what autograd hands them), a
+    ``DistributedDataParallel`` forward running (its reducer takes what autograd hands it), a ``.grad`` of
     another shape or strides than ``param``, of another dtype than ``w`` (a weight cast for the
     GEMM), or not bf16 / fp16."""
     grad = param.grad
     if grad is None or not torch.is_grad_enabled() or not param.requires_grad:
         return None
-    if isinstance(param, DTensor):
+    if isinstance(param, DTensor) or _in_ddp_forward():
         return None
     if grad.dtype != w.dtype or grad.dtype not in _DTYPES:
         return None
@@ -50,6 +53,11 @@ def accumulation_target(param: nn.Parameter, w: torch.Tensor, transposed: bool) 
     if not torch.compiler.is_compiling():
         setattr(target, _OWNER, weakref.ref(param))
     return target
+
+
+def _in_ddp_forward() -> bool:
+    """Whether a ``DistributedDataParallel`` forward is running (DDP marks it for TorchDynamo)."""
+    return getattr(DistributedDataParallel, "_active_ddp_module", None) is not None
 
 
 def check_accumulation_target(target: torch.Tensor) -> None:

@@ -67,8 +67,9 @@ class FP8GroupedExperts(nn.Module):
             gradient accumulation on, or always with ``zero_grad(set_to_none=False)``), the weight
             gradient GEMMs add their results to it in place instead of autograd adding them in
             a kernel of its own (``grouped_gemm.grad_accumulation``: its contract, and what then
-            does not see the weight gradients, e.g. DDP). Not for weights FSDP2 manages, nor
-            ``DTensor`` weights (expert parallelism): those keep autograd's path.
+            does not see the weight gradients, e.g. tensor hooks). Not for weights FSDP2 manages,
+            ``DTensor`` weights (expert parallelism) or a ``DistributedDataParallel`` forward:
+            those keep autograd's path.
 
     ``global_num_experts``: the count of experts its ``top_k_index`` ids index (``E`` here; the
     expert-parallel subclass holds a shard of them).
