@@ -243,14 +243,16 @@ def test_fused_sum_on_gpu(recipe, compiled):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing_gives_the_same_bits(reentrant):
+def test_activation_checkpointing_gives_the_same_bits(reentrant, monkeypatch):
     """Under activation checkpointing (the forward recomputed in the backward, where the GEMMs take
-    ``.grad`` again), both checkpoint implementations: the same gradient bits as without it, and
-    autograd hands the weights a gradient only while ``.grad`` does not exist."""
+    ``.grad`` again), both checkpoint implementations: the same gradient bits as the module without
+    it, the GEMMs adding each weight's gradient once per micro-batch after the first."""
+    from moe_fp8.grouped_gemm import library
+
+    adds = []
+    add = library.mm_2d2d_into
+    monkeypatch.setattr(library, "mm_2d2d_into", lambda *args: adds.append(1) or add(*args))
     plain, checkpointed = (_experts(True, "rowwise", "emulated") for _ in range(2))
-    seen = []
-    for p in checkpointed.parameters():
-        p.register_hook(lambda g: seen.append(g is None))
     for i in range(MICRO_BATCHES):
         _backward(plain, i)
         x, ids, weights = _micro_batch(i)
@@ -260,8 +262,8 @@ def test_activation_checkpointing_gives_the_same_bits(reentrant):
     for p, q in zip(plain.parameters(), checkpointed.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert float(plain.gate_up_proj.grad.abs().max()) > 0
-    # the first micro-batch's gradients pass through autograd; the others' are added by the GEMMs
-    assert seen == [False] * 2 + [True] * 2 * (MICRO_BATCHES - 1)
+    # two weights, two modules, micro-batches 2 and 3: the first one's gradients pass through autograd
+    assert len(adds) == 2 * 2 * (MICRO_BATCHES - 1)
 
 
 def test_ddp_forward_takes_autograd_path(tmp_path):
