@@ -3,7 +3,8 @@
 within the one rounding they save, against an fp64 sum of the micro-batches' gradients, for every
 recipe, both weight layouts and the kernel (interpreter) and reference (emulated) paths; autograd
 adds nothing once ``.grad`` exists; the contract is enforced eagerly; a compiled module and an
-activation-checkpointed one give the plain eager module's bits; a DDP forward keeps autograd's path."""
+activation-checkpointed one give the plain eager module's bits; a DDP forward, ``torch.autograd.grad``
+and ``backward(inputs=...)`` keep autograd's path."""
 
 import pytest
 import torch
@@ -289,3 +290,23 @@ def test_ddp_forward_takes_autograd_path(tmp_path):
         assert through_autograd[-1] is False
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_that_does_not_accumulate_takes_autograd_path(backend):
+    """With ``.grad`` held, a backward that does not accumulate into it leaves it alone and hands
+    autograd the gradient: ``torch.autograd.grad`` returns the plain module's bits, and
+    ``backward(inputs=[x])`` changes no weight's ``.grad``."""
+    fused, plain = _experts(True, "rowwise", backend), _experts(False, "rowwise", backend)
+    _backward(fused, 0)
+    held = [p.grad.clone() for p in fused.parameters()]
+    ours = torch.autograd.grad(fused(*_micro_batch(1)).float().square().sum(), list(fused.parameters()))
+    theirs = torch.autograd.grad(plain(*_micro_batch(1)).float().square().sum(), list(plain.parameters()))
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    x, ids, weights = _micro_batch(2)
+    x.requires_grad_(True)
+    fused(x, ids, weights).float().square().sum().backward(inputs=[x])
+    assert x.grad is not None and float(x.grad.abs().max()) > 0
+    for p, before in zip(fused.parameters(), held):
+        assert torch.equal(p.grad, before)

@@ -222,8 +222,8 @@ def grouped_mm_backward(ctx, saved: tuple, grad_out: torch.Tensor,
     With ``ctx.grad_into`` the weight gradient is added to it and ``dw`` is ``None``."""
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     into = ctx.grad_into if need_dw else None
-    if into is not None:
-        check_accumulation_target(into)
+    if into is not None and not check_accumulation_target(into):
+        into = ctx.grad_into = None  # this backward hands the gradient to autograd
     if ctx.empty:
         x, w = saved
         dx = torch.zeros_like(x) if need_dx else None

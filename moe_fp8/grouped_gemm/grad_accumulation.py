@@ -11,9 +11,10 @@ The contract: the gradient is added to the tensor that was the parameter's ``.gr
 forward ran. Zero gradients in place (``zero_grad(set_to_none=False)``), or set them to ``None``
 between a backward and the next forward (the usual training loop); setting them to ``None``
 between a forward and its backward would drop that backward's weight gradient. Eagerly the
-backward checks this and raises; a compiled graph cannot check it. Nothing sees the weight's
-gradient pass through autograd: the weight's tensor hooks receive ``None`` and
-``torch.autograd.grad`` does not return it. Inside a ``DistributedDataParallel`` forward (whose
+backward checks this and raises; a compiled graph cannot check it. The weight's tensor hooks see
+no gradient pass through autograd: they receive ``None``. Eagerly, a backward that does not
+accumulate into ``.grad`` (``torch.autograd.grad``, ``backward(inputs=...)`` without the weight)
+takes autograd's path; a compiled graph adds to ``.grad`` whatever the call. Inside a ``DistributedDataParallel`` forward (whose
 reducer's hooks reduce what autograd accumulates) the gradients take autograd's path.
 """
 
@@ -60,15 +61,30 @@ def _in_ddp_forward() -> bool:
     return getattr(DistributedDataParallel, "_active_ddp_module", None) is not None
 
 
-def check_accumulation_target(target: torch.Tensor) -> None:
-    """Raise if the parameter ``target`` was taken from (eagerly) holds another ``.grad`` now."""
+def check_accumulation_target(target: torch.Tensor) -> bool:
+    """In the backward: whether to add to ``target``. Eagerly, ``False`` where this backward does not
+    accumulate into the parameter's ``.grad`` (``torch.autograd.grad``, or ``backward(inputs=...)``
+    without it: the gradient then goes through autograd), and raises if the parameter holds another
+    ``.grad`` now; ``True`` in a compiled graph, which cannot check."""
     ref = getattr(target, _OWNER, None)
     param = ref() if ref is not None else None
     if param is None:
-        return
+        return True
+    if not _accumulates(param):
+        return False
     grad = param.grad
     if grad is None or grad.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
         raise RuntimeError(
             "fused_grad_accumulation: the parameter's .grad was replaced (or set to None) between the forward and "
             "its backward, so the weight gradient has no tensor to be added to; zero gradients in place "
             "(zero_grad(set_to_none=False)) or only between a backward and the next forward")
+    return True
+
+
+def _accumulates(param: nn.Parameter) -> bool:
+    """Whether the running backward will accumulate into ``param.grad`` (its AccumulateGrad node runs)."""
+    node = torch.autograd.graph.get_gradient_edge(param).node
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # torch.autograd.grad with param among its inputs: captured, not accumulated
+        return False
