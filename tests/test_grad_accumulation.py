@@ -117,13 +117,24 @@ def test_autograd_adds_nothing_once_grad_exists(backend):
     assert counts == {False: 2 * MICRO_BATCHES, True: 2}
 
 
-def test_replacing_grad_between_forward_and_backward_raises():
-    module = _experts(True, "rowwise", "emulated")
-    _backward(module, 0)
-    out = module(*_micro_batch(1))
-    module.zero_grad(set_to_none=True)
-    with pytest.raises(RuntimeError, match="replaced"):
+@pytest.mark.parametrize("replacement", ["none", "new tensor"])
+def test_grad_replaced_between_forward_and_backward_takes_autograd_path(replacement):
+    """Eagerly, a ``.grad`` set to ``None`` or replaced between a forward and its backward gets that
+    backward's gradient through autograd, as the plain module's does; the old ``.grad`` is left alone."""
+    fused, plain = _experts(True, "rowwise", "emulated"), _experts(False, "rowwise", "emulated")
+    for module in (fused, plain):
+        _backward(module, 0)
+    old = fused.gate_up_proj.grad.clone()
+    held = fused.gate_up_proj.grad
+    outs = [module(*_micro_batch(1)) for module in (fused, plain)]
+    for module in (fused, plain):
+        for p in module.parameters():
+            p.grad = None if replacement == "none" else torch.full_like(p, 0.5)
+    for out in outs:
         out.float().square().sum().backward()
+    for p, q in zip(fused.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert torch.equal(held, old)
 
 
 def test_in_place_zeroing_keeps_the_gemms_adding():

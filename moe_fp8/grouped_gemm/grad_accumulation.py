@@ -9,13 +9,14 @@ touched at all.
 
 The contract: the gradient is added to the tensor that was the parameter's ``.grad`` when the
 forward ran. Zero gradients in place (``zero_grad(set_to_none=False)``), or set them to ``None``
-between a backward and the next forward (the usual training loop); setting them to ``None``
-between a forward and its backward would drop that backward's weight gradient. Eagerly the
-backward checks this and raises; a compiled graph cannot check it. The weight's tensor hooks see
-no gradient pass through autograd: they receive ``None``. Eagerly, a backward that does not
-accumulate into ``.grad`` (``torch.autograd.grad``, ``backward(inputs=...)`` without the weight)
-takes autograd's path; a compiled graph adds to ``.grad`` whatever the call. Inside a ``DistributedDataParallel`` forward (whose
-reducer's hooks reduce what autograd accumulates) the gradients take autograd's path.
+between a backward and the next forward (the usual training loop). A compiled graph holds to it
+whatever happens: setting ``.grad`` to ``None`` between its forward and its backward drops that
+backward's weight gradient, and ``torch.autograd.grad`` adds to ``.grad`` too. Eagerly the
+backward checks: where the parameter holds another ``.grad`` now, or the backward does not
+accumulate into ``.grad`` (``torch.autograd.grad``, ``backward(inputs=...)`` without the weight),
+the gradient takes autograd's path. Inside a ``DistributedDataParallel`` forward (whose reducer's
+hooks reduce what autograd accumulates) it takes autograd's path too. The weight's tensor hooks
+see no gradient pass through autograd where the GEMM adds it: they receive ``None``.
 """
 
 from __future__ import annotations
@@ -62,23 +63,18 @@ def _in_ddp_forward() -> bool:
 
 
 def check_accumulation_target(target: torch.Tensor) -> bool:
-    """In the backward: whether to add to ``target``. Eagerly, ``False`` where this backward does not
-    accumulate into the parameter's ``.grad`` (``torch.autograd.grad``, or ``backward(inputs=...)``
-    without it: the gradient then goes through autograd), and raises if the parameter holds another
-    ``.grad`` now; ``True`` in a compiled graph, which cannot check."""
+    """In the backward: whether to add to ``target``. Eagerly, ``False`` (the gradient then goes
+    through autograd) where the parameter holds another ``.grad`` now, or this backward does not
+    accumulate into it (``torch.autograd.grad``, ``backward(inputs=...)`` without it); ``True`` in
+    a compiled graph, which cannot check."""
     ref = getattr(target, _OWNER, None)
     param = ref() if ref is not None else None
     if param is None:
         return True
-    if not _accumulates(param):
-        return False
     grad = param.grad
     if grad is None or grad.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
-        raise RuntimeError(
-            "fused_grad_accumulation: the parameter's .grad was replaced (or set to None) between the forward and "
-            "its backward, so the weight gradient has no tensor to be added to; zero gradients in place "
-            "(zero_grad(set_to_none=False)) or only between a backward and the next forward")
-    return True
+        return False
+    return _accumulates(param)
 
 
 def _accumulates(param: nn.Parameter) -> bool:
