@@ -43,7 +43,7 @@ from ..quant.reference import dequantize
 from . import library as lib
 from .backends import get_backend
 from .compiled_cache import mm_2d3d_cached_weight
-from .grad_accumulation import check_accumulation_target
+from .grad_accumulation import adds_in_place
 from .padding import padded_offsets, padded_rows
 from .quantized_weight import QuantizedExpertWeight
 
@@ -222,7 +222,7 @@ def grouped_mm_backward(ctx, saved: tuple, grad_out: torch.Tensor,
     With ``ctx.grad_into`` the weight gradient is added to it and ``dw`` is ``None``."""
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     into = ctx.grad_into if need_dw else None
-    if into is not None and not check_accumulation_target(into):
+    if into is not None and not adds_in_place(into):
         into = ctx.grad_into = None  # this backward hands the gradient to autograd
     if ctx.empty:
         x, w = saved

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["accumulation_target", "check_accumulation_target"]
+__all__ = ["accumulation_target", "adds_in_place"]
 
 _DTYPES = (torch.bfloat16, torch.float16)  # what the kernel adds to
 _OWNER = "_moe_fp8_grad_of"  # eagerly, the tensor handed to the GEMM names its parameter
@@ -62,7 +62,7 @@ def _in_ddp_forward() -> bool:
     return getattr(DistributedDataParallel, "_active_ddp_module", None) is not None
 
 
-def check_accumulation_target(target: torch.Tensor) -> bool:
+def adds_in_place(target: torch.Tensor) -> bool:
     """In the backward: whether to add to ``target``. Eagerly, ``False`` (the gradient then goes
     through autograd) where the parameter holds another ``.grad`` now, or this backward does not
     accumulate into it (``torch.autograd.grad``, ``backward(inputs=...)`` without it); ``True`` in
