@@ -12,6 +12,7 @@ import torch
 from moe_fp8 import fp8_grouped_mm
 from moe_fp8.kernel_backend import interpreter_enabled
 from moe_fp8.layers.experts import FP8GroupedExperts
+from moe_fp8.testing import ulp
 
 T, H, I, E, K = 40, 32, 16, 6, 2
 MICRO_BATCHES = 3
@@ -36,16 +37,6 @@ def _backward(module: torch.nn.Module, i: int) -> None:
     module(*_micro_batch(i)).float().square().sum().backward()
 
 
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    _, exp = torch.frexp(x.float())
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exp - 8)
-
-
-def _fp16_ulp(x: torch.Tensor) -> torch.Tensor:
-    _, exp = torch.frexp(x.float())
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exp - 11).clamp_min(2.0**-24)  # subnormals
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise", "bf16"])
 @pytest.mark.parametrize("in_out", [False, True])
@@ -64,7 +55,7 @@ def test_fused_sum_matches_the_fp64_sum_of_micro_batches(recipe, backend, in_out
         # the fused sum rounds once per micro-batch, to the partial sum's bf16 grid; the gradients it
         # adds are the unrounded fp32 products of the micro-batches' bf16 gradients: half an ulp each
         partial = torch.cumsum(torch.stack(parts[name]), 0)
-        bound = sum(_bf16_ulp(t).double() for t in (*partial, *parts[name]))
+        bound = sum(ulp(t, torch.bfloat16).double() for t in (*partial, *parts[name]))
         assert bool((diff <= bound).all()), (name, float(diff.max()))
         assert bool((p.grad[-2:] == 0).all())  # the experts no token reached
         assert float(reference[:-2].abs().max()) > 0
@@ -90,7 +81,7 @@ def test_fp16_weights_sum_on_their_grid(recipe, backend):
         assert p.grad.dtype == torch.float16
         reference = sum(parts[name])
         partial = torch.cumsum(torch.stack(parts[name]), 0)
-        bound = sum(_fp16_ulp(t).double() for t in (*partial, *parts[name]))
+        bound = sum(ulp(t, torch.float16).double() for t in (*partial, *parts[name]))
         diff = (p.grad.double() - reference).abs()
         assert bool((diff <= bound).all()), (name, float(diff.max()))
         assert float(reference.abs().max()) > 0
@@ -248,7 +239,7 @@ def test_fused_sum_on_gpu(recipe, compiled):
         if compiled or recipe == "rowwise":
             assert float(diff.norm() / reference.norm()) <= 2.0**-8, (name, float(diff.norm() / reference.norm()))
         else:
-            bound = sum(_bf16_ulp(t).double() for t in (*partial, *parts[name]))
+            bound = sum(ulp(t, torch.bfloat16).double() for t in (*partial, *parts[name]))
             # the GPU GEMMs sum in another order than each other: a few fp32 roundings more
             assert bool((diff <= bound + 1e-6 * reference.abs()).all()), name
         assert bool((p.grad[3 * E_ // 4:] == 0).all())

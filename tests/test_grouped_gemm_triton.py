@@ -28,7 +28,7 @@ from moe_fp8.quant.reference import (
     quantize_rowwise,
     quantize_tensorwise,
 )
-from moe_fp8.testing import random_offsets, reference_grouped_mm, sqnr
+from moe_fp8.testing import random_offsets, reference_grouped_mm, sqnr, ulp
 
 CUDA = torch.cuda.is_available()
 needs_cpu_kernel = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
@@ -50,11 +50,6 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    _, exp = torch.frexp(x.float())
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exp - 8)
-
-
 def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
     """Equal up to fp32 accumulation order (see the module docstring)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -64,7 +59,8 @@ def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max().clamp_min(1e-30)))
         return
     diff = (out.float() - ref.float()).abs()
-    assert bool((diff <= torch.maximum(_bf16_ulp(out), _bf16_ulp(ref))).all()), f"max diff {float(diff.max())}"
+    bound = torch.maximum(ulp(out, torch.bfloat16), ulp(ref, torch.bfloat16))
+    assert bool((diff <= bound).all()), f"max diff {float(diff.max())}"
     assert float((diff > 0).float().mean()) <= 0.02
 
 
@@ -540,7 +536,6 @@ def test_gpu_2d2d_bf16_accumulates(layout):
     assert bool((sizes == 0).any()) and bool((sizes > 0).any())
     expected = before.double() + _reference_wgrad(a.float(), b.float(), offs).cuda()
     magnitude = _reference_wgrad(a.float().abs(), b.float().abs(), offs).cuda()
-    ulp = torch.ldexp(torch.ones_like(expected), torch.frexp(expected)[1] - 8)
-    bound = ulp / 2 + sizes.double().amax() * 2.0**-24 * magnitude
+    bound = ulp(expected, torch.bfloat16).double() / 2 + sizes.double().amax() * 2.0**-24 * magnitude
     assert bool(((out.double() - expected).abs() <= bound).all())
     assert torch.equal(out[sizes == 0].view(torch.int16), before[sizes == 0].view(torch.int16))

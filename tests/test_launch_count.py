@@ -76,12 +76,6 @@ def test_counter_counts_kernels_not_views_or_allocations():
     assert (n.total, n.torch, n.triton) == (3, 3, 0), n.ops
 
 
-if __name__ == "__main__":
-    for r in sorted(EXPECTED):
-        c = _count(r)
-        print(f'"{r}": ({c.total}, {c.triton}),', sorted(c.ops.items()))
-
-
 def _accumulating_count(recipe: str, fused: bool):
     torch.manual_seed(0)
     moe = FP8MoE(H, I, E, K, recipe=recipe, backend="triton").to(torch.bfloat16)
@@ -107,3 +101,9 @@ def test_fused_grad_accumulation_drops_autograds_adds():
     assert fused.ops["aten.add_"] == plain.ops["aten.add_"] - 2
     assert fused.ops["aten._grouped_mm"] == plain.ops["aten._grouped_mm"] - 2
     assert fused.ops["triton:_grouped_mm_2d2d_kernel"] == 2 and fused.triton == plain.triton + 2
+
+
+if __name__ == "__main__":
+    for r in sorted(EXPECTED):
+        c = _count(r)
+        print(f'"{r}": ({c.total}, {c.triton}),', sorted(c.ops.items()))

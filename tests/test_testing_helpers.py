@@ -10,6 +10,7 @@ from moe_fp8.testing import (
     reference_grouped_mm,
     reference_moe_forward,
     sqnr,
+    ulp,
 )
 
 
@@ -20,6 +21,17 @@ def test_sqnr():
     assert math.isnan(sqnr(x, torch.full_like(x, float("nan"))))
     with pytest.raises(ValueError, match="x: expected shape"):
         sqnr(x, x[:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ulp_is_the_gap_to_the_next_value(dtype):
+    """``ulp`` at a value of ``dtype``'s grid is the gap to the next larger one, normals and
+    subnormals alike, on random bit patterns."""
+    largest = 0x7BFF if dtype == torch.float16 else 0x7F7F  # the largest finite value's bits
+    bits = torch.randint(0, largest, (4096,), generator=torch.Generator().manual_seed(3), dtype=torch.int16)
+    x = bits.view(dtype)
+    following = (bits + 1).view(dtype)
+    assert torch.equal(ulp(x, dtype), following.float() - x.float())
 
 
 @pytest.mark.parametrize("kind", OFFSET_KINDS)

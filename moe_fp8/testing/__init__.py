@@ -1,6 +1,6 @@
 """Test helpers and a correctness harness for grouped GEMMs.
 
-Helpers (plain PyTorch, may sync, not for hot paths): :func:`sqnr`, :func:`random_offsets`,
+Helpers (plain PyTorch, may sync, not for hot paths): :func:`sqnr`, :func:`ulp`, :func:`random_offsets`,
 :func:`group_sizes`, the fp64 references.
 
 Harness: :func:`check_grouped_mm` runs anyone's grouped GEMM (through a :class:`GroupedMMAdapter`,
@@ -14,7 +14,7 @@ from .allocator import dirty_allocator
 from .builtin import ADAPTER_SPECS, get_adapter
 from .cases import FORMS, GroupedMMCase, grouped_mm_cases
 from .harness import check_grouped_mm
-from .metrics import sqnr
+from .metrics import sqnr, ulp
 from .offsets import OFFSET_KINDS, group_sizes, random_offsets
 from .pytest_helpers import assert_case
 from .references import reference_grouped_mm, reference_grouped_mm_2d2d, reference_moe_forward
@@ -52,4 +52,5 @@ __all__ = [
     "reference_moe_forward",
     "run_case",
     "sqnr",
+    "ulp",
 ]

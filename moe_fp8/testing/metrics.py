@@ -1,10 +1,11 @@
-"""Signal-to-quantization-noise ratio: the accuracy measure of every numerics test."""
+"""Signal-to-quantization-noise ratio, the accuracy measure of every numerics test; the unit in the
+last place of a 16-bit float grid, for bounds of single roundings."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["sqnr"]
+__all__ = ["sqnr", "ulp"]
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -22,3 +23,13 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
     if noise == 0:
         return float("inf")
     return float(20 * torch.log10(signal / noise))
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype``'s grid (bf16, fp16) at each value of ``x``, fp32 of ``x``'s shape:
+    ``eps * 2^(e-1)`` for ``|x|`` in ``[2^(e-1), 2^e)``, the subnormal spacing below the normal
+    range. Rounding to ``dtype`` moves a value by at most half of it."""
+    info = torch.finfo(dtype)
+    _, exp = torch.frexp(x.float())
+    spacing = torch.ldexp(torch.full_like(x, info.eps, dtype=torch.float32), exp - 1)
+    return spacing.clamp_min(info.smallest_normal * info.eps)
