@@ -22,12 +22,14 @@ under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from moe_fp8.bench.report import run_env, script_args, write_report
 from moe_fp8.bench.timing import event_median_ms
 from moe_fp8.grouped_gemm import select_backend
-from moe_fp8.grouped_gemm.triton_configs import SCALE_NONE, GemmConfig, config_2d2d
+from moe_fp8.grouped_gemm.triton_configs import SCALE_NONE, SCALE_ROWWISE, GemmConfig, config_2d2d
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d2d
 from moe_fp8.quant.reference import quantize_group_colwise
 
@@ -35,13 +37,13 @@ ROWS = 65536
 # model -> (experts, FP8 operands, {gradient: (N, K)})
 MODELS = {"qwen3_30b": (128, False, {"gate_up": (1536, 2048), "down": (2048, 768)}),
           "dsv3": (32, True, {"gate_up": (4096, 7168), "down": (7168, 2048)})}
-# (block_m, block_n, block_k, group_m, num_stages, num_warps); block_k is the reduction over rows
-# (the 3- and 2-stage 128 x 128 tiles take 96 / 64 KiB of shared memory: two programs per SM, one's
-# epilogue under the other's main loop)
+# BF16 (block_m, block_n, block_k, group_m, num_stages, num_warps); block_k is the reduction over rows,
+# doubled for FP8 operands (same shared memory per stage). The 3- and 2-stage 128 x 128 tiles take 96 / 64
+# KiB: two programs per SM, one's epilogue under the other's main loop.
 SWEEP = tuple(GemmConfig(*c) for c in ((128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 2, 8),
                                        (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 128, 8, 3, 8),
-                                       (128, 128, 64, 8, 3, 4), (256, 128, 64, 8, 3, 8), (64, 256, 64, 8, 4, 4),
-                                       (128, 64, 64, 8, 4, 4)))
+                                       (128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 2, 4), (256, 128, 64, 8, 3, 8),
+                                       (64, 256, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4)))
 QUICK_ROWS = 128
 QUICK_MODELS = {"qwen3_30b": (8, False, {"gate_up": (32, 64), "down": (64, 16)}),
                 "dsv3": (8, True, {"gate_up": (32, 48), "down": (48, 16)})}
@@ -99,24 +101,25 @@ def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active:
                 library_gemm_ms=library_ms, speedup=autograd_ms / fused_ms, max_gap=gap)
 
 
-def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, steps: int,
+def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, fp8: bool, steps: int,
                 device: str) -> list[dict]:
-    """The BF16 weight gradient under each tile configuration of ``SWEEP``, every expert routed."""
+    """The weight gradient under each tile configuration of ``SWEEP``, every expert routed."""
     offs = _offsets(rows, experts, experts, device)
-    ops = _operands(n, k, rows, offs, False, device)
+    ops = _operands(n, k, rows, offs, fp8, device)
     start = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16)
     expected = start.float() + _library_gemm(ops, offs).float()
     grad = start.clone()  # the timed target, whose values drift as the timing adds to it
-    picks = {config_2d2d(n, k, experts, SCALE_NONE, offs.device, acc) for acc in (False, True)}
+    mode = SCALE_ROWWISE if fp8 else SCALE_NONE
+    picks = {config_2d2d(n, k, experts, mode, offs.device, acc) for acc in (False, True)}
     out = []
-    for cfg in SWEEP:
+    for cfg in (replace(c, block_k=2 * c.block_k) if fp8 else c for c in SWEEP):
         gap = _checked(f"{name} {cfg}", _fused(ops, offs, start.clone(), cfg), expected)
         fused_ms = event_median_ms(lambda: _fused(ops, offs, grad, cfg), steps)
         gemm_ms = event_median_ms(lambda: triton_grouped_mm_2d2d(*ops, offs, config=cfg), steps)
         tile = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps}"
                 + (" *" if cfg in picks else ""))
-        out.append(dict(model=model, gradient=name, experts=experts, n=n, k=k, config=tile, fused_ms=fused_ms,
-                        triton_gemm_ms=gemm_ms, max_gap=gap))
+        out.append(dict(model=model, gradient=name, operands="fp8" if fp8 else "bf16", experts=experts, n=n, k=k,
+                        config=tile, fused_ms=fused_ms, triton_gemm_ms=gemm_ms, max_gap=gap))
     return out
 
 
@@ -133,13 +136,13 @@ def main() -> None:
     body += [f"| {r['model']} | {r['gradient']} ({r['experts']}, {r['n']}, {r['k']}) | {r['operands']} | {r['active']} | "
              f"{fmt(r['autograd_ms'])} | {fmt(r['fused_ms'])} | {r['speedup']:.2f}x | {fmt(r['triton_gemm_ms'])} | "
              f"{fmt(r['library_gemm_ms'])} |" for r in table]
-    sweep = [r for model, (experts, fp8, shapes) in models.items() if not fp8 for name, (n, k) in shapes.items()
-             for r in _sweep_rows(model, name, n, k, rows, experts, args.steps, device)]
-    body += ["", "BF16 tile configurations, every expert routed (block_m x block_n x block_k, stages, warps; `*`: "
-             "picked):", "", "| model | gradient | configuration | fused ms | Triton GEMM alone ms |",
-             "|---|---|---|---:|---:|"]
-    body += [f"| {r['model']} | {r['gradient']} | {r['config']} | {fmt(r['fused_ms'])} | {fmt(r['triton_gemm_ms'])} |"
-             for r in sweep]
+    sweep = [r for model, (experts, fp8, shapes) in models.items() for name, (n, k) in shapes.items()
+             for r in _sweep_rows(model, name, n, k, rows, experts, fp8, args.steps, device)]
+    body += ["", "Tile configurations, every expert routed (block_m x block_n x block_k, stages, warps; `*`: "
+             "picked):", "", "| model | gradient | operands | configuration | fused ms | Triton GEMM alone ms |",
+             "|---|---|---|---|---:|---:|"]
+    body += [f"| {r['model']} | {r['gradient']} | {r['operands']} | {r['config']} | {fmt(r['fused_ms'])} | "
+             f"{fmt(r['triton_gemm_ms'])} |" for r in sweep]
     print("\n".join(body))
     stem = "grad_accumulation" + ("_quick" if args.quick else "")
     write_report(args.out, stem, run_env(device), table + sweep,

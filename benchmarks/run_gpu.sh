@@ -9,7 +9,7 @@
 #   tests/test_grad_accumulation.py, benchmarks/bench_grad_accumulation.py) | models | dsv3 | qwen3 | llama4 (the last four:
 #   python -m moe_fp8.bench presets) | whole MODEL... (the whole-model step of the named models against HF
 #   BF16 and TorchAO, eager and compiled: bench_whole_<first model>.json/.md) | job ACCUMULATE MODEL...
-#   (the whole-model step with 4 decoder layers and ACCUMULATE micro-batches per optimizer step;
+#   (the whole-model step with $LAYERS decoder layers, default 4, and ACCUMULATE micro-batches per optimizer step;
 #   modes from $MODES, default "eager compiled"; variants from $VARIANTS, default hf_bf16 ours_fp8
 #   ours_fp8_experts torchao_rowwise; eager loss steps from $STEPS, default 40; time limit $LIMIT,
 #   default 590 s; PROFILE=1: each row also profiles one more step, device time by kernel category
@@ -80,7 +80,7 @@ case $stage in
            read -r -a modes <<< "${MODES:-eager compiled}"
            read -r -a variants <<< "${VARIANTS:-hf_bf16 ours_fp8 ours_fp8_experts torchao_rowwise}"
            run "${LIMIT:-590}" "bench_job_acc${acc}_$1${SUFFIX:-}.log" python3 -m moe_fp8.bench --preset models --kinds model \
-             --models "$@" --layers 4 --accumulate "$acc" --modes "${modes[@]}" --steps "${STEPS:-40}" \
+             --models "$@" --layers "${LAYERS:-4}" --accumulate "$acc" --modes "${modes[@]}" --steps "${STEPS:-40}" \
              --name "bench_job_acc${acc}_$1${SUFFIX:-}" --out "$out" --variants "${variants[@]}" \
              ${PROFILE:+--profile} ;;
   ab)      base=$(cd "$1" && pwd) || exit 2

@@ -64,8 +64,7 @@ def config_2d3d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.
 def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.device,
                 accumulate: bool = False) -> GemmConfig:
     """Configuration of the 2D x 2D kernel (wgrad) producing ``(num_groups, n, k)``; ``accumulate``:
-    adding to an existing output, whose tile the epilogue holds beside the accumulator (a 128 x 256
-    tile then spills on sm90)."""
+    adding to an existing output, whose tile the epilogue holds beside the accumulator."""
     target = launch_target(device)
     if target.kind == "interpreter":
         return GemmConfig(16, 16, 16, 2, 1, 1)
@@ -73,7 +72,11 @@ def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.
         return GemmConfig(128, 128, 64, 8, 2, 8)
     if not target.is_sm90():
         return GemmConfig(128, 128, 64, 8, 3, 8)
-    wide = k >= 256 and k % 256 == 0 and not accumulate
-    if scale_mode == SCALE_NONE:  # 2-byte operands: half the reduction depth in the same shared memory
-        return GemmConfig(128, 256 if wide else 128, 64, 8, 3 if wide else 4, 8)
-    return GemmConfig(128, 256 if wide else 128, 128, 8, 3 if wide else 4, 8)
+    block_k = 64 if scale_mode == SCALE_NONE else 128  # 2-byte operands: half the depth in the same shared memory
+    if accumulate:  # the fastest of benchmarks/bench_grad_accumulation.py's sweep on an H100
+        # BF16: 96 KiB of operand stages, two programs per SM, one's read-add-write epilogue under the
+        # other's main loop (0.74-0.76x the 4-stage 8-warp tile's time); FP8: 256 x 128, half the
+        # re-reads of the K-side operand (0.84-0.95x).
+        return GemmConfig(128, 128, 64, 8, 3, 4) if scale_mode == SCALE_NONE else GemmConfig(256, 128, 128, 8, 3, 8)
+    wide = k >= 256 and k % 256 == 0
+    return GemmConfig(128, 256 if wide else 128, block_k, 8, 3 if wide else 4, 8)
