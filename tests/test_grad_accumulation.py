@@ -3,8 +3,8 @@
 within the one rounding they save, against an fp64 sum of the micro-batches' gradients, for every
 recipe, both weight layouts and the kernel (interpreter) and reference (emulated) paths; autograd
 adds nothing once ``.grad`` exists; the contract is enforced eagerly; a compiled module and an
-activation-checkpointed one give the plain eager module's bits; a DDP forward, ``torch.autograd.grad``
-and ``backward(inputs=...)`` keep autograd's path."""
+activation-checkpointed one give the plain eager module's bits; a DDP forward, hooked weights,
+``torch.autograd.grad`` and ``backward(inputs=...)`` keep autograd's path."""
 
 import pytest
 import torch
@@ -37,6 +37,17 @@ def _backward(module: torch.nn.Module, i: int) -> None:
     module(*_micro_batch(i)).float().square().sum().backward()
 
 
+@pytest.fixture
+def in_place_adds(monkeypatch) -> list:
+    """One entry per weight gradient a GEMM added to ``.grad`` in place (``library.mm_2d2d_into`` calls)."""
+    from moe_fp8.grouped_gemm import library
+
+    adds = []
+    add = library.mm_2d2d_into
+    monkeypatch.setattr(library, "mm_2d2d_into", lambda *args: adds.append(1) or add(*args))
+    return adds
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise", "bf16"])
 @pytest.mark.parametrize("in_out", [False, True])
@@ -63,13 +74,11 @@ def test_fused_sum_matches_the_fp64_sum_of_micro_batches(recipe, backend, in_out
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("recipe", ["rowwise", "bf16"])
-def test_fp16_weights_sum_on_their_grid(recipe, backend):
+def test_fp16_weights_sum_on_their_grid(recipe, backend, in_place_adds):
     """fp16 weights: the kernel adds to an fp16 ``.grad`` (rounded to fp16 once per micro-batch),
     against the fp64 sum of the micro-batches' fp16 gradients."""
     fused, plain = (_experts(f, recipe, backend, dtype=torch.float16) for f in (True, False))
     parts = {name: [] for name, _ in plain.named_parameters()}
-    through_autograd = []
-    fused.gate_up_proj.register_hook(lambda g: through_autograd.append(g is not None))
     for i in range(MICRO_BATCHES):
         x, ids, weights = _micro_batch(i)
         for module in (fused, plain):
@@ -85,27 +94,26 @@ def test_fp16_weights_sum_on_their_grid(recipe, backend):
         diff = (p.grad.double() - reference).abs()
         assert bool((diff <= bound).all()), (name, float(diff.max()))
         assert float(reference.abs().max()) > 0
-    assert through_autograd == [True] + [False] * (MICRO_BATCHES - 1)  # the GEMMs added the others
+    # gate_up_proj's gradients after the first; down_proj enters its GEMM cast to the bf16 the first
+    # GEMM writes, so its gradients take autograd's path
+    assert len(in_place_adds) == MICRO_BATCHES - 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_autograd_adds_nothing_once_grad_exists(backend):
-    """The first micro-batch's gradient goes through autograd (``.grad`` is None); later ones are added
-    by the GEMMs into the same tensor, so autograd hands the weights no gradient to add (their tensor
-    hooks see ``None``)."""
+def test_gemms_add_once_grad_exists(backend, in_place_adds):
+    """The first micro-batch's gradient goes through autograd (``.grad`` is None); the GEMMs add the
+    later ones into the same tensor, one add per weight and micro-batch (that autograd adds nothing
+    besides, the sums against fp64 above show)."""
     counts = {}
     for fused in (False, True):
         module = _experts(fused, "rowwise_gw_hp", backend)
-        seen = []
-        for p in module.parameters():
-            p.register_hook(lambda g, seen=seen: seen.append(g) if g is not None else None)
         first = {}
         for i in range(MICRO_BATCHES):
             _backward(module, i)
             first = first or {id(p): p.grad for p in module.parameters()}
         assert all(p.grad is first[id(p)] for p in module.parameters())
-        counts[fused] = len(seen)
-    assert counts == {False: 2 * MICRO_BATCHES, True: 2}
+        counts[fused] = len(in_place_adds) - sum(counts.values())
+    assert counts == {False: 0, True: 2 * (MICRO_BATCHES - 1)}
 
 
 @pytest.mark.parametrize("replacement", ["none", "new tensor"])
@@ -142,7 +150,7 @@ def test_in_place_zeroing_keeps_the_gemms_adding():
         assert torch.equal(p.grad, q.grad)
 
 
-def test_takes_autograd_path_where_it_must():
+def test_takes_autograd_path_where_it_must(in_place_adds):
     """fp32 weights cast to the GEMMs' bf16 (autocast), fp32 GEMMs, grad mode off, a module FSDP2
     manages: no ``.grad`` is written in place, and the gradients still arrive."""
     module = _experts(True, "rowwise", "emulated", dtype=torch.float32)
@@ -169,11 +177,8 @@ def test_takes_autograd_path_where_it_must():
         module(*_micro_batch(1))
     assert all(torch.equal(p.grad, b) for p, b in zip(module.parameters(), before))
     module._is_fsdp_managed_module = True  # FSDP2's mark: its gathered weights' gradients go through autograd
-    seen = []
-    for p in module.parameters():
-        p.register_hook(lambda g: seen.append(g) if g is not None else None)
     _backward(module, 1)
-    assert len(seen) == 2
+    assert in_place_adds == []
 
 
 def test_grad_into_argument_checks():
@@ -246,15 +251,10 @@ def test_fused_sum_on_gpu(recipe, compiled):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing_gives_the_same_bits(reentrant, monkeypatch):
+def test_activation_checkpointing_gives_the_same_bits(reentrant, in_place_adds):
     """Under activation checkpointing (the forward recomputed in the backward, where the GEMMs take
     ``.grad`` again), both checkpoint implementations: the same gradient bits as the module without
     it, the GEMMs adding each weight's gradient once per micro-batch after the first."""
-    from moe_fp8.grouped_gemm import library
-
-    adds = []
-    add = library.mm_2d2d_into
-    monkeypatch.setattr(library, "mm_2d2d_into", lambda *args: adds.append(1) or add(*args))
     plain, checkpointed = (_experts(True, "rowwise", "emulated") for _ in range(2))
     for i in range(MICRO_BATCHES):
         _backward(plain, i)
@@ -266,30 +266,55 @@ def test_activation_checkpointing_gives_the_same_bits(reentrant, monkeypatch):
         assert torch.equal(p.grad, q.grad)
     assert float(plain.gate_up_proj.grad.abs().max()) > 0
     # two weights, two modules, micro-batches 2 and 3: the first one's gradients pass through autograd
-    assert len(adds) == 2 * 2 * (MICRO_BATCHES - 1)
+    assert len(in_place_adds) == 2 * 2 * (MICRO_BATCHES - 1)
 
 
-def test_ddp_forward_takes_autograd_path(tmp_path):
+@pytest.mark.parametrize("hook", ["tensor", "post_accumulate_grad"])
+def test_hooked_weight_takes_autograd_path(hook, in_place_adds):
+    """Eagerly, a weight with a tensor hook or a post-accumulate-grad hook gets every micro-batch's
+    gradient through autograd: its hook runs once per backward and sees the plain module's bits, its
+    sum is the plain module's, and the GEMMs add only the other weight's gradients. With the hook
+    removed they add both again."""
+    fused, plain = _experts(True, "rowwise", "emulated"), _experts(False, "rowwise", "emulated")
+    seen = {"fused": [], "plain": []}
+    handles = []
+    for name, module in (("fused", fused), ("plain", plain)):
+        w = module.gate_up_proj
+        if hook == "tensor":
+            handles.append(w.register_hook(lambda g, s=seen[name]: s.append(g.clone())))
+        else:
+            handles.append(w.register_post_accumulate_grad_hook(lambda p, s=seen[name]: s.append(p.grad.clone())))
+    for i in range(MICRO_BATCHES):
+        _backward(fused, i)
+        _backward(plain, i)
+    assert len(seen["fused"]) == MICRO_BATCHES
+    assert all(torch.equal(a, b) for a, b in zip(seen["fused"], seen["plain"]))
+    assert torch.equal(fused.gate_up_proj.grad, plain.gate_up_proj.grad)
+    assert len(in_place_adds) == MICRO_BATCHES - 1  # down_proj's
+    handles[0].remove()
+    _backward(fused, 0)
+    assert len(in_place_adds) == MICRO_BATCHES + 1
+
+
+def test_ddp_forward_takes_autograd_path(tmp_path, in_place_adds):
     """Inside a ``DistributedDataParallel`` forward (gloo, one process) the weight gradients pass
-    through autograd, where DDP's reducer takes them: its hooks see every micro-batch's gradient,
-    and the sum is the plain module's bit for bit. Outside DDP the same module fuses."""
+    through autograd, where DDP's reducer takes them: no GEMM adds in place, and the sum is the plain
+    module's bit for bit. Outside DDP the same module fuses."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         fused, plain = _experts(True, "rowwise", "emulated"), _experts(False, "rowwise", "emulated")
-        through_autograd = []
-        fused.gate_up_proj.register_hook(lambda g: through_autograd.append(g is not None))
         ddp = DistributedDataParallel(fused)
         for i in range(MICRO_BATCHES):
             _backward(ddp, i)
             _backward(plain, i)
-        assert through_autograd == [True] * MICRO_BATCHES
+        assert in_place_adds == []
         for p, q in zip(fused.parameters(), plain.parameters()):
             assert torch.equal(p.grad, q.grad)
         _backward(fused, 0)  # outside DDP, with .grad held: added by the GEMMs
-        assert through_autograd[-1] is False
+        assert len(in_place_adds) == 2
     finally:
         dist.destroy_process_group()
 

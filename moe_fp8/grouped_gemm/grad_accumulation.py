@@ -12,11 +12,12 @@ forward ran. Zero gradients in place (``zero_grad(set_to_none=False)``), or set 
 between a backward and the next forward (the usual training loop). A compiled graph holds to it
 whatever happens: setting ``.grad`` to ``None`` between its forward and its backward drops that
 backward's weight gradient, and ``torch.autograd.grad`` adds to ``.grad`` too. Eagerly the
-backward checks: where the parameter holds another ``.grad`` now, or the backward does not
-accumulate into ``.grad`` (``torch.autograd.grad``, ``backward(inputs=...)`` without the weight),
-the gradient takes autograd's path. Inside a ``DistributedDataParallel`` forward (whose reducer's
-hooks reduce what autograd accumulates) it takes autograd's path too. The weight's tensor hooks
-see no gradient pass through autograd where the GEMM adds it: they receive ``None``.
+backward checks: where the parameter holds another ``.grad`` now, has tensor hooks or
+post-accumulate-grad hooks (which expect each backward's gradient from autograd), or the backward
+does not accumulate into ``.grad`` (``torch.autograd.grad``, ``backward(inputs=...)`` without the
+weight), the gradient takes autograd's path. Inside a ``DistributedDataParallel`` forward (whose
+reducer's hooks reduce what autograd accumulates) it takes autograd's path too. A compiled graph
+checks no hooks: where its GEMMs add, a weight's hooks see no gradient.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def _in_ddp_forward() -> bool:
 
 def adds_in_place(target: torch.Tensor) -> bool:
     """In the backward: whether to add to ``target``. Eagerly, ``False`` (the gradient then goes
-    through autograd) where the parameter holds another ``.grad`` now, or this backward does not
-    accumulate into it (``torch.autograd.grad``, ``backward(inputs=...)`` without it); ``True`` in
-    a compiled graph, which cannot check."""
+    through autograd) where the parameter holds another ``.grad`` now, has hooks that expect the
+    gradient, or this backward does not accumulate into it (``torch.autograd.grad``,
+    ``backward(inputs=...)`` without it); ``True`` in a compiled graph, which cannot check."""
     ref = getattr(target, _OWNER, None)
     param = ref() if ref is not None else None
     if param is None:
@@ -74,7 +75,12 @@ def adds_in_place(target: torch.Tensor) -> bool:
     grad = param.grad
     if grad is None or grad.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
         return False
-    return _accumulates(param)
+    return not _hooked(param) and _accumulates(param)
+
+
+def _hooked(param: nn.Parameter) -> bool:
+    """Whether ``param`` has tensor hooks (``register_hook``) or post-accumulate-grad hooks."""
+    return bool(param._backward_hooks) or bool(param._post_accumulate_grad_hooks)
 
 
 def _accumulates(param: nn.Parameter) -> bool:

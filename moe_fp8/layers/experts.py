@@ -66,10 +66,9 @@ class FP8GroupedExperts(nn.Module):
         fused_grad_accumulation: once the weights hold a ``.grad`` (from the second micro-batch of
             gradient accumulation on, or always with ``zero_grad(set_to_none=False)``), the weight
             gradient GEMMs add their results to it in place instead of autograd adding them in
-            a kernel of its own (``grouped_gemm.grad_accumulation``: its contract, and what then
-            does not see the weight gradients, e.g. tensor hooks). Not for weights FSDP2 manages,
-            ``DTensor`` weights (expert parallelism) or a ``DistributedDataParallel`` forward:
-            those keep autograd's path.
+            a kernel of its own (``grouped_gemm.grad_accumulation``: its contract). Not for weights
+            FSDP2 manages, ``DTensor`` weights (expert parallelism), a ``DistributedDataParallel``
+            forward or, eagerly, weights with gradient hooks: those keep autograd's path.
 
     ``global_num_experts``: the count of experts its ``top_k_index`` ids index (``E`` here; the
     expert-parallel subclass holds a shard of them).

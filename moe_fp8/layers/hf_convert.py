@@ -92,8 +92,9 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       converted dense weights; off by default, for peak memory).
     * ``fused_grad_accumulation``: the experts' weight-gradient GEMMs add to the weights' ``.grad``
       in place under gradient accumulation (``FP8GroupedExperts``; off by default: autograd then no
-      longer sees those gradients pass, which gradient hooks need; DDP forwards and eager
-      ``torch.autograd.grad`` keep autograd's path; see ``moe_fp8/grouped_gemm/grad_accumulation.py``).
+      longer sees those gradients pass, and a compiled graph cannot check what needs them; DDP
+      forwards and, eagerly, ``torch.autograd.grad`` and hooked weights keep autograd's path; see
+      ``moe_fp8/grouped_gemm/grad_accumulation.py``).
 
     ``model`` may also be a single block: the result is then the converted block (the same object
     for transformers 5.x blocks but Llama 4's, a new one otherwise). Raises ``ValueError`` naming the
