@@ -279,6 +279,27 @@ def test_whole_model_and_backward():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("cached", [True, False])
+def test_report_gives_the_weight_caches_filled_bytes(cached):
+    """The conversion report's ``weight_cache_nbytes`` is what the converted modules' caches hold
+    after micro-batches of gradient accumulation (experts and dense linears), and its text says so;
+    without caches it is 0 and the text is silent."""
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=4, num_experts_per_tok=2,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
+    torch.manual_seed(0)
+    model = hf.convert(transformers.MixtralForCausalLM(cfg).to(torch.bfloat16), min_expert_size=0, min_dense_size=0,
+                       cache_weights=cached, cache_dense_weights=cached)
+    report = model.fp8_conversion_report
+    for _ in range(3):
+        model(torch.randint(0, 96, (2, 12))).logits.float().square().mean().backward()
+    held = sum(m.weight_cache_nbytes for m in model.modules() if hasattr(m, "weight_cache_nbytes"))
+    assert report.weight_cache_nbytes == held
+    assert (held > 0) == cached and ("FP8 weight caches" in str(report)) == cached
+    if cached:
+        assert {e.cls for e in report.entries if e.weight_cache_nbytes} >= {"Linear", "FP8GroupedExperts"}
+
+
+@pytest.mark.interpreter
 def test_bare_block():
     block = _random(V5_BLOCKS["mixtral"]())
     assert hf.convert(block, min_expert_size=0) is block and isinstance(block.experts, FP8GroupedExperts)

@@ -34,7 +34,8 @@ class ModuleConversion:
     """One module: its fully qualified name (``""`` for the root), original class, what it became
     (one of ``BECAME``), why it was kept (one of ``REASONS``, ``None`` unless kept), a detail
     (shapes, the recipe), whether its matmuls run in FP8 (an ``FP8Linear`` with recipe ``bf16``
-    does not) and its parameters (the objects, for counting each once)."""
+    does not), its parameters (the objects, for counting each once) and the bytes its FP8 weight
+    cache holds once filled (``weight_cache_filled_nbytes``; 0 without one)."""
 
     fqn: str
     cls: str
@@ -43,6 +44,7 @@ class ModuleConversion:
     detail: str
     fp8: bool
     params: tuple[nn.Parameter, ...] = field(repr=False, compare=False)
+    weight_cache_nbytes: int = 0
 
     @property
     def numel(self) -> int:
@@ -74,7 +76,9 @@ class ConversionReport:
         recipe = getattr(module, "recipe", None)
         fp8 = became in (FP8_EXPERTS, FP8_LINEAR) and (recipe is None or recipe.is_fp8)
         params = tuple(module.parameters())
-        self.entries.append(ModuleConversion(fqn, cls or type(module).__name__, became, reason, detail, fp8, params))
+        cache = getattr(module, "weight_cache_filled_nbytes", 0) if fp8 else 0
+        self.entries.append(ModuleConversion(fqn, cls or type(module).__name__, became, reason, detail, fp8, params,
+                                             cache))
 
     def __getitem__(self, fqn: str) -> ModuleConversion:
         for e in self.entries:
@@ -106,6 +110,14 @@ class ConversionReport:
         return self._unique_numel(e for e in self.entries if e.fp8)
 
     @property
+    def weight_cache_nbytes(self) -> int:
+        """Device bytes the FP8 weight caches of the converted modules hold once filled (under gradient
+        accumulation, from an optimizer step's first micro-batch to the next step): memory on top of
+        the step's peak, which ``cache_weights=False`` (experts) and ``cache_dense_weights=False``
+        (linears) avoid."""
+        return sum(e.weight_cache_nbytes for e in self.entries)
+
+    @property
     def fp8_fraction(self) -> float:
         """``fp8_params / matmul_params`` (0.0 when there are none)."""
         total = self.matmul_params
@@ -129,10 +141,13 @@ class ConversionReport:
             sizes += (f", min_expert_size {self.min_expert_size}, min_bf16_expert_size {self.min_bf16_expert_size}"
                       f", min_fp8_wgrad_size {self.min_fp8_wgrad_size}")
         no_moe = ["no MoE block found (a dense model): the dense rules alone applied"] if self.moe_blocks == 0 else []
+        cache = [f"FP8 weight caches: {self.weight_cache_nbytes / 2**30:.2f} GiB once filled under gradient "
+                 "accumulation, on top of the step's peak"] if self.weight_cache_nbytes else []
         return "\n".join([
             f"moe_fp8 conversion (recipe {self.recipe}, {sizes}): {counts}",
             *no_moe,
             f"FP8 parameters: {self.fp8_params:,} of {self.matmul_params:,} matmul parameters "
             f"({100 * self.fp8_fraction:.1f}%)",
+            *cache,
             self.table(),
         ])

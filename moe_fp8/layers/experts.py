@@ -136,6 +136,15 @@ class FP8GroupedExperts(nn.Module):
         return sum(c.nbytes for c in self._caches) + compiled_weight_cache().nbytes_of(weights)
 
     @property
+    def weight_cache_filled_nbytes(self) -> int:
+        """Device bytes the FP8 weight cache holds once filled (under gradient accumulation, from the
+        first micro-batch of an optimizer step to the next step): both FP8 layouts of both weights
+        and their scales; 0 without a cache or with the BF16 recipe."""
+        if self._caches is None:
+            return 0
+        return sum(self.recipe.weight_layouts_nbytes(w.shape[1], w.shape[2], w.shape[0]) for w in self._weights())
+
+    @property
     def cache_weights(self) -> bool:
         """Whether the FP8 copies of the weights are cached (settable; turning it off drops them)."""
         return self._caches is not None

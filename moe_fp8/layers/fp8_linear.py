@@ -284,6 +284,15 @@ class FP8Linear(nn.Linear):
             return 0
         return self._cache.nbytes + compiled_weight_cache().nbytes_of([self.weight])
 
+    @property
+    def weight_cache_filled_nbytes(self) -> int:
+        """Device bytes the weight cache holds once filled (under gradient accumulation, from the
+        first micro-batch of an optimizer step to the next step): both FP8 layouts of the weight
+        and their scales; 0 without a cache or with the BF16 recipe."""
+        if self._cache is None:
+            return 0
+        return self.recipe.weight_layouts_nbytes(self.out_features, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_parameters(self, x)
         weight, bias = self.weight, self.bias
