@@ -286,12 +286,9 @@ class FP8Linear(nn.Linear):
 
     @property
     def weight_cache_filled_nbytes(self) -> int:
-        """Device bytes the weight cache holds once filled (under gradient accumulation, from the
-        first micro-batch of an optimizer step to the next step): both FP8 layouts of the weight
-        and their scales; 0 without a cache or with the BF16 recipe."""
-        if self._cache is None:
-            return 0
-        return self.recipe.weight_layouts_nbytes(self.out_features, self.in_features)
+        """What :attr:`weight_cache_nbytes` reaches under gradient accumulation (both FP8 layouts and
+        their scales; 0 without a cache or with the BF16 recipe)."""
+        return 0 if self._cache is None else self.recipe.weight_layouts_nbytes(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_parameters(self, x)
