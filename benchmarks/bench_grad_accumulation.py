@@ -13,7 +13,8 @@ scales); with every expert getting rows and with an eighth of them getting all t
 whole-model benchmark's routing drifts towards).
 Medians of CUDA-event times; each run checks the fused sum against autograd's. Then, with every
 expert routed (where the Triton GEMM has to keep up with CUTLASS), the fused kernel and the Triton
-GEMM alone under each tile configuration of ``SWEEP`` (``*``: the one ``config_2d2d`` picks).
+GEMM alone under each tile configuration of ``SWEEP``, for both operand types (FP8: ``block_k``
+doubled; ``*``: the ones ``config_2d2d`` picks).
 
 Usage: ``python benchmarks/bench_grad_accumulation.py [--steps 20] [--out benchmarks/results]``
 (writes ``grad_accumulation.json`` and ``.md``); ``--quick``: tiny shapes on the CPU (a smoke run,
