@@ -17,7 +17,7 @@ post-accumulate-grad hooks (which expect each backward's gradient from autograd)
 does not accumulate into ``.grad`` (``torch.autograd.grad``, ``backward(inputs=...)`` without the
 weight), the gradient takes autograd's path. Inside a ``DistributedDataParallel`` forward (whose
 reducer's hooks reduce what autograd accumulates) it takes autograd's path too. A compiled graph
-checks no hooks: where its GEMMs add, a weight's hooks see no gradient.
+checks no hooks: where its GEMMs add, the weight's tensor hooks are called with ``None``.
 """
 
 from __future__ import annotations
