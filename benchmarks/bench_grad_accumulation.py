@@ -86,12 +86,19 @@ def _checked(name: str, got: torch.Tensor, expected: torch.Tensor) -> float:
     return gap
 
 
-def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, fp8: bool, steps: int,
-         device: str) -> dict:
+def _problem(n: int, k: int, rows: int, experts: int, active: int, fp8: bool, device: str) -> tuple:
+    """``(offs, ops, start, expected)``: the routing, the operands, a ``.grad`` to add to and autograd's
+    sum (fp32) of it and the platform backend's gradient."""
     offs = _offsets(rows, experts, active, device)
     ops = _operands(n, k, rows, offs, fp8, device)
     start = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16)
-    gap = _checked(name, _fused(ops, offs, start.clone()), start.float() + _library_gemm(ops, offs).float())
+    return offs, ops, start, start.float() + _library_gemm(ops, offs).float()
+
+
+def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, fp8: bool, steps: int,
+         device: str) -> dict:
+    offs, ops, start, expected = _problem(n, k, rows, experts, active, fp8, device)
+    gap = _checked(name, _fused(ops, offs, start.clone()), expected)
     grad = start.clone()
     autograd_ms = event_median_ms(lambda: grad.add_(_library_gemm(ops, offs)), steps)
     fused_ms = event_median_ms(lambda: _fused(ops, offs, grad), steps)
@@ -105,10 +112,7 @@ def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active:
 def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, fp8: bool, steps: int,
                 device: str) -> list[dict]:
     """The weight gradient under each tile configuration of ``SWEEP``, every expert routed."""
-    offs = _offsets(rows, experts, experts, device)
-    ops = _operands(n, k, rows, offs, fp8, device)
-    start = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16)
-    expected = start.float() + _library_gemm(ops, offs).float()
+    offs, ops, start, expected = _problem(n, k, rows, experts, experts, fp8, device)
     grad = start.clone()  # the timed target, whose values drift as the timing adds to it
     mode = SCALE_ROWWISE if fp8 else SCALE_NONE
     picks = {config_2d2d(n, k, experts, mode, offs.device, acc) for acc in (False, True)}

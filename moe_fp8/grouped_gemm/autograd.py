@@ -223,7 +223,7 @@ def grouped_mm_backward(ctx, saved: tuple, grad_out: torch.Tensor,
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     into = ctx.grad_into if need_dw else None
     if into is not None and not adds_in_place(into):
-        into = ctx.grad_into = None  # this backward hands the gradient to autograd
+        into = ctx.grad_into = None  # autograd takes the gradient, here and in a retained graph's later backwards
     if ctx.empty:
         x, w = saved
         dx = torch.zeros_like(x) if need_dx else None

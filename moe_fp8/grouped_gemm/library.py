@@ -36,6 +36,7 @@ __all__ = [
     "quantize_weight_forward_layout",
     "quantize_wgrad_operands",
     "wgrad_operand_layout",
+    "weight_layouts_nbytes",
 ]
 
 
@@ -288,3 +289,10 @@ quantize_weight_forward_layout = _op_quantize_weight_forward_layout
 quantize_weight_dgrad_layout = _op_quantize_weight_dgrad_layout
 quantize_wgrad_operands = _op_quantize_wgrad_operands
 wgrad_operand_layout = _op_wgrad_operand_layout
+
+
+def weight_layouts_nbytes(shape: tuple[int, int, int], scaling: str) -> int:
+    """Bytes of both FP8 layouts of an ``(E, N, K)`` weight and their fp32 scales (what a weight cache
+    holds for it once filled): :data:`quantize_weight`'s outputs, shaped by its fake on the meta device."""
+    w = torch.empty(shape, device="meta", dtype=torch.bfloat16)
+    return sum(t.nbytes for t in _op_quantize_weight.opaque(w, scaling, "e4m3fn", False, False))

@@ -72,11 +72,12 @@ def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.
         return GemmConfig(128, 128, 64, 8, 2, 8)
     if not target.is_sm90():
         return GemmConfig(128, 128, 64, 8, 3, 8)
-    block_k = 64 if scale_mode == SCALE_NONE else 128  # 2-byte operands: half the depth in the same shared memory
+    bf16 = scale_mode == SCALE_NONE
+    block_k = 64 if bf16 else 128  # 2-byte operands: half the depth in the same shared memory
     if accumulate:  # the fastest of benchmarks/bench_grad_accumulation.py's sweep on an H100
         # BF16: 96 KiB of operand stages, two programs per SM, one's read-add-write epilogue under the
         # other's main loop (0.74-0.76x the 4-stage 8-warp tile's time); FP8: 256 x 128, half the
         # re-reads of the K-side operand (0.84-0.95x).
-        return GemmConfig(128, 128, 64, 8, 3, 4) if scale_mode == SCALE_NONE else GemmConfig(256, 128, 128, 8, 3, 8)
+        return GemmConfig(128, 128, block_k, 8, 3, 4) if bf16 else GemmConfig(256, 128, block_k, 8, 3, 8)
     wide = k >= 256 and k % 256 == 0
     return GemmConfig(128, 256 if wide else 128, block_k, 8, 3 if wide else 4, 8)

@@ -28,6 +28,7 @@ from ..checks import check_multiple_of, check_tensor
 from ..grouped_gemm import Fp8WeightCache, QuantizedExpertWeight, compiled_weight_cache, fp8_grouped_mm, select_backend
 from ..quant import formats, quantize_rowwise
 from ..grouped_gemm.grad_accumulation import accumulation_target
+from ..grouped_gemm.library import weight_layouts_nbytes
 from ..grouped_gemm.with_neighbors import fp8_grouped_mm_combine, fp8_grouped_mm_swiglu
 from ..quant.recipes import get_recipe
 from ..quant.swiglu import SwiGLUQuantize
@@ -140,9 +141,9 @@ class FP8GroupedExperts(nn.Module):
         """Device bytes the FP8 weight cache holds once filled (under gradient accumulation, from the
         first micro-batch of an optimizer step to the next step): both FP8 layouts of both weights
         and their scales; 0 without a cache or with the BF16 recipe."""
-        if self._caches is None:
+        if self._caches is None or not self.recipe.is_fp8:
             return 0
-        return sum(self.recipe.weight_layouts_nbytes(w.shape[1], w.shape[2], w.shape[0]) for w in self._weights())
+        return sum(weight_layouts_nbytes(tuple(w.shape), self.recipe.scaling) for w in self._weights())
 
     @property
     def cache_weights(self) -> bool:

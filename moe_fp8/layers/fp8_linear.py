@@ -36,6 +36,7 @@ from torch import nn
 
 from ..checks import check_multiple_of
 from ..grouped_gemm import Fp8WeightCache, compiled_weight_cache, quant_seam
+from ..grouped_gemm.library import weight_layouts_nbytes
 from ..kernel_backend import triton_runs_on
 from ..launch import interpreted_trace, kernel_input
 from ..quant import formats
@@ -288,7 +289,9 @@ class FP8Linear(nn.Linear):
     def weight_cache_filled_nbytes(self) -> int:
         """What :attr:`weight_cache_nbytes` reaches under gradient accumulation (both FP8 layouts and
         their scales; 0 without a cache or with the BF16 recipe)."""
-        return 0 if self._cache is None else self.recipe.weight_layouts_nbytes(self.out_features, self.in_features)
+        if self._cache is None or not self.recipe.is_fp8:
+            return 0
+        return weight_layouts_nbytes((1, self.out_features, self.in_features), self.recipe.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_parameters(self, x)

@@ -53,19 +53,6 @@ class Float8Recipe:
     def is_fp8(self) -> bool:
         return self.scaling is not None
 
-    def weight_layouts_nbytes(self, n: int, k: int, experts: int = 1) -> int:
-        """Bytes of an ``(experts, n, k)`` weight's forward and dgrad FP8 layouts with their fp32 scales
-        (what a weight cache holds for it once filled); 0 for the BF16 recipe."""
-        if self.scaling is None:
-            return 0
-        if self.scaling == "rowwise":  # forward: one scale per output row, dgrad: per input column
-            scales = n + k
-        elif self.scaling == "tensorwise":
-            scales = 2
-        else:
-            scales = 2 * -(-n // self.block_size) * -(-k // self.block_size)
-        return experts * (2 * n * k + 4 * scales)
-
     def replace(self, **changes) -> "Float8Recipe":
         return dataclasses.replace(self, **changes)
 
