@@ -55,7 +55,7 @@ def variant_model(base: torch.nn.Module, variant: str) -> torch.nn.Module:
     spec = VARIANTS[variant]
     if spec is not None:
         kwargs, kept = spec
-        hf.convert(model, cache_weights=False, filter_fn=lambda mod, fqn: fqn.rsplit(".", 1)[-1] not in kept,
+        hf.convert(model, filter_fn=lambda mod, fqn: fqn.rsplit(".", 1)[-1] not in kept,
                    **kwargs)
     if variant == "torchao_dense_same_linears":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -68,7 +68,7 @@ def variant_model(base: torch.nn.Module, variant: str) -> torch.nn.Module:
 
 def default_fp8_linears(base: torch.nn.Module) -> set[str]:
     """Names of the linears ``hf.convert``'s defaults turn into ``FP8Linear`` in ``base``."""
-    probe = hf.convert(copy.deepcopy(base), cache_weights=False)
+    probe = hf.convert(copy.deepcopy(base))
     names = {name for name, mod in probe.named_modules() if isinstance(mod, FP8Linear)}
     del probe
     torch.cuda.empty_cache()

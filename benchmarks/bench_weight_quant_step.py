@@ -44,8 +44,8 @@ HYPER = dict(lr=1e-6, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 def _layers(shape: dict, dtype: torch.dtype, device: str) -> nn.ModuleList:
     torch.manual_seed(0)
-    return nn.ModuleList(FP8GroupedExperts(shape["E"], shape["H"], shape["I"], device=device, dtype=dtype)
-                         for _ in range(shape["layers"]))
+    return nn.ModuleList(FP8GroupedExperts(shape["E"], shape["H"], shape["I"], cache_weights=True, device=device,
+                                           dtype=dtype) for _ in range(shape["layers"]))
 
 
 def _forward(layers: nn.ModuleList, shape: dict, device: str) -> None:

@@ -33,7 +33,7 @@ def main() -> None:
     original = copy.deepcopy(model)
 
     # experts: FP8 grouped GEMMs; attention, shared experts: FP8Linear (size rules off: this model is tiny)
-    hf.convert(model, recipe="rowwise", backend=backend, cache_weights=False, min_dense_size=0, min_expert_size=0,
+    hf.convert(model, recipe="rowwise", backend=backend, min_dense_size=0, min_expert_size=0,
                min_fp8_wgrad_size=0)
     print(model.model.layers[0])
     print(model.fp8_conversion_report)

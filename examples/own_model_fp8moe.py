@@ -27,7 +27,7 @@ class Block(nn.Module):
         super().__init__()
         self.norm = nn.RMSNorm(H, device=device, dtype=torch.bfloat16)
         self.moe = FP8MoE(H, I, E, K, router_config=RouterConfig(E, K, "softmax", renormalize=True), recipe=recipe,
-                          backend=backend, cache_weights=False, device=device, dtype=torch.bfloat16)
+                          backend=backend, device=device, dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) bf16
         return x + self.moe(self.norm(x))

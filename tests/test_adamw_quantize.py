@@ -117,10 +117,10 @@ def test_bad_input():
 
 
 class _Block(nn.Module):
-    def __init__(self, **kw):
+    def __init__(self, cache_weights: bool = True, **kw):
         super().__init__()
         self.router = nn.Linear(64, 4, bias=False)
-        self.experts = FP8GroupedExperts(4, 64, 32, **kw)
+        self.experts = FP8GroupedExperts(4, 64, 32, cache_weights=cache_weights, **kw)
 
     def forward(self, x):
         weights, ids = torch.softmax(self.router(x).float(), -1).topk(2, dim=-1)

@@ -47,10 +47,10 @@ def test_kernel_byte_for_byte_on_the_gpu(shape, dtype, quant_dtype, state_dtype,
 
 
 class _Block(nn.Module):
-    def __init__(self, **kw):
+    def __init__(self, cache_weights: bool = True, **kw):
         super().__init__()
         self.router = nn.Linear(512, 16, bias=False, device="cuda")
-        self.experts = FP8GroupedExperts(16, 512, 256, device="cuda", **kw)
+        self.experts = FP8GroupedExperts(16, 512, 256, device="cuda", cache_weights=cache_weights, **kw)
 
     def forward(self, x):
         weights, ids = torch.softmax(self.router(x).float(), -1).topk(4, dim=-1)

@@ -131,6 +131,7 @@ def test_bench_whole_model_kind_cpu(torch_references):
                                                                         "ours_fp8_experts_cached_unfused",
                                                                         "ours_bf16_fused_acc", "ours_fp8_fused_acc",
                                                                         "ours_fp8_cached_fused_acc",
+                                                                        "ours_fp8_experts_fused_acc",
                                                                         "ours_fp8_experts_cached_fused_acc"}
     base = models.build(models._spec("qwen3_h1024", "cpu", None), 32, "cpu")
     for variant, recipe in [("ours_fp8_experts", "rowwise_gw_hp"), ("ours_fp8_experts_fp8_wgrad_cached", "rowwise"),

@@ -205,7 +205,8 @@ def _converted_layer(name: str, recipe: str, backend: str, device="cpu"):
     model = transformers.AutoModelForCausalLM.from_config(_config(name)).to(device, torch.bfloat16)
     model.config._attn_implementation = "sdpa"
     dense = dict(min_dense_size=0) if name == "llama" else {}  # every linear of the dense model in FP8
-    hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0, min_fp8_wgrad_size=0, **dense)
+    hf.convert(model, recipe=recipe, backend=backend, min_expert_size=0, min_fp8_wgrad_size=0, cache_weights=True,
+               **dense)
     return _Layer(model)
 
 
@@ -285,7 +286,7 @@ def test_gpu_reduce_overhead_whole_model_sees_optimizer_updates(recipe):
     torch.manual_seed(4)
     cfg = _config("qwen3_moe")
     model = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
-    hf.convert(model, recipe=recipe, min_expert_size=0)
+    hf.convert(model, recipe=recipe, min_expert_size=0, cache_weights=True)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), device="cuda")
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     torch._dynamo.reset()

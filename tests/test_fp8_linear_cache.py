@@ -244,7 +244,7 @@ def test_copies_and_pickles_start_with_empty_caches():
     torch.manual_seed(9)
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for module in (FP8Linear(64, 48, dtype=torch.bfloat16, cache_weights=True),
-                   FP8MoE(64, 32, 4, 2, dtype=torch.bfloat16)):
+                   FP8MoE(64, 32, 4, 2, dtype=torch.bfloat16, cache_weights=True)):
         module(x)
         want = module(x)  # the second forward of the same weights keeps their copies
         caches = [c for m in module.modules() for c in (getattr(m, "_caches", None) or [getattr(m, "_cache", None)])

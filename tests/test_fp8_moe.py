@@ -226,7 +226,7 @@ def test_shared_expert_llama4_and_deepseek_routing():
 
 @pytest.mark.interpreter
 def test_weight_cache_hits_and_invalidates():
-    moe = _moe("rowwise")
+    moe = _moe("rowwise", cache_weights=True)
     x = torch.randn(T, H).to(torch.bfloat16)
     cache_up, _ = moe.experts._caches
     assert moe.experts.weight_cache_nbytes == 0
@@ -252,7 +252,7 @@ def test_weight_cache_hits_for_fp32_parameters(autocast):
     """fp32 parameters cast for the GEMMs (bf16 under autocast; the down GEMM's bf16 input without)
     hit the cache keyed on the parameter; an in-place update misses and uses the new values."""
     torch.manual_seed(6)
-    moe = FP8MoE(H, I, E, K)  # fp32 parameters
+    moe = FP8MoE(H, I, E, K, cache_weights=True)  # fp32 parameters
     fresh = FP8MoE(H, I, E, K, cache_weights=False)
     x = torch.randn(16, H)
     dy = torch.randn(16, H)
@@ -287,7 +287,7 @@ def test_capture_bypasses_the_weight_cache_of_fp32_parameters(monkeypatch):
     from moe_fp8 import Fp8WeightCache
 
     torch.manual_seed(7)
-    moe = FP8MoE(H, I, E, K)  # fp32 parameters, cast under autocast
+    moe = FP8MoE(H, I, E, K, cache_weights=True)  # fp32 parameters, cast under autocast
     fresh = FP8MoE(H, I, E, K, cache_weights=False)
     fresh.load_state_dict(moe.state_dict())
     x, dy = torch.randn(16, H), torch.randn(16, H)
@@ -322,7 +322,7 @@ def test_fp32_module_on_bf16_only_backend(fake_cuda, monkeypatch):
     monkeypatch.setattr(with_neighbors, "grouped_mm_arguments", recording)
     monkeypatch.setattr("moe_fp8.grouped_gemm.op.grouped_mm_arguments", recording)
     torch.manual_seed(7)
-    moe = FP8MoE(H, I, E, K, backend="cuda")  # fp32 parameters
+    moe = FP8MoE(H, I, E, K, backend="cuda", cache_weights=True)  # fp32 parameters
     x, dy = torch.randn(T, H), torch.randn(T, H)
     for _ in range(3):
         out, gx, grads = _grads(moe, x, dy)

@@ -235,7 +235,7 @@ def test_llama4_layout_weight_cache_hits():
     must still hit while the weights are unchanged, and miss after an update."""
     llama = _random(V5_BLOCKS["llama4"]()).to(torch.bfloat16)
     holder = nn.Sequential(llama)
-    hf.convert(holder, min_expert_size=0)
+    hf.convert(holder, min_expert_size=0, cache_weights=True)
     experts = holder[0].experts
     x = torch.randn(2, 5, H, dtype=torch.bfloat16)
     for _ in range(3):

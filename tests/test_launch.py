@@ -230,7 +230,7 @@ def test_layer_is_bitwise_the_same_with_and_without_the_direct_launch(recipe):
 
     def run():
         torch.manual_seed(0)
-        moe = FP8MoE(256, 128, 8, 2, recipe=recipe).to(device="cuda", dtype=torch.bfloat16)
+        moe = FP8MoE(256, 128, 8, 2, recipe=recipe, cache_weights=True).to(device="cuda", dtype=torch.bfloat16)
         x = torch.randn(333, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(2):  # the second step runs from the weight caches
             moe.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ EXPECTED = {"rowwise": (68, 15), "bf16": (83, 5)}
 
 def _count(recipe: str):
     torch.manual_seed(0)
-    moe = FP8MoE(H, I, E, K, recipe=recipe, backend="triton").to(torch.bfloat16)
+    moe = FP8MoE(H, I, E, K, recipe=recipe, backend="triton", cache_weights=True).to(torch.bfloat16)
     x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
     for _ in range(2):  # the weight caches keep the copies from the second forward of these weights
         moe(x).float().sum().backward()

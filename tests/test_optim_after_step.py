@@ -32,12 +32,13 @@ def weight_quantizations(monkeypatch):
 
 
 class _Block(nn.Module):
-    """A linear top-k softmax router and ``FP8GroupedExperts``: the smallest trainable MoE block."""
+    """A linear top-k softmax router and ``FP8GroupedExperts`` (cached unless told): the smallest
+    trainable MoE block."""
 
-    def __init__(self, **kw):
+    def __init__(self, cache_weights: bool = True, **kw):
         super().__init__()
         self.router = nn.Linear(H, E, bias=False)
-        self.experts = FP8GroupedExperts(E, H, I, **kw)
+        self.experts = FP8GroupedExperts(E, H, I, cache_weights=cache_weights, **kw)
 
     def forward(self, x):
         weights, ids = torch.softmax(self.router(x).float(), -1).topk(K, dim=-1)

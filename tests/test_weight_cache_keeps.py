@@ -89,7 +89,7 @@ def test_get_put_and_refresh_always_keep():
 
 def _pair(seed=0):
     torch.manual_seed(seed)
-    cached = FP8MoE(H, I, E, K).to(torch.bfloat16)
+    cached = FP8MoE(H, I, E, K, cache_weights=True).to(torch.bfloat16)
     plain = FP8MoE(H, I, E, K, cache_weights=False).to(torch.bfloat16)
     plain.load_state_dict(cached.state_dict())
     return cached, plain
@@ -162,7 +162,8 @@ def test_experts_filled_bytes_are_what_accumulation_holds(recipe, h, i):
     from moe_fp8.layers.experts import FP8GroupedExperts
 
     torch.manual_seed(0)
-    experts = FP8GroupedExperts(E, h, i, recipe=recipe, backend="emulated", dtype=torch.bfloat16)
+    experts = FP8GroupedExperts(E, h, i, recipe=recipe, backend="emulated", cache_weights=True,
+                                dtype=torch.bfloat16)
     expected = experts.weight_cache_filled_nbytes
     assert (expected == 0) == (recipe == "bf16")
     for _ in range(3):

@@ -81,7 +81,7 @@ def test_cache_follows_fused_adamw_on_gpu(compiled):
     optimizer steps of 2 micro-batches the forward that reads the caches gives the bits of one that
     quantizes the current weights afresh (a copy of the weights before the last step would not)."""
     torch.manual_seed(0)
-    moe = FP8MoE(2048, 768, 32, 8, device="cuda", dtype=torch.bfloat16)
+    moe = FP8MoE(2048, 768, 32, 8, device="cuda", dtype=torch.bfloat16, cache_weights=True)
     forward = torch.compile(moe, fullgraph=True) if compiled else moe
     opt = torch.optim.AdamW(moe.parameters(), lr=1e-3, fused=True)
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -218,7 +218,8 @@ def test_small_fp8_experts_get_a_bf16_weight_gradient(family, layout):
     at = hf.convert(copy.deepcopy(original), dense=False, min_expert_size=0, min_fp8_wgrad_size=small)
     assert {m.recipe.name for m in at.modules() if isinstance(m, FP8GroupedExperts)} == {"rowwise"}
     assert not any("below" in e.detail for e in at.fp8_conversion_report.entries)
-    model = hf.convert(copy.deepcopy(original), dense=False, min_expert_size=0, min_fp8_wgrad_size=small + 1)
+    model = hf.convert(copy.deepcopy(original), dense=False, min_expert_size=0, min_fp8_wgrad_size=small + 1,
+                       cache_weights=True)
     report = model.fp8_conversion_report
     experts = [m for m in model.modules() if isinstance(m, FP8GroupedExperts)]
     entries = [e for e in report.entries if e.became == cr.FP8_EXPERTS]

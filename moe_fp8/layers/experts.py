@@ -54,11 +54,14 @@ class FP8GroupedExperts(nn.Module):
         cache_weights: reuse the FP8 copies of the weights while they are unchanged (across
             gradient-accumulation micro-batches; keyed on the parameters and invalidated by their
             version counters, never stale). fp32 parameters cast to bf16 (under autocast) hit
-            too: the cast happens with the quantization, on a miss only. Costs one BF16-sized
-            copy of the weights. Under ``torch.compile`` the GEMMs read the process-wide compiled
-            cache (weights in the activations' dtype only); off while a CUDA graph is captured or
-            replayed (a captured step quantizes the weights on every replay, so it sees weight
-            updates) and for weights FSDP gathers without ``parallelize``'s keys.
+            too: the cast happens with the quantization, on a miss only. Off by default: under
+            gradient accumulation it holds one BF16-sized copy of the weights from the first
+            micro-batch to the optimizer step, which lifts the step's peak above the unconverted
+            model's at DeepSeek-V3 sizes (docs/conversion.md: what it saves and costs). Under
+            ``torch.compile`` the GEMMs read the process-wide compiled cache (weights in the
+            activations' dtype only); off while a CUDA graph is captured or replayed (a captured
+            step quantizes the weights on every replay, so it sees weight updates) and for weights
+            FSDP gathers without ``parallelize``'s keys.
         fp8_saved_input: the first GEMM keeps its input's rowwise FP8 rows for the backward, not
             the BF16 rows (recipes with row scales): the BF16 permuted rows are then never written
             (without input scales), and the saved activation is half the bytes. The gate/up weight
@@ -91,7 +94,7 @@ class FP8GroupedExperts(nn.Module):
         backend: str | None = None,
         fmt=None,
         in_out_layout: bool = False,
-        cache_weights: bool = True,
+        cache_weights: bool = False,
         fp8_saved_input: bool = False,
         fused_grad_accumulation: bool = False,
         device=None,

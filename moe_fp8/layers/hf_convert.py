@@ -57,7 +57,7 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
             filter_fn: Callable[[nn.Module, str], bool] | None = None, min_dense_size: int = MIN_DENSE_SIZE,
             min_expert_size: int = MIN_EXPERT_SIZE, min_bf16_expert_size: int = MIN_BF16_EXPERT_SIZE,
             min_fp8_wgrad_size: int = MIN_FP8_WGRAD_SIZE, backend: str | None = None, fmt=None,
-            cache_weights: bool = True, cache_dense_weights: bool = False,
+            cache_weights: bool = False, cache_dense_weights: bool = False,
             fused_grad_accumulation: bool = False) -> nn.Module:
     """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
     return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it

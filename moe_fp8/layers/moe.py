@@ -63,7 +63,7 @@ class FP8MoE(nn.Module):
         recipe="rowwise",
         backend: str | None = None,
         fmt=None,
-        cache_weights: bool = True,
+        cache_weights: bool = False,
         return_router_output: bool = False,
         experts: nn.Module | None = None,
         device=None,

@@ -113,9 +113,10 @@ def parallelize(
             ``torch.compile`` keyword arguments such as ``{"backend": "aot_eager"}``). The default
             expert-parallel dispatch waits on the host for its split sizes, which a full graph
             cannot hold: compile needs ``ep == 1`` or ``sync_free=True``.
-        cache_weights: keep the experts' FP8 weight cache (one FP8 copy of every layer's
+        cache_weights: give the experts an FP8 weight cache (one FP8 copy of every layer's
             all-gathered local experts, held between steps: memory that the sharding saves
-            otherwise; it pays with gradient accumulation). Off by default. Its copies are keyed on
+            otherwise; it pays with gradient accumulation), whatever the converted module had.
+            Off by default. Its copies are keyed on
             the sharded parameters' version counters and on the count of ``torch.optim`` steps
             (any optimizer's): an optimizer outside ``torch.optim`` that writes the weights must
             call ``Fp8WeightCache.invalidate`` on the experts' caches.
@@ -158,7 +159,7 @@ def parallelize(
     experts = []
     for parent, name, full in found:
         local = _shard_over_ep(full, layout, dispatch, sync_free)
-        local.cache_weights = cache_weights and local.cache_weights
+        local.cache_weights = cache_weights
         if fp8_all_gather:
             enable_fp8_all_gather(local, both_layouts=activation_checkpoint)
         setattr(parent, name, local)

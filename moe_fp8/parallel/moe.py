@@ -10,7 +10,7 @@ __all__ = ["expert_parallel_moe"]
 
 def expert_parallel_moe(hidden_size: int, expert_hidden_size: int, num_experts: int, top_k: int, *, group=None,
                         dispatch: str = "bf16", checkpoint: bool = False, sync_free: bool = False,
-                        recipe="rowwise", backend: str | None = None, fmt=None, cache_weights: bool = True,
+                        recipe="rowwise", backend: str | None = None, fmt=None, cache_weights: bool = False,
                         device=None, dtype=None, **moe_kwargs) -> FP8MoE:
     """An :class:`FP8MoE` whose routed experts are this rank's ``E / W`` over ``group`` (``W`` ranks).
 
