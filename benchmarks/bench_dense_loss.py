@@ -55,8 +55,7 @@ def variant_model(base: torch.nn.Module, variant: str) -> torch.nn.Module:
     spec = VARIANTS[variant]
     if spec is not None:
         kwargs, kept = spec
-        hf.convert(model, filter_fn=lambda mod, fqn: fqn.rsplit(".", 1)[-1] not in kept,
-                   **kwargs)
+        hf.convert(model, filter_fn=lambda mod, fqn: fqn.rsplit(".", 1)[-1] not in kept, **kwargs)
     if variant == "torchao_dense_same_linears":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

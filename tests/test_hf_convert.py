@@ -230,6 +230,14 @@ def test_v5_conversion_shares_parameters():
 
 
 @pytest.mark.interpreter
+def test_weight_caches_are_off_by_default():
+    """Caches hold a BF16-sized copy under accumulation: every builder leaves them off unless asked."""
+    block = hf.convert(_random(V4_BLOCKS["mixtral"]()), min_expert_size=0)
+    assert not block.experts.cache_weights and block.experts._caches is None
+    assert hf.convert(_random(V4_BLOCKS["mixtral"]()), min_expert_size=0, cache_weights=True).experts.cache_weights
+    assert not FP8GroupedExperts(4, 64, 32).cache_weights
+
+
 def test_llama4_layout_weight_cache_hits():
     """Llama 4 stores (E, H, 2I): the experts pass transposed views, new each call; the cache
     must still hit while the weights are unchanged, and miss after an update."""
