@@ -665,7 +665,7 @@ def test_fp8_moe_gpu_compile_weights_quantized_once_per_step(mode):
     from moe_fp8.grouped_gemm import compiled_weight_cache
     from moe_fp8.optim import quantize_after_step
 
-    mods, x, dy = _gpu_pair(T=1024)
+    mods, x, dy = _gpu_pair(T=1024, cache_weights=True)
     moe = mods["rowwise"]
     opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
     quantize_after_step(opt, moe)
