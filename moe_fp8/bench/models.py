@@ -28,15 +28,16 @@ where ``min_fp8_wgrad_size`` says, dense linears as built), ``ours_fp8_experts_f
 with every expert weight gradient in FP8: ``min_fp8_wgrad_size=0``),
 ``ours_fp8`` (``moe_fp8.hf.convert`` with its defaults, ``rowwise``: FP8 experts and dense linears
 where the size rules say FP8 pays, experts below them on the BF16 grouped path, the rest as built;
-``cache_weights=False``), ``ours_fp8_small_kept`` (the same, but experts below the size rule left as
+no weight cache), ``ours_fp8_small_kept`` (the same, but experts below the size rule left as
 built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_cached`` and
 ``ours_fp8_experts_cached`` / ``ours_fp8_experts_fp8_wgrad_cached`` (the same with the expert
 weights' FP8 cache on: quantized once per optimizer step, eager or compiled; one more BF16-sized copy
 of them held), ``ours_fp8_experts_cached_unfused`` (``ours_fp8_experts_cached`` with the gradients'
 row quantization in separate kernels: ``FP8GroupedExperts.fused_grad_quant=False``), ``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache
 on too: ``cache_dense_weights=True``), ``ours_bf16_fused_acc``, ``ours_fp8_fused_acc``,
-``ours_fp8_cached_fused_acc`` and ``ours_fp8_experts_cached_fused_acc`` (those with the experts'
-weight-gradient GEMMs adding to ``.grad`` in place: ``fused_grad_accumulation=True``), ``torchao_rowwise`` and
+``ours_fp8_cached_fused_acc``, ``ours_fp8_experts_fused_acc`` and ``ours_fp8_experts_cached_fused_acc``
+(those with the experts' weight-gradient GEMMs adding to ``.grad`` in place:
+``fused_grad_accumulation=True``), ``torchao_rowwise`` and
 ``torchao_rowwise_gw_hp`` (TorchAO's ``convert_to_float8_training`` on the dense linears, its own
 size filter; experts as built) and ``torchao_moe`` (``torchao_rowwise`` plus TorchAO's FP8 grouped
 GEMM on the experts; run in a child process, since a device assert ends the CUDA context; its error
