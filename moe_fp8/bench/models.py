@@ -33,8 +33,9 @@ built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_cached`` and
 ``ours_fp8_experts_cached`` / ``ours_fp8_experts_fp8_wgrad_cached`` (the same with the expert
 weights' FP8 cache on: quantized once per optimizer step, eager or compiled; one more BF16-sized copy
 of them held), ``ours_fp8_experts_cached_unfused`` (``ours_fp8_experts_cached`` with the gradients'
-row quantization in separate kernels: ``FP8GroupedExperts.fused_grad_quant=False``), ``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache
-on too: ``cache_dense_weights=True``), ``ours_bf16_fused_acc``, ``ours_fp8_fused_acc``,
+row quantization in separate kernels: ``FP8GroupedExperts.fused_grad_quant=False``),
+``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache on too:
+``cache_dense_weights=True``), ``ours_bf16_fused_acc``, ``ours_fp8_fused_acc``,
 ``ours_fp8_cached_fused_acc``, ``ours_fp8_experts_fused_acc`` and ``ours_fp8_experts_cached_fused_acc``
 (those with the experts' weight-gradient GEMMs adding to ``.grad`` in place:
 ``fused_grad_accumulation=True``), ``torchao_rowwise`` and
@@ -89,7 +90,8 @@ FUSED_ACC = "_fused_acc"  # variant suffix: hf.convert(..., fused_grad_accumulat
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_experts_cached",
             "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all",
             "ours_fp8_experts_cached_unfused", "ours_bf16_fused_acc", "ours_fp8_fused_acc", "ours_fp8_cached_fused_acc",
-            "ours_fp8_experts_fused_acc", "ours_fp8_experts_cached_fused_acc", "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
+            "ours_fp8_experts_fused_acc", "ours_fp8_experts_cached_fused_acc", "torchao_rowwise",
+            "torchao_rowwise_gw_hp", "torchao_moe")
 #: variants that change MoE experts only (skipped for a dense model) and TorchAO's (GPU only)
 EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours_fp8_experts_cached",
                    "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_experts_cached_unfused",

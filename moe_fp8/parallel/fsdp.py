@@ -116,10 +116,10 @@ def parallelize(
         cache_weights: give the experts an FP8 weight cache (one FP8 copy of every layer's
             all-gathered local experts, held between steps: memory that the sharding saves
             otherwise; it pays with gradient accumulation), whatever the converted module had.
-            Off by default. Its copies are keyed on
-            the sharded parameters' version counters and on the count of ``torch.optim`` steps
-            (any optimizer's): an optimizer outside ``torch.optim`` that writes the weights must
-            call ``Fp8WeightCache.invalidate`` on the experts' caches.
+            Off by default. Its copies are keyed on the sharded parameters' version counters and
+            on the count of ``torch.optim`` steps (any optimizer's): an optimizer outside
+            ``torch.optim`` that writes the weights must call ``Fp8WeightCache.invalidate`` on the
+            experts' caches.
         fp8_all_gather: FSDP all-gathers the routed experts' weights as rowwise FP8 (each shard
             quantized before the gather, in the layout the grouped GEMMs of that pass take) instead
             of in their dtype; bitwise the same training (``moe_fp8.parallel.fp8_all_gather``).
