@@ -194,6 +194,12 @@ def test_converters_pass_cache_weights():
     convert_to_fp8(model, cache_weights=True)
     assert model[0].cache_weights and model[2].cache_weights
     assert not convert_to_fp8(nn.Linear(16, 32)).cache_weights  # off by default
+    plain = convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    report, cached = plain.fp8_conversion_report, model.fp8_conversion_report
+    layouts = plain[0].weight_layouts_nbytes + plain[2].weight_layouts_nbytes
+    assert layouts > 0 and (report.weight_cache_nbytes, report.uncached_layouts_nbytes) == (0, layouts)
+    assert (cached.weight_cache_nbytes, cached.uncached_layouts_nbytes) == (layouts, 0)
+    assert "FP8 weight caches off: cache_weights=True would hold" in str(report)
     with pytest.raises(TypeError, match="cache_weights: expected a bool, got int"):
         convert_to_fp8(nn.Linear(16, 32), cache_weights=1)
 

@@ -2,6 +2,7 @@
 blocks with ModuleList experts written here), built from config objects: no hub downloads."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -287,24 +288,37 @@ def test_whole_model_and_backward():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("cached", [True, False])
-def test_report_gives_the_weight_caches_filled_bytes(cached):
+def test_report_gives_the_weight_caches_filled_bytes():
     """The conversion report's ``weight_cache_nbytes`` is what the converted modules' caches hold
     after micro-batches of gradient accumulation (experts and dense linears), and its text says so;
-    without caches it is 0 and the text is silent."""
+    ``uncached_layouts_nbytes`` is what the caches left off would hold: the same bytes for a model
+    converted without caches, the dense linears' alone with the experts' cache on."""
     cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=4, num_experts_per_tok=2,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
     torch.manual_seed(0)
-    model = hf.convert(transformers.MixtralForCausalLM(cfg).to(torch.bfloat16), min_expert_size=0, min_dense_size=0,
-                       cache_weights=cached, cache_dense_weights=cached)
-    report = model.fp8_conversion_report
+    base = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16)
+
+    def converted(experts: bool, dense: bool):
+        return hf.convert(copy.deepcopy(base), min_expert_size=0, min_dense_size=0, cache_weights=experts,
+                          cache_dense_weights=dense)
+
+    model = converted(True, True)
     for _ in range(3):
         model(torch.randint(0, 96, (2, 12))).logits.float().square().mean().backward()
-    held = sum(m.weight_cache_nbytes for m in model.modules() if hasattr(m, "weight_cache_nbytes"))
-    assert report.weight_cache_nbytes == held
-    assert (held > 0) == cached and ("FP8 weight caches" in str(report)) == cached
-    if cached:
-        assert {e.cls for e in report.entries if e.weight_cache_nbytes} >= {"Linear", "FP8GroupedExperts"}
+    held = Counter()
+    for m in model.modules():
+        held[type(m).__name__] += getattr(m, "weight_cache_nbytes", 0)
+    held = +held  # the classes holding bytes
+    assert set(held) == {"FP8Linear", "FP8GroupedExperts"}
+    cached, off, experts_only = (m.fp8_conversion_report for m in (model, converted(False, False),
+                                                                    converted(True, False)))
+    assert (cached.weight_cache_nbytes, cached.uncached_layouts_nbytes) == (sum(held.values()), 0)
+    assert (off.weight_cache_nbytes, off.uncached_layouts_nbytes) == (0, sum(held.values()))
+    assert (experts_only.weight_cache_nbytes, experts_only.uncached_layouts_nbytes) == (
+        held["FP8GroupedExperts"], held["FP8Linear"])
+    assert "once filled" in str(cached) and "caches off" not in str(cached)
+    assert "once filled" not in str(off) and "caches off" in str(off)
+    assert "once filled" in str(experts_only) and "caches off" in str(experts_only)
 
 
 @pytest.mark.interpreter

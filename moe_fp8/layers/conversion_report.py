@@ -34,8 +34,9 @@ class ModuleConversion:
     """One module: its fully qualified name (``""`` for the root), original class, what it became
     (one of ``BECAME``), why it was kept (one of ``REASONS``, ``None`` unless kept), a detail
     (shapes, the recipe), whether its matmuls run in FP8 (an ``FP8Linear`` with recipe ``bf16``
-    does not), its parameters (the objects, for counting each once) and the bytes its FP8 weight
-    cache holds once filled (``weight_cache_filled_nbytes``; 0 without one)."""
+    does not), its parameters (the objects, for counting each once), the bytes its FP8 weight
+    cache holds once filled (``weight_cache_filled_nbytes``; 0 without one) and those a cache of its
+    weights would hold (``weight_layouts_nbytes``; 0 unless FP8)."""
 
     fqn: str
     cls: str
@@ -45,6 +46,7 @@ class ModuleConversion:
     fp8: bool
     params: tuple[nn.Parameter, ...] = field(repr=False, compare=False)
     weight_cache_nbytes: int = 0
+    weight_layouts_nbytes: int = 0
 
     @property
     def numel(self) -> int:
@@ -77,8 +79,9 @@ class ConversionReport:
         fp8 = became in (FP8_EXPERTS, FP8_LINEAR) and (recipe is None or recipe.is_fp8)
         params = tuple(module.parameters())
         cache = getattr(module, "weight_cache_filled_nbytes", 0) if fp8 else 0
+        layouts = getattr(module, "weight_layouts_nbytes", 0) if fp8 else 0
         self.entries.append(ModuleConversion(fqn, cls or type(module).__name__, became, reason, detail, fp8, params,
-                                             cache))
+                                             cache, layouts))
 
     def __getitem__(self, fqn: str) -> ModuleConversion:
         for e in self.entries:
@@ -118,6 +121,12 @@ class ConversionReport:
         return sum(e.weight_cache_nbytes for e in self.entries)
 
     @property
+    def uncached_layouts_nbytes(self) -> int:
+        """Device bytes the FP8 weight caches that are off would hold once filled, if turned on
+        (``cache_weights=True`` for experts, ``cache_dense_weights=True`` for linears)."""
+        return sum(e.weight_layouts_nbytes - e.weight_cache_nbytes for e in self.entries)
+
+    @property
     def fp8_fraction(self) -> float:
         """``fp8_params / matmul_params`` (0.0 when there are none)."""
         total = self.matmul_params
@@ -141,8 +150,13 @@ class ConversionReport:
             sizes += (f", min_expert_size {self.min_expert_size}, min_bf16_expert_size {self.min_bf16_expert_size}"
                       f", min_fp8_wgrad_size {self.min_fp8_wgrad_size}")
         no_moe = ["no MoE block found (a dense model): the dense rules alone applied"] if self.moe_blocks == 0 else []
-        cache = [f"FP8 weight caches: {self.weight_cache_nbytes / 2**30:.2f} GiB once filled under gradient "
+        cache = [f"FP8 weight caches: {_size(self.weight_cache_nbytes)} once filled under gradient "
                  "accumulation, on top of the step's peak"] if self.weight_cache_nbytes else []
+        if self.uncached_layouts_nbytes:  # convert_to_fp8 (moe_blocks None) names its linears' flag cache_weights
+            flags = ("cache_weights=True" if self.moe_blocks is None
+                     else "cache_weights=True (experts) / cache_dense_weights=True (linears)")
+            cache.append(f"FP8 weight caches off: {flags} would hold {_size(self.uncached_layouts_nbytes)} more under "
+                         "gradient accumulation and quantize each weight once per optimizer step, not per micro-batch")
         return "\n".join([
             f"moe_fp8 conversion (recipe {self.recipe}, {sizes}): {counts}",
             *no_moe,
@@ -151,3 +165,8 @@ class ConversionReport:
             *cache,
             self.table(),
         ])
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in GiB, or in MiB below 0.01 GiB."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 // 100 else f"{nbytes / 2**20:.2f} MiB"

@@ -140,13 +140,19 @@ class FP8GroupedExperts(nn.Module):
         return sum(c.nbytes for c in self._caches) + compiled_weight_cache().nbytes_of(weights)
 
     @property
-    def weight_cache_filled_nbytes(self) -> int:
-        """Device bytes the FP8 weight cache holds once filled (under gradient accumulation, from the
-        first micro-batch of an optimizer step to the next step): both FP8 layouts of both weights
-        and their scales; 0 without a cache or with the BF16 recipe."""
-        if self._caches is None or not self.recipe.is_fp8:
+    def weight_layouts_nbytes(self) -> int:
+        """Device bytes of both FP8 layouts of both weights and their scales, cached or not (0 with
+        the BF16 recipe)."""
+        if not self.recipe.is_fp8:
             return 0
         return sum(weight_layouts_nbytes(tuple(w.shape), self.recipe.scaling) for w in self._weights())
+
+    @property
+    def weight_cache_filled_nbytes(self) -> int:
+        """Device bytes the FP8 weight cache holds once filled (under gradient accumulation, from the
+        first micro-batch of an optimizer step to the next step): :attr:`weight_layouts_nbytes`, 0
+        without a cache."""
+        return self.weight_layouts_nbytes if self.cache_weights else 0
 
     @property
     def cache_weights(self) -> bool:

@@ -286,12 +286,18 @@ class FP8Linear(nn.Linear):
         return self._cache.nbytes + compiled_weight_cache().nbytes_of([self.weight])
 
     @property
-    def weight_cache_filled_nbytes(self) -> int:
-        """What :attr:`weight_cache_nbytes` reaches under gradient accumulation (both FP8 layouts and
-        their scales; 0 without a cache or with the BF16 recipe)."""
-        if self._cache is None or not self.recipe.is_fp8:
+    def weight_layouts_nbytes(self) -> int:
+        """Device bytes of the weight's two FP8 layouts and their scales, cached or not (0 with the
+        BF16 recipe)."""
+        if not self.recipe.is_fp8:
             return 0
         return weight_layouts_nbytes((1, self.out_features, self.in_features), self.recipe.scaling)
+
+    @property
+    def weight_cache_filled_nbytes(self) -> int:
+        """What :attr:`weight_cache_nbytes` reaches under gradient accumulation:
+        :attr:`weight_layouts_nbytes`, 0 without a cache."""
+        return self.weight_layouts_nbytes if self.cache_weights else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_parameters(self, x)
