@@ -156,7 +156,7 @@ def test_compiled_one_micro_batch_per_step_holds_amaxes_only():
 @pytest.mark.parametrize(("recipe", "h", "i"), [("rowwise", H, I), ("rowwise_gw_hp", H, I), ("tensorwise", H, I),
                                                 ("blockwise", 256, 144), ("bf16", H, I)])
 def test_experts_filled_bytes_are_what_accumulation_holds(recipe, h, i):
-    """``weight_cache_filled_nbytes`` (from the shapes and the recipe, before any forward) equals what
+    """``weight_layouts_nbytes`` (from the shapes and the recipe, before any forward) equals what
     the caches hold once gradient accumulation has filled them: both layouts of both weights and
     their scales (blockwise: ragged 128 x 128 blocks); the BF16 recipe holds nothing."""
     from moe_fp8.layers.experts import FP8GroupedExperts
@@ -164,14 +164,14 @@ def test_experts_filled_bytes_are_what_accumulation_holds(recipe, h, i):
     torch.manual_seed(0)
     experts = FP8GroupedExperts(E, h, i, recipe=recipe, backend="emulated", cache_weights=True,
                                 dtype=torch.bfloat16)
-    expected = experts.weight_cache_filled_nbytes
+    expected = experts.weight_layouts_nbytes
     assert (expected == 0) == (recipe == "bf16")
     for _ in range(3):
         x = torch.randn(T, h).bfloat16()
         experts(x, torch.randint(0, E, (T, K)), torch.rand(T, K)).float().square().sum().backward()
     assert experts.weight_cache_nbytes == expected
     experts.cache_weights = False
-    assert experts.weight_cache_filled_nbytes == 0
+    assert experts.weight_cache_nbytes == 0
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
@@ -180,7 +180,7 @@ def test_linear_filled_bytes_are_what_accumulation_holds(recipe):
 
     torch.manual_seed(0)
     linear = FP8Linear(160, 272, recipe=recipe, cache_weights=True, dtype=torch.bfloat16)
-    expected = linear.weight_cache_filled_nbytes
+    expected = linear.weight_layouts_nbytes
     for _ in range(3):
         linear(torch.randn(T, 160).bfloat16()).float().square().sum().backward()
     assert expected > 2 * 160 * 272 and linear.weight_cache_nbytes == expected

@@ -34,9 +34,9 @@ class ModuleConversion:
     """One module: its fully qualified name (``""`` for the root), original class, what it became
     (one of ``BECAME``), why it was kept (one of ``REASONS``, ``None`` unless kept), a detail
     (shapes, the recipe), whether its matmuls run in FP8 (an ``FP8Linear`` with recipe ``bf16``
-    does not), its parameters (the objects, for counting each once), the bytes its FP8 weight
-    cache holds once filled (``weight_cache_filled_nbytes``; 0 without one) and those a cache of its
-    weights would hold (``weight_layouts_nbytes``; 0 unless FP8)."""
+    does not), its parameters (the objects, for counting each once), the bytes of its weights' FP8
+    layouts (``weight_layouts_nbytes``; 0 unless FP8) and those its weight cache holds once filled
+    (the same bytes; 0 without a cache)."""
 
     fqn: str
     cls: str
@@ -78,8 +78,8 @@ class ConversionReport:
         recipe = getattr(module, "recipe", None)
         fp8 = became in (FP8_EXPERTS, FP8_LINEAR) and (recipe is None or recipe.is_fp8)
         params = tuple(module.parameters())
-        cache = getattr(module, "weight_cache_filled_nbytes", 0) if fp8 else 0
         layouts = getattr(module, "weight_layouts_nbytes", 0) if fp8 else 0
+        cache = layouts if getattr(module, "cache_weights", False) else 0
         self.entries.append(ModuleConversion(fqn, cls or type(module).__name__, became, reason, detail, fp8, params,
                                              cache, layouts))
 

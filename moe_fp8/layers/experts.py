@@ -141,18 +141,11 @@ class FP8GroupedExperts(nn.Module):
 
     @property
     def weight_layouts_nbytes(self) -> int:
-        """Device bytes of both FP8 layouts of both weights and their scales, cached or not (0 with
-        the BF16 recipe)."""
+        """Device bytes of both FP8 layouts of both weights and their scales, cached or not: what the
+        cache holds once gradient accumulation fills it (0 with the BF16 recipe)."""
         if not self.recipe.is_fp8:
             return 0
         return sum(weight_layouts_nbytes(tuple(w.shape), self.recipe.scaling) for w in self._weights())
-
-    @property
-    def weight_cache_filled_nbytes(self) -> int:
-        """Device bytes the FP8 weight cache holds once filled (under gradient accumulation, from the
-        first micro-batch of an optimizer step to the next step): :attr:`weight_layouts_nbytes`, 0
-        without a cache."""
-        return self.weight_layouts_nbytes if self.cache_weights else 0
 
     @property
     def cache_weights(self) -> bool:

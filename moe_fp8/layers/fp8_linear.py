@@ -287,17 +287,11 @@ class FP8Linear(nn.Linear):
 
     @property
     def weight_layouts_nbytes(self) -> int:
-        """Device bytes of the weight's two FP8 layouts and their scales, cached or not (0 with the
-        BF16 recipe)."""
+        """Device bytes of the weight's two FP8 layouts and their scales, cached or not: what
+        :attr:`weight_cache_nbytes` reaches under gradient accumulation (0 with the BF16 recipe)."""
         if not self.recipe.is_fp8:
             return 0
         return weight_layouts_nbytes((1, self.out_features, self.in_features), self.recipe.scaling)
-
-    @property
-    def weight_cache_filled_nbytes(self) -> int:
-        """What :attr:`weight_cache_nbytes` reaches under gradient accumulation:
-        :attr:`weight_layouts_nbytes`, 0 without a cache."""
-        return self.weight_layouts_nbytes if self.cache_weights else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_parameters(self, x)
