@@ -300,6 +300,20 @@ def test_bench_grad_accumulation_quick(tmp_path):
     assert {r["gradient"] for r in swept} == {"gate_up", "down"} and len({r["config"] for r in swept}) > 1
 
 
+@pytest.mark.interpreter
+def test_bench_dgrad_quantize_w_quick(tmp_path):
+    """The in-GEMM dgrad benchmark runs its CPU smoke shapes and writes its report, each row's fp32
+    output equal to the layout + GEMM one within fp32 summation order."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_dgrad_quantize_w.py"), "--quick", "--steps", "1",
+           "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "dgrad_quantize_w_quick.json").read_text())["rows"]
+    assert {(r["weight"], r["active"]) for r in rows if "config" not in r} == {
+        ("gate_up", 8), ("down", 8), ("gate_up", 1), ("down", 1)}
+    assert all(r["max_gap"] <= 1e-5 for r in rows)
+
+
 def test_bench_fused_accumulation_variant_cpu(torch_references):
     """``ours_fp8_experts_cached_fused_acc`` converts with ``fused_grad_accumulation`` and, with 2
     micro-batches per step, trains to the loss of the same experts without it (its caches current)."""

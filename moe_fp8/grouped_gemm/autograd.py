@@ -17,8 +17,10 @@ laid out again, not quantized again) and ``offs``;
 except (``save_w``) when no cache serves a ``rowwise`` weight that the caller keeps alive anyway
 (a parameter or a view of one): then the forward quantizes the forward layout and takes the dgrad
 layout's amax (over N) from the same read, ``w`` itself and that ``(E, K)`` amax are saved, and
-the backward quantizes the dgrad layout from them (the same bytes, one read and one write of
-``w``), so no FP8 weight copy lives from forward to backward;
+the backward's dgrad quantizes ``w``'s tiles with those scales as its GEMM reads them (our Triton
+kernel, where the backend's ``dgrad_quantizes_w`` says so: small groups) or quantizes the dgrad
+layout from them first (the same bytes, one read and one write of ``w``), so no FP8 weight copy
+lives from forward to backward;
 and except (``cached``) under torch.compile with a cache: the forward and dgrad GEMMs read the
 weight's FP8 layouts inside one opaque op each (``compiled_cache``), and only the parameter is saved.
 With ``rowwise`` FP8 wgrad and both gradients wanted, the forward's row quantization of ``x`` (or,
@@ -264,7 +266,7 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in x's dtype, and grad_out's FP8
     ``(q, scale)``, with ``group_amax`` also its per-group column amax ``(E, N)`` fp32. ``q_bwd,
     s_bwd``: the saved dgrad layout, or ``w`` and its amax over N (``ctx.w_saved``) to quantize it
-    here (freed on return, before the wgrad runs), or ``None`` to read it from the
+    here (inside the GEMM, or a layout freed on return, before the wgrad runs), or ``None`` to read it from the
     ``QuantizedExpertWeight``'s operands (``ctx.w_operands``), or the parameter whose dgrad layout
     the compiled cache holds (``ctx.cached``). ``upstream``: grad_out's rowwise FP8, quantized by
     the kernel that made grad_out (not quantized again here)."""
@@ -276,6 +278,11 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     else:
         rows = _routed_rows(offs, ctx.scaling)
         g_fp8 = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused, rows)
+    if ctx.w_saved and get_backend(ctx.backend).dgrad_quantizes_w(grad_out.shape[0], offs.shape[0]):
+        # the GEMM quantizes w's tiles as it reads them: no FP8 dgrad layout is written
+        dx = lib.mm_dgrad_quantize_w(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, s_bwd, offs, ctx.x_dtype, ctx.fmt,
+                                    ctx.pow2)
+        return dx, g_fp8
     if ctx.w_saved:  # after grad_out's scales: made in the backward even when compiled (quant_seam)
         q_bwd, s_bwd = lib.quantize_weight_dgrad_layout(q_bwd, s_bwd, ctx.fmt, ctx.pow2, fused, g_fp8[1])
     elif ctx.w_operands is not None:

@@ -24,6 +24,7 @@ from .triton_kernel import triton_grouped_mm_2d2d
 
 __all__ = [
     "mm_2d3d",
+    "mm_dgrad_quantize_w",
     "mm_2d2d",
     "mm_2d2d_into",
     "bf16_mm_2d3d",
@@ -55,6 +56,13 @@ def _mm_2d3d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tenso
     if a.shape[1] == 0 or b.shape[1] == 0:  # an empty reduction, or an empty output
         return a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
     return get_backend(backend).mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
+
+
+def _mm_dgrad_quantize_w(backend: str, a: Tensor, scale_a: Tensor, w: Tensor, w_amax: Tensor, offs: Tensor,
+                         out_dtype: torch.dtype, fmt: str, pow2: bool) -> Tensor:
+    if a.shape[1] == 0 or w.shape[2] == 0:  # an empty reduction, or an empty output
+        return a.new_zeros(a.shape[0], w.shape[2], dtype=out_dtype)
+    return get_backend(backend).mm_dgrad_quantize_w(a, scale_a, w, w_amax, offs, out_dtype, resolve_format(fmt), pow2)
 
 
 def _mm_2d2d(backend: str, a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, offs: Tensor,
@@ -165,6 +173,7 @@ def _unfused(position: int):
 
 
 _op_mm_2d3d = _Op("mm_2d3d", _mm_2d3d, _emulated)
+_op_mm_dgrad_quantize_w = _Op("mm_dgrad_quantize_w", _mm_dgrad_quantize_w, lambda args: False)
 _op_mm_2d2d = _Op("mm_2d2d", _mm_2d2d, _emulated)
 _op_bf16_mm_2d3d = _Op("bf16_mm_2d3d", _bf16_mm_2d3d, lambda args: False)
 _op_bf16_mm_2d2d = _Op("bf16_mm_2d2d", _bf16_mm_2d2d, lambda args: False)
@@ -184,6 +193,11 @@ _op_wgrad_operand_layout = _Op("wgrad_operand_layout", _wgrad_operand_layout, _u
 @_op_mm_2d3d.register_fake
 def _(backend, a, scale_a, b, scale_b, offs, out_dtype):
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+@_op_mm_dgrad_quantize_w.register_fake
+def _(backend, a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2):
+    return a.new_empty(a.shape[0], w.shape[2], dtype=out_dtype)
 
 
 @_op_mm_2d2d.register_fake
@@ -273,6 +287,11 @@ def _(q, offs, fused, padded_offs, padded_rows):
 
 # ----------------------------------------------------------------------------- entry points
 mm_2d3d = _op_mm_2d3d
+#: ``mm_dgrad_quantize_w(backend, a (M, N), scale_a, w (E, N, K), w_amax (E, K), offs, out_dtype, fmt, pow2)``:
+#: the rowwise dgrad ``a[rows of g] @ w[g]`` with the high-precision weight quantized inside the GEMM
+#: with the scales of its amax over N (the dgrad layout's, not written); only where the backend's
+#: ``dgrad_quantizes_w`` says so.
+mm_dgrad_quantize_w = _op_mm_dgrad_quantize_w
 mm_2d2d = _op_mm_2d2d
 #: ``mm_2d2d_into(backend, out (E, N, K), a, scale_a, b, scale_b, offs)``: ``out[g] += a_g^T @ b_g`` in
 #: place, in fp32 and rounded once (FP8 operands as ``mm_2d2d`` takes them; bf16 / fp16 ones with

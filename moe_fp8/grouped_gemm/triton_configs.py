@@ -14,7 +14,7 @@ import torch
 
 from ..kernel_backend import launch_target
 
-__all__ = ["GemmConfig", "config_2d3d", "config_2d2d"]
+__all__ = ["GemmConfig", "config_2d3d", "config_2d2d", "config_dgrad_quantize_w"]
 
 SCALE_TENSORWISE, SCALE_ROWWISE, SCALE_BLOCKWISE, SCALE_NONE = 0, 1, 2, 3  # SCALE_NONE: bf16 / fp16 operands
 BLOCKWISE_BLOCK = 128  # 1x128 activation blocks, 128x128 weight blocks
@@ -81,3 +81,18 @@ def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.
         return GemmConfig(128, 128, block_k, 8, 3, 4) if bf16 else GemmConfig(256, 128, block_k, 8, 3, 8)
     wide = k >= 256 and k % 256 == 0
     return GemmConfig(128, 256 if wide else 128, block_k, 8, 3 if wide else 4, 8)
+
+
+
+def config_dgrad_quantize_w(device: torch.device) -> GemmConfig:
+    """Configuration of the dgrad kernel that quantizes the high-precision weight in registers
+    (computed transposed: ``block_n`` output columns are the MMA's M side, ``block_m`` rows its N
+    side)."""
+    target = launch_target(device)
+    if target.kind == "interpreter":
+        return GemmConfig(16, 16, 32, 2, 1, 1)
+    if target.kind == "hip" or not target.is_sm90():
+        return GemmConfig(128, 128, 64, 8, 2, 8)
+    # the fastest of benchmarks/bench_dgrad_quantize_w.py's sweep on an H100, every shape: 256 rows
+    # per tile halve the conversions of each weight tile (one per row tile of its expert)
+    return GemmConfig(256, 128, 64, 8, 4, 8)

@@ -40,6 +40,8 @@ from ..checks import check_multiple_of, check_offsets, check_same_device, check_
 from ..kernel_backend import interpreter_enabled, launch_target
 from ..launch import launch
 from ..launch_math import cdiv, next_power_of_2
+from ..quant.formats import Float8Format, resolve_format
+from ..quant.triton_helpers import fp8_constexprs, fp8_round, fp8_scales
 from .emulated import FP8_DTYPES
 from .triton_configs import (
     BLOCKWISE_BLOCK,
@@ -50,12 +52,14 @@ from .triton_configs import (
     GemmConfig,
     config_2d2d,
     config_2d3d,
+    config_dgrad_quantize_w,
 )
 
-__all__ = ["triton_grouped_mm_2d3d", "triton_grouped_mm_2d2d"]
+__all__ = ["triton_grouped_mm_2d3d", "triton_grouped_mm_dgrad_quantize_w", "triton_grouped_mm_2d2d"]
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _UNSCALED_DTYPES = (torch.bfloat16, torch.float16)  # 2D x 2D without scales
+_HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)  # b quantized inside the 2D x 3D GEMM
 
 
 @triton.jit
@@ -75,18 +79,10 @@ def _store_tile(out_ptr, rows, cols, row_mask, col_mask, stride_om, stride_on, v
 
 
 @triton.jit
-def _grouped_mm_2d3d_kernel(
-    a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, offs_ptr,
-    M, N, K, E,
-    stride_am, stride_ak,
-    stride_be, stride_bn, stride_bk,
-    stride_om, stride_on,
-    stride_sam, stride_sak,
-    stride_sbe, stride_sbn, stride_sbk,
-    SCALE_MODE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
-):  # fmt: skip
+def _row_tile_2d3d(offs_ptr, M, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+                   BLOCK_E: tl.constexpr):
+    """This program's output tile of the 2D x 3D grid: ``(g, rows, cols, row_end)``; ``g > E``: no
+    tile (past the last one), ``g == E``: the tail rows past ``offs[-1]``."""
     # Swizzled (row tile, column tile) from the flat program id over the static tile bound.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM) + E
@@ -108,16 +104,31 @@ def _grouped_mm_2d3d_kernel(
     tiles = tl.cdiv(tl.maximum(ends - starts, 0), BM)
     tile_end = tl.cumsum(tiles, 0)
     g = tl.sum((tile_end <= tile_m).to(tl.int32), 0)
-    if g > E:
-        return
     is_g = e == g
     row_start = tl.sum(tl.where(is_g, starts, 0), 0)
     row_end = tl.sum(tl.where(is_g, ends, 0), 0)
     first_tile = tl.sum(tl.where(is_g, tile_end - tiles, 0), 0)
-    row0 = row_start + (tile_m - first_tile) * BM
-
-    rows = row0 + tl.arange(0, BM)
+    rows = row_start + (tile_m - first_tile) * BM + tl.arange(0, BM)
     cols = tile_n * BN + tl.arange(0, BN)
+    return g, rows, cols, row_end
+
+
+@triton.jit
+def _grouped_mm_2d3d_kernel(
+    a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, offs_ptr,
+    M, N, K, E,
+    stride_am, stride_ak,
+    stride_be, stride_bn, stride_bk,
+    stride_om, stride_on,
+    stride_sam, stride_sak,
+    stride_sbe, stride_sbn, stride_sbk,
+    SCALE_MODE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
+):  # fmt: skip
+    g, rows, cols, row_end = _row_tile_2d3d(offs_ptr, M, N, E, BM, BN, GROUP_M, BLOCK_E)
+    if g > E:
+        return
     row_mask = rows < row_end
     col_mask = cols < N
     if g == E:  # tail rows: zeros
@@ -160,6 +171,65 @@ def _grouped_mm_2d3d_kernel(
         sb = tl.load(sb_ptr + g.to(tl.int64) * stride_sbe)
         acc = sb * (sa * acc)
     _store_tile(out_ptr, rows, cols, row_mask, col_mask, stride_om, stride_on, acc, OUT_BF16)
+
+
+@triton.jit
+def _grouped_mm_dgrad_quantize_w_kernel(
+    a_ptr, b_ptr, out_ptr, sa_ptr, amax_ptr, offs_ptr,
+    M, N, K, E,
+    stride_am, stride_ak,
+    stride_be, stride_bn, stride_bk,
+    stride_om, stride_on,
+    stride_sam, stride_ae, stride_an,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
+    POW2: tl.constexpr, EXACT_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
+    FP8_NEG_ZERO: tl.constexpr,
+):  # fmt: skip
+    # The 2D x 3D kernel's dgrad (out (M, N) = a (M, K) @ b[g].T with b[g] = w[g].T, K the
+    # weight's rows) with b high precision, quantized per tile in registers with the scales of its
+    # column amax. Computed transposed, out^T tile (BN, BM) = b_q tile (BN, BK) @ a^T tile (BK, BM):
+    # the quantized tile is the MMA's A operand, which may come from registers, so it is never
+    # stored to shared memory in the reduction-major layout an FP8 B operand needs (byte stores:
+    # the weight's contiguous dim is the output's). EXACT_CAST: the hardware cast rounds like torch
+    # and saturates to +-448 like the quantizers' clamp (NVIDIA e4m3fn: cvt.rn.satfinite), so the
+    # scaled tile is cast as it is; else it is clamped and rounded onto the FP8 grid in fp32 first.
+    g, rows, cols, row_end = _row_tile_2d3d(offs_ptr, M, N, E, BM, BN, GROUP_M, BLOCK_E)
+    if g > E:
+        return
+    row_mask = rows < row_end
+    col_mask = cols < N
+    if g == E:  # tail rows: zeros
+        _store_tile(out_ptr, rows, cols, row_mask, col_mask, stride_om, stride_on,
+                    tl.zeros((BM, BN), dtype=tl.float32), OUT_BF16)  # fmt: skip
+        return
+
+    rows_ld = tl.minimum(rows, M - 1).to(tl.int64)
+    # Wrapped (N % 16 == 0), not clamped: with b's columns contiguous its loads stay vectors.
+    cols_ld = tl.max_contiguous(tl.multiple_of((cols % N).to(tl.int64), 16), 16)
+    inv_b, scale_b = fp8_scales(tl.load(amax_ptr + g.to(tl.int64) * stride_ae + cols_ld * stride_an), FP8_MAX, POW2)
+    ks = tl.arange(0, BK)
+    a_ptrs = a_ptr + ks[:, None] * stride_ak + rows_ld[None, :] * stride_am
+    b_ptrs = b_ptr + g.to(tl.int64) * stride_be + cols_ld[:, None] * stride_bn + ks[None, :] * stride_bk
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - kt * BK
+            a = tl.load(a_ptrs, mask=ks[:, None] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=ks[None, :] < k_left, other=0.0)
+        b = b.to(tl.float32) * inv_b[:, None]
+        if not EXACT_CAST:
+            b = fp8_round(b, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        acc = tl.dot(b.to(a_ptr.dtype.element_ty), a, acc, max_num_imprecise_acc=MAX_IMPRECISE)
+        a_ptrs += BK * stride_ak
+        b_ptrs += BK * stride_bk
+    sa = tl.load(sa_ptr + rows_ld * stride_sam)
+    acc = scale_b[:, None] * (sa[None, :] * acc)
+    _store_tile(out_ptr, rows, cols, row_mask, col_mask, stride_om, stride_on, tl.trans(acc), OUT_BF16)
 
 
 @triton.jit
@@ -359,6 +429,76 @@ def triton_grouped_mm_2d3d(
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         BLOCK_E=next_power_of_2(E + 1), EVEN_K=K % cfg.block_k == 0,
         MAX_IMPRECISE=_max_imprecise(cfg, a.device), OUT_BF16=out_dtype == torch.bfloat16,
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def triton_grouped_mm_dgrad_quantize_w(
+    a: torch.Tensor,
+    scale_a: torch.Tensor,
+    w: torch.Tensor,
+    w_amax: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    fmt: Float8Format | str | None = None,
+    pow2: bool = False,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The rowwise dgrad ``out[rows of g] = a[rows of g] @ w[g]`` from the high-precision weight,
+    quantized inside the GEMM: each tile of ``w`` is scaled, rounded and cast to FP8 in registers
+    before the FP8 dot, with the per-column scales of ``w_amax`` (those
+    ``quant.reference.amax_to_scales`` gives), which the epilogue applies. The FP8 operands equal
+    the dgrad layout's (``quantize_expert_colwise(w, transposed=True, amax=w_amax)``) given to
+    :func:`triton_grouped_mm_2d3d`; that layout is never written.
+
+    Args:
+        a: ``(M, N)`` fp8 rowwise (N contiguous), ``scale_a (M,)`` fp32; ``offs`` as in
+            :func:`triton_grouped_mm_2d3d`.
+        w: ``(E, N, K)`` bf16 / fp16 / fp32, any strides (``nn.Linear`` layout per expert: K contiguous).
+        w_amax: ``(E, K)`` fp32, the amax of each ``w[g, :, k]`` (a larger value gives coarser scales).
+        fmt: the FP8 format, ``a``'s (default: ``a``'s dtype's); pow2: power-of-two scales.
+        config: tile configuration override (default: :func:`.triton_configs.config_dgrad_quantize_w`).
+    Returns:
+        ``(M, K)`` contiguous ``out_dtype``; rows at or past ``offs[-1]`` are zero.
+    """
+    check_tensor("a", a, dtypes=FP8_DTYPES, ndim=2)
+    fp8 = resolve_format(a.dtype if fmt is None else fmt)
+    if fp8.torch_dtype != a.dtype:
+        raise TypeError(f"a: expected {fp8.torch_dtype} (fmt {fp8.name}), got {a.dtype}")
+    check_tensor("w", w, dtypes=_HIGH_PRECISION, ndim=3, shape=(None, a.shape[1], None))
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
+    E, N, K = w.shape
+    M = a.shape[0]
+    check_multiple_of("N (a.shape[1])", N, 16)
+    check_multiple_of("K (w.shape[2])", K, 16)
+    if E < 1:
+        raise ValueError("w: expected at least one group (w.shape[0] >= 1)")
+    check_offsets(offs, num_groups=E)
+    check_tensor("scale_a", scale_a, dtypes=(torch.float32,), shape=(M,))
+    check_tensor("w_amax", w_amax, dtypes=(torch.float32,), shape=(E, K))
+    check_same_device(a=a, w=w, scale_a=scale_a, w_amax=w_amax, offs=offs)
+    _check_can_launch(a)
+
+    out = torch.empty((M, K), dtype=out_dtype, device=a.device)
+    if M == 0:
+        return out
+    cfg = config or config_dgrad_quantize_w(a.device)
+    grid = ((cdiv(M, cfg.block_m) + E) * cdiv(K, cfg.block_n),)
+    launch(_grouped_mm_dgrad_quantize_w_kernel)[grid](
+        a, w, out, scale_a, w_amax, offs,
+        M, K, N, E,
+        a.stride(0), a.stride(1),
+        w.stride(0), w.stride(2), w.stride(1),
+        out.stride(0), out.stride(1),
+        scale_a.stride(0), w_amax.stride(0), w_amax.stride(1),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_E=next_power_of_2(E + 1), EVEN_K=N % cfg.block_k == 0,
+        MAX_IMPRECISE=_max_imprecise(cfg, a.device), OUT_BF16=out_dtype == torch.bfloat16,
+        POW2=bool(pow2), EXACT_CAST=launch_target(a.device).kind == "cuda" and fp8.name == "e4m3fn",
+        **fp8_constexprs(fp8),
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

@@ -86,6 +86,17 @@ class GroupedGemmBackend:
     def mm_2d2d(self, a, scale_a, b, scale_b, offs, out_dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def dgrad_quantizes_w(self, rows: int, groups: int) -> bool:
+        """Whether the rowwise dgrad of ``rows`` gradient rows over ``groups`` experts can take the
+        high-precision weight and quantize it inside the GEMM (:meth:`mm_dgrad_quantize_w`)."""
+        return False
+
+    def mm_dgrad_quantize_w(self, a, scale_a, w, w_amax, offs, out_dtype: torch.dtype, fmt: Float8Format,
+                            pow2: bool) -> torch.Tensor:
+        """``a[rows of g] @ w[g]`` for rowwise FP8 ``a (M, N)`` and high-precision ``w (E, N, K)``
+        with its amax over N ``w_amax (E, K)``: ``mm_2d3d`` on the dgrad layout those scales give."""
+        raise NotImplementedError
+
     # BF16 GEMMs (the ``bf16`` recipe, BF16 wgrad): torch._grouped_mm on every backend.
     def bf16_mm_2d3d(self, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, transpose_w: bool) -> torch.Tensor:
         """For ``w (E, N, K)``: ``a[rows of g] @ w[g].T`` (``transpose_w``: forward, ``a (M, K)``

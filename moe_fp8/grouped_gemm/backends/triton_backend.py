@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...kernel_backend import interpreter_enabled
-from ..triton_kernel import triton_grouped_mm_2d2d, triton_grouped_mm_2d3d
+from ..triton_kernel import triton_grouped_mm_2d2d, triton_grouped_mm_2d3d, triton_grouped_mm_dgrad_quantize_w
 from .base import GroupedGemmBackend
 
 __all__ = ["TritonBackend"]
@@ -28,6 +28,14 @@ class TritonBackend(GroupedGemmBackend):
     name = "triton"
     device_type = "cuda"
     pads_wgrad_groups = True
+    #: An uncached weight's dgrad quantizes the weight inside the GEMM when the groups average at
+    #: most this many rows (a static rule: no host sync). The GEMM converts each weight tile once
+    #: per 256-row tile of its expert, where the dgrad layout kernel reads and writes every weight
+    #: once. One H100 (``benchmarks/bench_dgrad_quantize_w.py``, 65536 rows): 512 rows per group
+    #: (Qwen3-30B-A3B) 1.26x / 1.44x faster than layout + GEMM for gate_up / down, 2048
+    #: (DeepSeek-V3, 32 experts) 0.74x; from the conversion's cost per row tile the two meet near
+    #: 1000 rows.
+    dgrad_quantize_w_max_rows_per_group: int = 768
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type == "cpu":
@@ -41,3 +49,9 @@ class TritonBackend(GroupedGemmBackend):
 
     def mm_2d2d(self, a, scale_a, b, scale_b, offs, out_dtype):
         return triton_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
+
+    def dgrad_quantizes_w(self, rows, groups):
+        return rows <= self.dgrad_quantize_w_max_rows_per_group * groups
+
+    def mm_dgrad_quantize_w(self, a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2):
+        return triton_grouped_mm_dgrad_quantize_w(a, scale_a, w, w_amax, offs, out_dtype, fmt=fmt, pow2=pow2)

@@ -1,0 +1,130 @@
+"""The dgrad of an uncached expert weight: its FP8 layout written and then read, against quantized
+inside the GEMM.
+
+Uncached, the backward of ``fp8_grouped_mm`` gets the BF16 weight ``w (E, N, K)`` and its amax
+over N (both from the forward) and needs ``dx = grad_out @ w[g]``. Two ways: the dgrad layout
+kernel writes ``w``'s FP8 ``(E, K, N)`` copy (one read of ``w``, one FP8 write) and the Triton
+2D x 3D GEMM reads it; or the GEMM reads ``w``'s BF16 tiles and quantizes them in registers with
+the same scales (``triton_grouped_mm_dgrad_quantize_w``): no FP8 copy, but each weight tile is
+converted once per row tile of its expert. Shapes at 8 x 1024 tokens, top-8 (65536 routed rows):
+Qwen3-30B-A3B's two expert weights (128 experts) and DeepSeek-V3's (32 experts), with every expert
+routed and with an eighth of them getting all the rows. Medians of CUDA-event times. Each row also
+gives the largest difference of the two fp32 outputs over the largest output (``max gap``): fp32
+summation order at most, if the FP8 tiles are equal. Then the in-GEMM dgrad under each tile
+configuration of ``SWEEP`` (``*``: the one ``config_dgrad_quantize_w`` picks).
+
+Usage: ``python benchmarks/bench_dgrad_quantize_w.py [--steps 20] [--out benchmarks/results]``
+(writes ``dgrad_quantize_w.json`` and ``.md``); ``--quick``: tiny shapes on the CPU (a smoke run,
+under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_fp8.bench.report import run_env, script_args, write_report
+from moe_fp8.bench.timing import event_median_ms
+from moe_fp8.grouped_gemm.triton_configs import GemmConfig, config_dgrad_quantize_w
+from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d3d, triton_grouped_mm_dgrad_quantize_w
+from moe_fp8.quant.ops import triton_quantize_expert_colwise_from_amax
+from moe_fp8.quant.reference import quantize_rowwise
+
+ROWS = 65536
+# model -> (experts, {weight: (N, K)}): w (E, N, K) in nn.Linear layout; the dgrad reduces over N
+MODELS = {"qwen3_30b": (128, {"gate_up": (1536, 2048), "down": (2048, 768)}),
+          "dsv3": (32, {"gate_up": (4096, 7168), "down": (7168, 2048)})}
+# (block_m, block_n, block_k, group_m, num_stages, num_warps)
+# (block_m rows: the MMA's N side; block_n output columns: its M side)
+SWEEP = tuple(GemmConfig(*c) for c in ((128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8),
+                                       (128, 128, 128, 8, 3, 8), (128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 4),
+                                       (64, 128, 64, 8, 4, 4), (256, 128, 64, 8, 4, 8)))
+QUICK_ROWS = 96
+QUICK_MODELS = {"qwen3_30b": (8, {"gate_up": (32, 64), "down": (64, 16)})}
+
+
+def _offsets(rows: int, experts: int, active: int, device: str) -> torch.Tensor:
+    """int32 end offsets: ``rows`` split evenly over ``active`` experts at random positions."""
+    sizes = torch.zeros(experts, dtype=torch.long)
+    sizes[torch.randperm(experts)[:active]] = rows // active
+    return sizes.cumsum(0).to(torch.int32).to(device)
+
+
+def _problem(n: int, k: int, rows: int, experts: int, active: int, device: str) -> tuple:
+    """``(g, gs, w, amax, offs)``: grad_out's rowwise FP8 ``(rows, n)``, the weight, its amax over N."""
+    offs = _offsets(rows, experts, active, device)
+    g, gs = quantize_rowwise(torch.randn(rows, n, device=device, dtype=torch.bfloat16))
+    w = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16) * 0.02
+    return g, gs, w, w.float().abs().amax(dim=1), offs
+
+
+def _two_step(g, gs, w, amax, offs, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    q, s = triton_quantize_expert_colwise_from_amax(w, amax)
+    return triton_grouped_mm_2d3d(g, gs, q, s, offs, out_dtype)
+
+
+def _fused(g, gs, w, amax, offs, config: GemmConfig | None = None,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, out_dtype, config=config)
+
+
+def _gap(p: tuple, config: GemmConfig | None = None) -> float:
+    """Largest difference of the fp32 outputs over the largest output: fp32 accumulation order
+    (about 1e-6) if the in-GEMM FP8 tiles equal the layout kernel's; one differing FP8 value shows."""
+    ref = _two_step(*p, out_dtype=torch.float32)
+    return float((_fused(*p, config, torch.float32) - ref).abs().max() / ref.abs().max())
+
+
+def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, steps: int, device: str) -> dict:
+    p = _problem(n, k, rows, experts, active, device)
+    g, gs, w, amax, offs = p
+    q, s = triton_quantize_expert_colwise_from_amax(w, amax)
+    return dict(model=model, weight=name, experts=experts, n=n, k=k, rows=rows, active=active,
+                two_step_ms=event_median_ms(lambda: _two_step(*p), steps),
+                layout_ms=event_median_ms(lambda: triton_quantize_expert_colwise_from_amax(w, amax), steps),
+                gemm_ms=event_median_ms(lambda: triton_grouped_mm_2d3d(g, gs, q, s, offs), steps),
+                fused_ms=event_median_ms(lambda: _fused(*p), steps), max_gap=_gap(p))
+
+
+def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, steps: int,
+                device: str) -> list[dict]:
+    p = _problem(n, k, rows, experts, active, device)
+    pick = config_dgrad_quantize_w(p[-1].device)
+    out = []
+    for cfg in SWEEP if device == "cuda" else (pick,):
+        tile = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps}"
+                + (" *" if cfg == pick else ""))
+        out.append(dict(model=model, weight=name, experts=experts, active=active, config=tile,
+                        fused_ms=event_median_ms(lambda: _fused(*p, cfg), steps), max_gap=_gap(p, cfg)))
+    return out
+
+
+def main() -> None:
+    args, device = script_args(__doc__, 20)
+    rows, models = (QUICK_ROWS, QUICK_MODELS) if args.quick else (ROWS, MODELS)
+    torch.manual_seed(0)
+    table = [_row(model, name, n, k, rows, experts, active, args.steps, device)
+             for model, (experts, shapes) in models.items() for active in (experts, experts // 8)
+             for name, (n, k) in shapes.items()]
+    body = ["| model | weight (E, N, K) | experts with rows | layout + GEMM ms | layout ms | GEMM ms | "
+            "quantized in the GEMM ms | speedup | max gap |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    body += [f"| {r['model']} | {r['weight']} ({r['experts']}, {r['n']}, {r['k']}) | {r['active']} | "
+             f"{r['two_step_ms']:.3f} | {r['layout_ms']:.3f} | {r['gemm_ms']:.3f} | {r['fused_ms']:.3f} | "
+             f"{r['two_step_ms'] / r['fused_ms']:.2f}x | {r['max_gap']:.1e} |" for r in table]
+    sweep = [r for model, (experts, shapes) in models.items() for active in (experts, experts // 8)
+             for name, (n, k) in shapes.items()
+             for r in _sweep_rows(model, name, n, k, rows, experts, active, args.steps, device)]
+    body += ["", "Quantized in the GEMM, per tile configuration (block_m x block_n x block_k, stages, warps; `*`: "
+             "picked):", "", "| model | weight | experts with rows | configuration | ms | max gap |",
+             "|---|---|---:|---|---:|---|"]
+    body += [f"| {r['model']} | {r['weight']} | {r['active']} | {r['config']} | {r['fused_ms']:.3f} | "
+             f"{r['max_gap']:.1e} |" for r in sweep]
+    print("\n".join(body))
+    stem = "dgrad_quantize_w" + ("_quick" if args.quick else "")
+    write_report(args.out, stem, run_env(device), table + sweep,
+                 "The dgrad of an uncached expert weight: FP8 layout + GEMM against quantized inside the GEMM",
+                 f"`python benchmarks/bench_dgrad_quantize_w.py --steps {args.steps}`, {rows} routed rows, "
+                 "medians of CUDA-event times", body)
+
+
+if __name__ == "__main__":
+    main()
