@@ -151,16 +151,19 @@ def test_bad_input(case):
         triton_grouped_mm_dgrad_quantize_w(**kwargs)
 
 
-def test_backends_take_it_for_small_groups_only():
+def test_backends_take_it_for_small_groups_only(monkeypatch):
     """The rule reads static shapes: the Triton kernel for groups of at most
-    ``dgrad_quantize_w_max_rows_per_group`` rows on average; never on ``cuda`` (its GEMMs take FP8
-    operands only)."""
+    ``dgrad_quantize_w_max_rows_per_group`` rows on average (on ``cuda_auto`` only where it runs the
+    2D x 3D GEMMs on Triton); never on ``cuda`` (its GEMMs take FP8 operands only)."""
     triton_be = get_backend("triton")
     limit = triton_be.dgrad_quantize_w_max_rows_per_group
     assert triton_be.dgrad_quantizes_w(limit * 8, 8) and not triton_be.dgrad_quantizes_w(limit * 8 + 1, 8)
     for name in ("hybrid", "cuda_auto"):
         be = get_backend(name)
         assert be.dgrad_quantizes_w(limit * 8, 8) and not be.dgrad_quantizes_w(limit * 8 + 1, 8)
+    auto = get_backend("cuda_auto")  # only where its own rule runs the 2D x 3D GEMMs on Triton
+    monkeypatch.setattr(type(auto), "triton_max_rows_per_group", 1)
+    assert not auto.dgrad_quantizes_w(8 * 8, 8) and auto.dgrad_quantizes_w(8, 8)
     assert not get_backend("cuda").dgrad_quantizes_w(8, 8)
 
 

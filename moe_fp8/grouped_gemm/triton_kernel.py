@@ -79,10 +79,13 @@ def _store_tile(out_ptr, rows, cols, row_mask, col_mask, stride_om, stride_on, v
 
 
 @triton.jit
-def _row_tile_2d3d(offs_ptr, M, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+def _row_tile_2d3d(ends, starts, M, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
                    BLOCK_E: tl.constexpr):
     """This program's output tile of the 2D x 3D grid: ``(g, rows, cols, row_end)``; ``g > E``: no
-    tile (past the last one), ``g == E``: the tail rows past ``offs[-1]``."""
+    tile (past the last one), ``g == E``: the tail rows past ``offs[-1]``. ``ends`` / ``starts``:
+    ``offs[e]`` and ``offs[e - 1]`` over ``e < BLOCK_E`` as the kernels load them (a pointer handed to
+    a helper counts as written in torch.compile's analysis of a kernel, which would then copy the
+    offsets for every launch)."""
     # Swizzled (row tile, column tile) from the flat program id over the static tile bound.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM) + E
@@ -96,8 +99,6 @@ def _row_tile_2d3d(offs_ptr, M, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP_
     # Per-group row ranges (group E = tail rows past offs[-1]), clamped into [0, M] so that bad
     # offsets can never address memory outside the tensors.
     e = tl.arange(0, BLOCK_E)
-    ends = tl.load(offs_ptr + e, mask=e < E, other=M)
-    starts = tl.load(offs_ptr + e - 1, mask=(e >= 1) & (e <= E), other=0)
     starts = tl.where(e > E, M, starts)
     ends = tl.minimum(tl.maximum(ends, 0), M)
     starts = tl.minimum(tl.maximum(starts, 0), M)
@@ -126,7 +127,10 @@ def _grouped_mm_2d3d_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
 ):  # fmt: skip
-    g, rows, cols, row_end = _row_tile_2d3d(offs_ptr, M, N, E, BM, BN, GROUP_M, BLOCK_E)
+    e = tl.arange(0, BLOCK_E)  # group E: the tail rows past offs[-1]
+    ends = tl.load(offs_ptr + e, mask=e < E, other=M)
+    starts = tl.load(offs_ptr + e - 1, mask=(e >= 1) & (e <= E), other=0)
+    g, rows, cols, row_end = _row_tile_2d3d(ends, starts, M, N, E, BM, BN, GROUP_M, BLOCK_E)
     if g > E:
         return
     row_mask = rows < row_end
@@ -195,7 +199,10 @@ def _grouped_mm_dgrad_quantize_w_kernel(
     # the weight's contiguous dim is the output's). EXACT_CAST: the hardware cast rounds like torch
     # and saturates to +-448 like the quantizers' clamp (NVIDIA e4m3fn: cvt.rn.satfinite), so the
     # scaled tile is cast as it is; else it is clamped and rounded onto the FP8 grid in fp32 first.
-    g, rows, cols, row_end = _row_tile_2d3d(offs_ptr, M, N, E, BM, BN, GROUP_M, BLOCK_E)
+    e = tl.arange(0, BLOCK_E)  # group E: the tail rows past offs[-1]
+    ends = tl.load(offs_ptr + e, mask=e < E, other=M)
+    starts = tl.load(offs_ptr + e - 1, mask=(e >= 1) & (e <= E), other=0)
+    g, rows, cols, row_end = _row_tile_2d3d(ends, starts, M, N, E, BM, BN, GROUP_M, BLOCK_E)
     if g > E:
         return
     row_mask = rows < row_end

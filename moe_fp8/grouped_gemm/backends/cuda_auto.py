@@ -41,8 +41,8 @@ class CudaAutoBackend(CudaBackend):
             return self._triton.mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
         return super().mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
 
-    def dgrad_quantizes_w(self, rows, groups):
-        return self._triton.dgrad_quantizes_w(rows, groups)
+    def dgrad_quantizes_w(self, rows, groups):  # where this dgrad runs on Triton, and by Triton's own rule
+        return self.triton_2d3d(rows, groups) and self._triton.dgrad_quantizes_w(rows, groups)
 
     def mm_dgrad_quantize_w(self, a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2):
         return self._triton.mm_dgrad_quantize_w(a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2)
