@@ -83,7 +83,6 @@ def config_2d2d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.
     return GemmConfig(128, 256 if wide else 128, block_k, 8, 3 if wide else 4, 8)
 
 
-
 def config_dgrad_quantize_w(device: torch.device) -> GemmConfig:
     """Configuration of the dgrad kernel that quantizes the high-precision weight in registers
     (computed transposed: ``block_n`` output columns are the MMA's M side, ``block_m`` rows its N

@@ -4,6 +4,8 @@ Same semantics as the CPU references in :mod:`.emulated` (read its module table 
 shapes):
 
 * :func:`triton_grouped_mm_2d3d` (forward / dgrad): ``out[rows of g] = a[rows of g] @ b[g].T``;
+* :func:`triton_grouped_mm_dgrad_quantize_w` (dgrad of a high-precision weight, quantized in the
+  GEMM): ``out[rows of g] = a[rows of g] @ w[g]``, the same grid computed transposed;
 * :func:`triton_grouped_mm_2d2d` (wgrad): ``out[g] = a[rows of g].T @ b[rows of g]``.
 
 How the work is laid out, with no host sync (nothing is read from ``offs`` on the host):

@@ -17,8 +17,8 @@ Why 1536 rows: whole-layer A/B on one H200 (a one-off script, FP8MoE
 
 The threshold sits between the last size where Triton won every run and the first where it did
 not. Where a dgrad runs on Triton, an uncached weight's is quantized inside the GEMM by Triton's
-own rule (``TritonBackend.dgrad_quantize_w_max_rows_per_group``). ``cuda`` (always ``torch._scaled_grouped_mm``) and ``hybrid`` (always Triton for 2D x 3D)
-stay available by name.
+own rule (``TritonBackend.dgrad_quantize_w_max_rows_per_group``). ``cuda`` (always
+``torch._scaled_grouped_mm``) and ``hybrid`` (always Triton for 2D x 3D) stay available by name.
 """
 
 from __future__ import annotations
