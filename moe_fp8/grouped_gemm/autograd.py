@@ -266,11 +266,13 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     """``dx[rows of g] = grad_out[rows of g] @ w[g]``, ``(M, K)`` in x's dtype, and grad_out's FP8
     ``(q, scale)``, with ``group_amax`` also its per-group column amax ``(E, N)`` fp32. ``q_bwd,
     s_bwd``: the saved dgrad layout, or ``w`` and its amax over N (``ctx.w_saved``) to quantize it
-    here (inside the GEMM, or a layout freed on return, before the wgrad runs), or ``None`` to read it from the
+    here (inside the GEMM where the backend can, else a layout freed on return, before the wgrad
+    runs), or ``None`` to read it from the
     ``QuantizedExpertWeight``'s operands (``ctx.w_operands``), or the parameter whose dgrad layout
     the compiled cache holds (``ctx.cached``). ``upstream``: grad_out's rowwise FP8, quantized by
     the kernel that made grad_out (not quantized again here)."""
-    fused = get_backend(ctx.backend).fused_quant
+    backend = get_backend(ctx.backend)
+    fused = backend.fused_quant
     if upstream is not None:
         g_fp8 = upstream
     elif group_amax:
@@ -278,10 +280,10 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     else:
         rows = _routed_rows(offs, ctx.scaling)
         g_fp8 = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused, rows)
-    if ctx.w_saved and get_backend(ctx.backend).dgrad_quantizes_w(grad_out.shape[0], offs.shape[0]):
+    if ctx.w_saved and backend.dgrad_quantizes_w(grad_out.shape[0], offs.shape[0]):
         # the GEMM quantizes w's tiles as it reads them: no FP8 dgrad layout is written
         dx = lib.mm_dgrad_quantize_w(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, s_bwd, offs, ctx.x_dtype, ctx.fmt,
-                                    ctx.pow2)
+                                     ctx.pow2)
         return dx, g_fp8
     if ctx.w_saved:  # after grad_out's scales: made in the backward even when compiled (quant_seam)
         q_bwd, s_bwd = lib.quantize_weight_dgrad_layout(q_bwd, s_bwd, ctx.fmt, ctx.pow2, fused, g_fp8[1])
