@@ -1,6 +1,7 @@
 """Which FP8 dense linears move the loss: the whole-model step's eager training (4 decoder layers, 8 x
 1024 tokens, AdamW, 150 steps) of one model, HF BF16 against ``hf.convert`` with its defaults, with
-groups of dense linears left in BF16 by ``filter_fn``, with other dense recipes (scales not rounded to
+groups of dense linears left in BF16 by ``filter_fn`` or with their weight gradients in BF16
+(``rowwise_gw_hp`` on the MLP linears), with other dense recipes (scales not rounded to
 powers of two; dgrad / wgrad without fast accumulation, as TorchAO's rowwise recipe has them), with
 TorchAO's rowwise ``Float8Linear`` on exactly the linears the defaults convert (our FP8 experts; needs
 ``torchao``), and the library's BF16 path (the spread that summation order alone gives). Prints the
@@ -40,6 +41,7 @@ VARIANTS = {
     "ours_fp8_no_fp8_attention": (dict(recipe="rowwise"), ATTENTION),
     "ours_fp8_no_fp8_dense_mlp": (dict(recipe="rowwise"), MLP),
     "ours_fp8_dense_gw_hp": (dict(recipe="rowwise", dense_recipe="rowwise_gw_hp"), ()),
+    "ours_fp8_dense_mlp_gw_hp": (dict(recipe="rowwise"), ()),
     "ours_fp8_dense_tensorwise": (dict(recipe="rowwise", dense_recipe="tensorwise"), ()),
     "ours_fp8_no_pow2": (dict(recipe=get_recipe("rowwise", pow2_scales=False)), ()),
     "ours_fp8_dense_no_pow2": (dict(recipe="rowwise", dense_recipe=get_recipe("rowwise", pow2_scales=False)), ()),
@@ -47,6 +49,8 @@ VARIANTS = {
         fast_accum_grads=False)), ()),
     "torchao_dense_same_linears": (dict(recipe="rowwise", dense=False), ()),
 }
+#: variant -> names of the converted dense linears whose weight gradient runs in BF16 (``rowwise_gw_hp``)
+GW_HP = {"ours_fp8_dense_mlp_gw_hp": MLP}
 WINDOWS = ((40, 50), (90, 100), (140, 150))
 
 
@@ -56,6 +60,11 @@ def variant_model(base: torch.nn.Module, variant: str) -> torch.nn.Module:
     if spec is not None:
         kwargs, kept = spec
         hf.convert(model, filter_fn=lambda mod, fqn: fqn.rsplit(".", 1)[-1] not in kept, **kwargs)
+    if variant in GW_HP:
+        for name, mod in list(model.named_modules()):
+            if isinstance(mod, FP8Linear) and name.rsplit(".", 1)[-1] in GW_HP[variant]:
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent), leaf, FP8Linear.from_linear(mod, recipe="rowwise_gw_hp"))
     if variant == "torchao_dense_same_linears":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
