@@ -6,9 +6,10 @@ over N (both from the forward) and needs ``dx = grad_out @ w[g]``. Two ways: the
 kernel writes ``w``'s FP8 ``(E, K, N)`` copy (one read of ``w``, one FP8 write) and the Triton
 2D x 3D GEMM reads it; or the GEMM reads ``w``'s BF16 tiles and quantizes them in registers with
 the same scales (``triton_grouped_mm_dgrad_quantize_w``): no FP8 copy, but each weight tile is
-converted once per row tile of its expert. Shapes at 8 x 1024 tokens, top-8 (65536 routed rows):
-Qwen3-30B-A3B's two expert weights (128 experts) and DeepSeek-V3's (32 experts), with every expert
-routed and with an eighth of them getting all the rows. Medians of CUDA-event times. Each row also
+converted once per row tile of its expert. Shapes at 8 x 1024 tokens: Qwen3-30B-A3B's two expert
+weights (128 experts) and DeepSeek-V3's (32 experts) at top-8 (65536 routed rows), Llama 4 Scout's
+(16 experts, stored ``(E, K, N)`` as its checkpoints hold them) at top-1 (8192 rows), with every
+expert routed and with an eighth of them getting all the rows. Medians of CUDA-event times. Each row also
 gives the largest difference of the two fp32 outputs over the largest output (``max gap``): fp32
 summation order at most, if the FP8 tiles are equal. Then the in-GEMM dgrad under each tile
 configuration of ``SWEEP`` (``*``: the one ``config_dgrad_quantize_w`` picks).
@@ -29,17 +30,18 @@ from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d3d, triton_gr
 from moe_fp8.quant.ops import triton_quantize_expert_colwise_from_amax
 from moe_fp8.quant.reference import quantize_rowwise
 
-ROWS = 65536
-# model -> (experts, {weight: (N, K)}): w (E, N, K) in nn.Linear layout; the dgrad reduces over N
-MODELS = {"qwen3_30b": (128, {"gate_up": (1536, 2048), "down": (2048, 768)}),
-          "dsv3": (32, {"gate_up": (4096, 7168), "down": (7168, 2048)})}
+# model -> (experts, routed rows, weights stored (E, K, N), {weight: (N, K)}): w (E, N, K), the dgrad
+# reduces over N; nn.Linear layout (K contiguous) unless stored (E, K, N) (N contiguous, Llama 4)
+MODELS = {"qwen3_30b": (128, 65536, False, {"gate_up": (1536, 2048), "down": (2048, 768)}),
+          "dsv3": (32, 65536, False, {"gate_up": (4096, 7168), "down": (7168, 2048)}),
+          "llama4": (16, 8192, True, {"gate_up": (16384, 5120), "down": (5120, 8192)})}
 # (block_m, block_n, block_k, group_m, num_stages, num_warps)
 # (block_m rows: the MMA's N side; block_n output columns: its M side)
 SWEEP = tuple(GemmConfig(*c) for c in ((128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8),
                                        (128, 128, 128, 8, 3, 8), (128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 4),
                                        (64, 128, 64, 8, 4, 4), (256, 128, 64, 8, 4, 8)))
-QUICK_ROWS = 96
-QUICK_MODELS = {"qwen3_30b": (8, {"gate_up": (32, 64), "down": (64, 16)})}
+QUICK_MODELS = {"qwen3_30b": (8, 96, False, {"gate_up": (32, 64), "down": (64, 16)}),
+                "llama4": (8, 96, True, {"gate_up": (32, 64)})}
 
 
 def _offsets(rows: int, experts: int, active: int, device: str) -> torch.Tensor:
@@ -49,11 +51,14 @@ def _offsets(rows: int, experts: int, active: int, device: str) -> torch.Tensor:
     return sizes.cumsum(0).to(torch.int32).to(device)
 
 
-def _problem(n: int, k: int, rows: int, experts: int, active: int, device: str) -> tuple:
-    """``(g, gs, w, amax, offs)``: grad_out's rowwise FP8 ``(rows, n)``, the weight, its amax over N."""
+def _problem(n: int, k: int, rows: int, experts: int, active: int, in_out: bool, device: str) -> tuple:
+    """``(g, gs, w, amax, offs)``: grad_out's rowwise FP8 ``(rows, n)``, the weight ``(E, n, k)`` (a
+    transposed view of ``(E, k, n)`` storage when ``in_out``), its amax over N."""
     offs = _offsets(rows, experts, active, device)
     g, gs = quantize_rowwise(torch.randn(rows, n, device=device, dtype=torch.bfloat16))
-    w = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16) * 0.02
+    shape = (experts, k, n) if in_out else (experts, n, k)
+    w = torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02
+    w = w.transpose(1, 2) if in_out else w
     return g, gs, w, w.float().abs().amax(dim=1), offs
 
 
@@ -74,8 +79,9 @@ def _gap(p: tuple, config: GemmConfig | None = None) -> float:
     return float((_fused(*p, config, torch.float32) - ref).abs().max() / ref.abs().max())
 
 
-def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, steps: int, device: str) -> dict:
-    p = _problem(n, k, rows, experts, active, device)
+def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, in_out: bool, steps: int,
+         device: str) -> dict:
+    p = _problem(n, k, rows, experts, active, in_out, device)
     g, gs, w, amax, offs = p
     q, s = triton_quantize_expert_colwise_from_amax(w, amax)
     return dict(model=model, weight=name, experts=experts, n=n, k=k, rows=rows, active=active,
@@ -85,9 +91,9 @@ def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active:
                 fused_ms=event_median_ms(lambda: _fused(*p), steps), max_gap=_gap(p))
 
 
-def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, steps: int,
-                device: str) -> list[dict]:
-    p = _problem(n, k, rows, experts, active, device)
+def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, in_out: bool,
+                steps: int, device: str) -> list[dict]:
+    p = _problem(n, k, rows, experts, active, in_out, device)
     pick = config_dgrad_quantize_w(p[-1].device)
     out = []
     for cfg in SWEEP if device == "cuda" else (pick,):
@@ -100,19 +106,19 @@ def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, 
 
 def main() -> None:
     args, device = script_args(__doc__, 20)
-    rows, models = (QUICK_ROWS, QUICK_MODELS) if args.quick else (ROWS, MODELS)
+    models = QUICK_MODELS if args.quick else MODELS
     torch.manual_seed(0)
-    table = [_row(model, name, n, k, rows, experts, active, args.steps, device)
-             for model, (experts, shapes) in models.items() for active in (experts, experts // 8)
+    table = [_row(model, name, n, k, rows, experts, active, in_out, args.steps, device)
+             for model, (experts, rows, in_out, shapes) in models.items() for active in (experts, experts // 8)
              for name, (n, k) in shapes.items()]
-    body = ["| model | weight (E, N, K) | experts with rows | layout + GEMM ms | layout ms | GEMM ms | "
-            "quantized in the GEMM ms | speedup | max gap |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    body += [f"| {r['model']} | {r['weight']} ({r['experts']}, {r['n']}, {r['k']}) | {r['active']} | "
+    body = ["| model | weight (E, N, K) | routed rows | experts with rows | layout + GEMM ms | layout ms | GEMM ms | "
+            "quantized in the GEMM ms | speedup | max gap |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    body += [f"| {r['model']} | {r['weight']} ({r['experts']}, {r['n']}, {r['k']}) | {r['rows']} | {r['active']} | "
              f"{r['two_step_ms']:.3f} | {r['layout_ms']:.3f} | {r['gemm_ms']:.3f} | {r['fused_ms']:.3f} | "
              f"{r['two_step_ms'] / r['fused_ms']:.2f}x | {r['max_gap']:.1e} |" for r in table]
-    sweep = [r for model, (experts, shapes) in models.items() for active in (experts, experts // 8)
+    sweep = [r for model, (experts, rows, in_out, shapes) in models.items() for active in (experts, experts // 8)
              for name, (n, k) in shapes.items()
-             for r in _sweep_rows(model, name, n, k, rows, experts, active, args.steps, device)]
+             for r in _sweep_rows(model, name, n, k, rows, experts, active, in_out, args.steps, device)]
     body += ["", "Quantized in the GEMM, per tile configuration (block_m x block_n x block_k, stages, warps; `*`: "
              "picked):", "", "| model | weight | experts with rows | configuration | ms | max gap |",
              "|---|---|---:|---|---:|---|"]
@@ -122,8 +128,8 @@ def main() -> None:
     stem = "dgrad_quantize_w" + ("_quick" if args.quick else "")
     write_report(args.out, stem, run_env(device), table + sweep,
                  "The dgrad of an uncached expert weight: FP8 layout + GEMM against quantized inside the GEMM",
-                 f"`python benchmarks/bench_dgrad_quantize_w.py --steps {args.steps}`, {rows} routed rows, "
-                 "medians of CUDA-event times", body)
+                 f"`python benchmarks/bench_dgrad_quantize_w.py --steps {args.steps}`, routed rows as the "
+                 "table says, medians of CUDA-event times", body)
 
 
 if __name__ == "__main__":
