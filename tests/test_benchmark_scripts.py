@@ -309,9 +309,40 @@ def test_bench_dgrad_quantize_w_quick(tmp_path):
     run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "dgrad_quantize_w_quick.json").read_text())["rows"]
-    assert {(r["weight"], r["active"]) for r in rows if "config" not in r} == {
-        ("gate_up", 8), ("down", 8), ("gate_up", 1), ("down", 1)}
+    assert {(r["model"], r["weight"], r["active"]) for r in rows if "config" not in r} == {
+        ("qwen3_30b", "gate_up", 8), ("qwen3_30b", "down", 8), ("qwen3_30b", "gate_up", 1), ("qwen3_30b", "down", 1),
+        ("llama4", "gate_up", 8), ("llama4", "gate_up", 1)}
     assert all(r["max_gap"] <= 1e-5 for r in rows)
+
+
+def test_bench_dense_loss_variants_convert_the_linears_they_name(torch_references, monkeypatch):
+    """``bench_dense_loss``'s variants of the MLP linears (the dense rule lowered to the CPU sizes):
+    BF16 weight gradients on exactly the MLP linears, the first decoder layer's MLP left in BF16,
+    the weights shared with the converted model, and the model still trains."""
+    pytest.importorskip("transformers")
+    from moe_fp8.bench import models
+    from moe_fp8.layers import FP8Linear
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_dense_loss
+
+    for variant in ("ours_fp8_dense_mlp_gw_hp", "ours_fp8_first_mlp_bf16"):
+        monkeypatch.setitem(bench_dense_loss.VARIANTS, variant, (dict(recipe="rowwise", min_dense_size=0), ()))
+    base = models.build(models._spec("dsv3", "cpu", 2), 32, "cpu")
+    recipes = {}
+    for variant in ("ours_fp8_dense_mlp_gw_hp", "ours_fp8_first_mlp_bf16"):
+        model = bench_dense_loss.variant_model(base, variant)
+        recipes[variant] = {n: m.recipe.name for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+        params = dict(model.named_parameters())
+        assert all(m.weight is params[n + ".weight"] for n, m in model.named_modules() if isinstance(m, FP8Linear))
+        loss = model(input_ids=torch.randint(0, 256, (2, 32))).logits.float().square().mean()
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for n, p in params.items() if "mlp" in n)
+    gw_hp, first_bf16 = recipes["ours_fp8_dense_mlp_gw_hp"], recipes["ours_fp8_first_mlp_bf16"]
+    mlp = {n for n in gw_hp if n.rsplit(".", 1)[-1] in bench_dense_loss.MLP}
+    assert mlp and {n for n, r in gw_hp.items() if r == "rowwise_gw_hp"} == mlp
+    assert set(first_bf16) == set(gw_hp) - {n for n in gw_hp if n.startswith("model.layers.0.mlp.")}
+    assert any(n.startswith("model.layers.0.mlp.") for n in gw_hp) and set(first_bf16.values()) == {"rowwise"}
 
 
 def test_bench_fused_accumulation_variant_cpu(torch_references):
