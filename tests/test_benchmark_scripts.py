@@ -326,11 +326,12 @@ def test_bench_dense_loss_variants_convert_the_linears_they_name(torch_reference
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_dense_loss
 
-    for variant in ("ours_fp8_dense_mlp_gw_hp", "ours_fp8_first_mlp_bf16"):
+    variants = ("ours_fp8_dense_mlp_gw_hp", "ours_fp8_first_mlp_bf16")
+    for variant in variants:
         monkeypatch.setitem(bench_dense_loss.VARIANTS, variant, (dict(recipe="rowwise", min_dense_size=0), ()))
     base = models.build(models._spec("dsv3", "cpu", 2), 32, "cpu")
     recipes = {}
-    for variant in ("ours_fp8_dense_mlp_gw_hp", "ours_fp8_first_mlp_bf16"):
+    for variant in variants:
         model = bench_dense_loss.variant_model(base, variant)
         recipes[variant] = {n: m.recipe.name for n, m in model.named_modules() if isinstance(m, FP8Linear)}
         params = dict(model.named_parameters())
