@@ -1,0 +1,168 @@
+"""The dense SwiGLU MLP as one FP8 unit built from the experts' grouped path, against three FP8Linears.
+
+``down(silu(gate(x)) * up(x))`` at dense model sizes (``M`` token rows, ``H`` hidden, ``I``
+intermediate), forward + backward with the weights' gradients, three ways on the same weights:
+
+* ``bf16``: ``F.linear`` three times (what the unconverted model runs);
+* ``linears``: three ``FP8Linear`` (rowwise), what ``hf.convert`` makes of a dense MLP;
+* ``unit``: one group of the experts' path: ``gate`` and ``up`` weights concatenated into one
+  ``(1, 2I, H)`` weight per call, ``fp8_grouped_mm_swiglu`` (one GEMM over ``2I``, the SwiGLU kernel
+  writing ``a``'s FP8 rows, its backward the FP8 rows of ``[dg | du]`` for one dgrad GEMM) and
+  ``fp8_grouped_mm`` for ``down``. It quantizes ``x`` once for gate and up and never reads ``a`` or
+  ``[dg | du]`` back for a row quantization.
+
+Eager and compiled (``torch.compile`` of the function), median of ``--steps`` CUDA-event times after
+3 warm-up steps; peak: the largest allocation above the one before the timed steps. Accuracy: SQNR
+(dB) of the output and every gradient against an fp64 computation of the same MLP.
+
+Usage: ``python benchmarks/bench_dense_mlp_unit.py [--steps 20] [--out benchmarks/results]`` (writes
+``dense_mlp_unit.json`` and ``.md``); ``--quick``: tiny shapes on the CPU, eager (a smoke run, under
+``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from moe_fp8.bench.report import run_env, script_args, write_report
+from moe_fp8.grouped_gemm import fp8_grouped_mm
+from moe_fp8.grouped_gemm.with_neighbors import fp8_grouped_mm_swiglu
+from moe_fp8.layers.mlp import SwiGLUMLP
+
+# model -> (M token rows, H, I): Llama3-8B's MLP, DeepSeek-V3's dense (first-layer) MLP, at 8 x 1024 tokens
+SHAPES = {"llama3_8b": (8192, 4096, 14336), "dsv3_dense": (8192, 7168, 18432)}
+QUICK_SHAPES = {"tiny": (40, 64, 96)}
+VARIANTS = ("bf16", "linears", "unit")
+
+
+def unit(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
+    """``x (M, H)`` through ``mlp``'s weights as one group of the experts' grouped path -> ``(M, H)`` bf16."""
+    offs = torch.empty((1,), dtype=torch.int32, device=x.device).fill_(x.shape[0])
+    w1 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])[None]
+    a, a_q, a_s = fp8_grouped_mm_swiglu(x, w1, offs, recipe="rowwise")
+    return fp8_grouped_mm(a, mlp.down_proj.weight[None], offs, recipe="rowwise", x_fp8=(a_q, a_s))
+
+
+def bf16(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
+    w = [m.weight for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    return F.linear(F.silu(F.linear(x, w[0])) * F.linear(x, w[1]), w[2])
+
+
+def linears(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
+    return mlp(x)
+
+
+FUNCTIONS = {"bf16": bf16, "linears": linears, "unit": unit}
+
+
+def _sqnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (10 * torch.log10(b.double().pow(2).sum() / (a.double() - b.double()).pow(2).sum())).item()
+
+
+def _step(fn, mlp: SwiGLUMLP, x: torch.Tensor, gy: torch.Tensor) -> None:
+    x.grad = None
+    for p in mlp.parameters():
+        p.grad = None
+    fn(mlp, x).backward(gy)
+
+
+def _time(fn, mlp: SwiGLUMLP, x: torch.Tensor, gy: torch.Tensor, steps: int) -> tuple[float, float | None]:
+    """``(median ms, peak GiB above the start or None off CUDA)`` of ``steps`` forward + backward steps."""
+    cuda = x.is_cuda
+    for _ in range(3):
+        _step(fn, mlp, x, gy)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _step(fn, mlp, x, gy)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            _step(fn, mlp, x, gy)
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
+    return times[len(times) // 2], peak
+
+
+def _accuracy(model: str, ref: SwiGLUMLP, fp8: SwiGLUMLP, x: torch.Tensor, gy: torch.Tensor) -> list[dict]:
+    """Per FP8 variant, the SQNR of the output and of every gradient against fp64."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = [m.weight.detach().double().requires_grad_() for m in (ref.gate_proj, ref.up_proj, ref.down_proj)]
+    y64 = F.linear(F.silu(F.linear(x64, w64[0])) * F.linear(x64, w64[1]), w64[2])
+    y64.backward(gy.double())
+    rows = []
+    for variant in ("linears", "unit"):
+        x.grad = None
+        for p in fp8.parameters():
+            p.grad = None
+        y = FUNCTIONS[variant](fp8, x)
+        y.backward(gy)
+        grads = [m.weight.grad for m in (fp8.gate_proj, fp8.up_proj, fp8.down_proj)]
+        rows.append(dict(model=model, variant=variant, sqnr_y=_sqnr(y, y64.detach()),
+                         sqnr_dx=_sqnr(x.grad, x64.grad),
+                         **{f"sqnr_dw_{n}": _sqnr(g, w.grad) for n, g, w in zip(("gate", "up", "down"), grads, w64)}))
+    return rows
+
+
+def report_body(rows: list[dict], accuracy: list[dict]) -> list[str]:
+    """The markdown tables of the timed ``rows`` and the ``accuracy`` rows."""
+    body = ["| model | mode | BF16 ms | 3 FP8Linear ms | unit ms | 3 FP8Linear vs BF16 | unit vs BF16 | "
+            "peak GiB BF16 / FP8Linear / unit |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            r = {x["variant"]: x for x in rows if x["model"] == model and x["mode"] == mode}
+            if len(r) < len(VARIANTS):
+                continue
+            b, lin, u = (r[v]["ms"] for v in VARIANTS)
+            peaks = " / ".join("-" if r[v]["peak_gib"] is None else f"{r[v]['peak_gib']:.2f}" for v in VARIANTS)
+            body.append(f"| {model} | {mode} | {b:.2f} | {lin:.2f} | {u:.2f} | {b / lin:.3f}x | {b / u:.3f}x | "
+                        f"{peaks} |")
+    body += ["", "SQNR against fp64 (dB):", "", "| model | variant | y | dx | dW gate | dW up | dW down |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    body += [f"| {a['model']} | {a['variant']} | {a['sqnr_y']:.2f} | {a['sqnr_dx']:.2f} | {a['sqnr_dw_gate']:.2f} | "
+             f"{a['sqnr_dw_up']:.2f} | {a['sqnr_dw_down']:.2f} |" for a in accuracy]
+    return body
+
+
+def main() -> None:
+    args, device = script_args(__doc__, 20)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    modes = ("eager",) if device == "cpu" else ("eager", "compiled")
+    rows, accuracy = [], []
+    for model, (m, h, i) in shapes.items():
+        torch.manual_seed(0)
+        ref = SwiGLUMLP(h, i, recipe="bf16", device=device, dtype=torch.bfloat16)
+        fp8 = SwiGLUMLP(h, i, recipe="rowwise", device=device, dtype=torch.bfloat16)
+        fp8.load_state_dict(ref.state_dict())
+        x = torch.randn(m, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(m, h, device=device, dtype=torch.bfloat16)
+        accuracy += _accuracy(model, ref, fp8, x, gy)
+        for mode in modes:
+            for variant in VARIANTS:
+                fn = torch.compile(FUNCTIONS[variant]) if mode == "compiled" else FUNCTIONS[variant]
+                ms, peak = _time(fn, ref if variant == "bf16" else fp8, x, gy, args.steps)
+                rows.append(dict(model=model, mode=mode, variant=variant, ms=ms, peak_gib=peak))
+                torch._dynamo.reset()
+    body = report_body(rows, accuracy)
+    print("\n".join(body))
+    stem = "dense_mlp_unit" + ("_quick" if args.quick else "")
+    write_report(args.out, stem, run_env(device), rows + accuracy,
+                 "The dense SwiGLU MLP: one FP8 unit from the experts' grouped path against three FP8Linears",
+                 f"`python benchmarks/bench_dense_mlp_unit.py --steps {args.steps}`, forward + backward, medians of "
+                 "CUDA-event times", body)
+
+
+if __name__ == "__main__":
+    main()
