@@ -1,7 +1,7 @@
 """Which FP8 dense linears move the loss: the whole-model step's eager training (4 decoder layers, 8 x
 1024 tokens, AdamW, 150 steps) of one model, HF BF16 against ``hf.convert`` with its defaults, with
 groups of dense linears left in BF16 by ``filter_fn`` (attention, the MLP linears, the first decoder
-layer's MLP) or with their weight gradients in BF16 (``rowwise_gw_hp`` on the MLP linears), with
+layer's MLP, the shared experts) or with their weight gradients in BF16 (``rowwise_gw_hp`` on the MLP linears), with
 other dense recipes (scales not rounded to powers of two; dgrad / wgrad without fast accumulation,
 as TorchAO's rowwise recipe has them), with TorchAO's rowwise ``Float8Linear`` on exactly the
 linears the defaults convert (our FP8 experts; needs ``torchao``), and the library's BF16 path (the
@@ -43,6 +43,7 @@ VARIANTS = {
     "ours_fp8_dense_gw_hp": (dict(recipe="rowwise", dense_recipe="rowwise_gw_hp"), ()),
     "ours_fp8_dense_mlp_gw_hp": (dict(recipe="rowwise"), ()),
     "ours_fp8_first_mlp_bf16": (dict(recipe="rowwise"), ()),
+    "ours_fp8_shared_experts_bf16": (dict(recipe="rowwise"), ()),
     "ours_fp8_dense_tensorwise": (dict(recipe="rowwise", dense_recipe="tensorwise"), ()),
     "ours_fp8_no_pow2": (dict(recipe=get_recipe("rowwise", pow2_scales=False)), ()),
     "ours_fp8_dense_no_pow2": (dict(recipe="rowwise", dense_recipe=get_recipe("rowwise", pow2_scales=False)), ()),
@@ -52,8 +53,9 @@ VARIANTS = {
 }
 #: variant -> names of the converted dense linears whose weight gradient runs in BF16 (``rowwise_gw_hp``)
 GW_HP = {"ours_fp8_dense_mlp_gw_hp": MLP}
-#: variant -> the module whose linears stay in BF16 (the first decoder layer's dense MLP)
-KEPT_UNDER = {"ours_fp8_first_mlp_bf16": "model.layers.0.mlp."}
+#: variant -> a part of the names of the dense linears kept in BF16 (the first decoder layer's dense MLP,
+#: every MoE block's shared experts)
+KEPT_IN = {"ours_fp8_first_mlp_bf16": "model.layers.0.mlp.", "ours_fp8_shared_experts_bf16": ".shared_experts."}
 WINDOWS = ((40, 50), (90, 100), (140, 150))
 
 
@@ -62,9 +64,9 @@ def variant_model(base: torch.nn.Module, variant: str) -> torch.nn.Module:
     spec = VARIANTS[variant]
     if spec is not None:
         kwargs, kept = spec
-        under = KEPT_UNDER.get(variant)
+        part = KEPT_IN.get(variant)
         hf.convert(model, filter_fn=lambda mod, fqn: fqn.rsplit(".", 1)[-1] not in kept
-                   and not (under and fqn.startswith(under)), **kwargs)
+                   and not (part and part in fqn), **kwargs)
     if variant in GW_HP:
         for name, mod in list(model.named_modules()):
             if isinstance(mod, FP8Linear) and name.rsplit(".", 1)[-1] in GW_HP[variant]:

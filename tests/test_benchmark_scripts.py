@@ -333,8 +333,8 @@ def test_bench_dense_mlp_unit_quick(tmp_path):
 
 def test_bench_dense_loss_variants_convert_the_linears_they_name(torch_references, monkeypatch):
     """``bench_dense_loss``'s variants of the MLP linears (the dense rule lowered to the CPU sizes):
-    BF16 weight gradients on exactly the MLP linears, the first decoder layer's MLP left in BF16,
-    the weights shared with the converted model, and the model still trains."""
+    BF16 weight gradients on exactly the MLP linears, the first decoder layer's MLP or the shared
+    experts left in BF16, the weights shared with the converted model, and the model still trains."""
     pytest.importorskip("transformers")
     from moe_fp8.bench import models
     from moe_fp8.layers import FP8Linear
@@ -342,7 +342,7 @@ def test_bench_dense_loss_variants_convert_the_linears_they_name(torch_reference
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_dense_loss
 
-    variants = ("ours_fp8_dense_mlp_gw_hp", "ours_fp8_first_mlp_bf16")
+    variants = ("ours_fp8_dense_mlp_gw_hp", "ours_fp8_first_mlp_bf16", "ours_fp8_shared_experts_bf16")
     for variant in variants:
         monkeypatch.setitem(bench_dense_loss.VARIANTS, variant, (dict(recipe="rowwise", min_dense_size=0), ()))
     base = models.build(models._spec("dsv3", "cpu", 2), 32, "cpu")
@@ -355,11 +355,13 @@ def test_bench_dense_loss_variants_convert_the_linears_they_name(torch_reference
         loss = model(input_ids=torch.randint(0, 256, (2, 32))).logits.float().square().mean()
         loss.backward()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for n, p in params.items() if "mlp" in n)
-    gw_hp, first_bf16 = recipes["ours_fp8_dense_mlp_gw_hp"], recipes["ours_fp8_first_mlp_bf16"]
+    gw_hp = recipes["ours_fp8_dense_mlp_gw_hp"]
     mlp = {n for n in gw_hp if n.rsplit(".", 1)[-1] in bench_dense_loss.MLP}
     assert mlp and {n for n, r in gw_hp.items() if r == "rowwise_gw_hp"} == mlp
-    assert set(first_bf16) == set(gw_hp) - {n for n in gw_hp if n.startswith("model.layers.0.mlp.")}
-    assert any(n.startswith("model.layers.0.mlp.") for n in gw_hp) and set(first_bf16.values()) == {"rowwise"}
+    for variant, kept in (("ours_fp8_first_mlp_bf16", {n for n in mlp if n.startswith("model.layers.0.mlp.")}),
+                          ("ours_fp8_shared_experts_bf16", {n for n in mlp if ".mlp.shared_experts." in n})):
+        assert kept and set(recipes[variant]) == set(gw_hp) - kept, variant
+        assert set(recipes[variant].values()) == {"rowwise"}
 
 
 def test_bench_fused_accumulation_variant_cpu(torch_references):
