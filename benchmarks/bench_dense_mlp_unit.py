@@ -9,7 +9,10 @@ intermediate), forward + backward with the weights' gradients, three ways on the
   ``(1, 2I, H)`` weight per call, ``fp8_grouped_mm_swiglu`` (one GEMM over ``2I``, the SwiGLU kernel
   writing ``a``'s FP8 rows, its backward the FP8 rows of ``[dg | du]`` for one dgrad GEMM) and
   ``fp8_grouped_mm`` for ``down``. It quantizes ``x`` once for gate and up and never reads ``a`` or
-  ``[dg | du]`` back for a row quantization.
+  ``[dg | du]`` back for a row quantization;
+* ``unit_one_weight``: the same unit on a ``(1, 2I, H)`` parameter that holds gate and up already
+  (no concatenation per call, the weight gradient not split): what the grouped path itself costs
+  against the linears' ``torch._scaled_mm``.
 
 Eager and compiled (``torch.compile`` of the function), median of ``--steps`` CUDA-event times after
 3 warm-up steps; peak: the largest allocation above the one before the timed steps. Accuracy: SQNR
@@ -35,7 +38,7 @@ from moe_fp8.layers.mlp import SwiGLUMLP
 # model -> (M token rows, H, I): Llama3-8B's MLP, DeepSeek-V3's dense (first-layer) MLP, at 8 x 1024 tokens
 SHAPES = {"llama3_8b": (8192, 4096, 14336), "dsv3_dense": (8192, 7168, 18432)}
 QUICK_SHAPES = {"tiny": (40, 64, 96)}
-VARIANTS = ("bf16", "linears", "unit")
+VARIANTS = ("bf16", "linears", "unit", "unit_one_weight")
 
 
 def unit(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
@@ -43,6 +46,13 @@ def unit(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
     offs = torch.empty((1,), dtype=torch.int32, device=x.device).fill_(x.shape[0])
     w1 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])[None]
     a, a_q, a_s = fp8_grouped_mm_swiglu(x, w1, offs, recipe="rowwise")
+    return fp8_grouped_mm(a, mlp.down_proj.weight[None], offs, recipe="rowwise", x_fp8=(a_q, a_s))
+
+
+def unit_one_weight(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
+    """:func:`unit` on ``mlp.gate_up (1, 2I, H)``, a parameter holding the gate and up weights."""
+    offs = torch.empty((1,), dtype=torch.int32, device=x.device).fill_(x.shape[0])
+    a, a_q, a_s = fp8_grouped_mm_swiglu(x, mlp.gate_up, offs, recipe="rowwise")
     return fp8_grouped_mm(a, mlp.down_proj.weight[None], offs, recipe="rowwise", x_fp8=(a_q, a_s))
 
 
@@ -55,7 +65,7 @@ def linears(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
     return mlp(x)
 
 
-FUNCTIONS = {"bf16": bf16, "linears": linears, "unit": unit}
+FUNCTIONS = {"bf16": bf16, "linears": linears, "unit": unit, "unit_one_weight": unit_one_weight}
 
 
 def _sqnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,13 +113,15 @@ def _accuracy(model: str, ref: SwiGLUMLP, fp8: SwiGLUMLP, x: torch.Tensor, gy: t
     y64 = F.linear(F.silu(F.linear(x64, w64[0])) * F.linear(x64, w64[1]), w64[2])
     y64.backward(gy.double())
     rows = []
-    for variant in ("linears", "unit"):
+    for variant in VARIANTS[1:]:
         x.grad = None
         for p in fp8.parameters():
             p.grad = None
         y = FUNCTIONS[variant](fp8, x)
         y.backward(gy)
         grads = [m.weight.grad for m in (fp8.gate_proj, fp8.up_proj, fp8.down_proj)]
+        if variant == "unit_one_weight":
+            grads[:2] = fp8.gate_up.grad[0].chunk(2)
         rows.append(dict(model=model, variant=variant, sqnr_y=_sqnr(y, y64.detach()),
                          sqnr_dx=_sqnr(x.grad, x64.grad),
                          **{f"sqnr_dw_{n}": _sqnr(g, w.grad) for n, g, w in zip(("gate", "up", "down"), grads, w64)}))
@@ -118,17 +130,11 @@ def _accuracy(model: str, ref: SwiGLUMLP, fp8: SwiGLUMLP, x: torch.Tensor, gy: t
 
 def report_body(rows: list[dict], accuracy: list[dict]) -> list[str]:
     """The markdown tables of the timed ``rows`` and the ``accuracy`` rows."""
-    body = ["| model | mode | BF16 ms | 3 FP8Linear ms | unit ms | 3 FP8Linear vs BF16 | unit vs BF16 | "
-            "peak GiB BF16 / FP8Linear / unit |", "|---|---|---:|---:|---:|---:|---:|---|"]
-    for model in dict.fromkeys(r["model"] for r in rows):
-        for mode in dict.fromkeys(r["mode"] for r in rows):
-            r = {x["variant"]: x for x in rows if x["model"] == model and x["mode"] == mode}
-            if len(r) < len(VARIANTS):
-                continue
-            b, lin, u = (r[v]["ms"] for v in VARIANTS)
-            peaks = " / ".join("-" if r[v]["peak_gib"] is None else f"{r[v]['peak_gib']:.2f}" for v in VARIANTS)
-            body.append(f"| {model} | {mode} | {b:.2f} | {lin:.2f} | {u:.2f} | {b / lin:.3f}x | {b / u:.3f}x | "
-                        f"{peaks} |")
+    body = ["| model | mode | variant | ms | vs BF16 | peak GiB |", "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        base = next(b["ms"] for b in rows if (b["model"], b["mode"], b["variant"]) == (r["model"], r["mode"], "bf16"))
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        body.append(f"| {r['model']} | {r['mode']} | {r['variant']} | {r['ms']:.2f} | {base / r['ms']:.3f}x | {peak} |")
     body += ["", "SQNR against fp64 (dB):", "", "| model | variant | y | dx | dW gate | dW up | dW down |",
              "|---|---|---:|---:|---:|---:|---:|"]
     body += [f"| {a['model']} | {a['variant']} | {a['sqnr_y']:.2f} | {a['sqnr_dx']:.2f} | {a['sqnr_dw_gate']:.2f} | "
@@ -146,6 +152,7 @@ def main() -> None:
         ref = SwiGLUMLP(h, i, recipe="bf16", device=device, dtype=torch.bfloat16)
         fp8 = SwiGLUMLP(h, i, recipe="rowwise", device=device, dtype=torch.bfloat16)
         fp8.load_state_dict(ref.state_dict())
+        fp8.gate_up = torch.nn.Parameter(torch.cat([fp8.gate_proj.weight, fp8.up_proj.weight]).detach()[None])
         x = torch.randn(m, h, device=device, dtype=torch.bfloat16, requires_grad=True)
         gy = torch.randn(m, h, device=device, dtype=torch.bfloat16)
         accuracy += _accuracy(model, ref, fp8, x, gy)

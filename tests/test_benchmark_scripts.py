@@ -318,17 +318,19 @@ def test_bench_dgrad_quantize_w_quick(tmp_path):
 @pytest.mark.interpreter
 def test_bench_dense_mlp_unit_quick(tmp_path):
     """The dense MLP unit benchmark runs its CPU smoke shape and writes its report: every variant timed,
-    and the unit's output and gradients as close to fp64 as the three FP8Linears' (the same FP8 bytes
-    in its GEMMs: only summation order and the dgrad's one GEMM over gate and up differ)."""
+    and both units' outputs and gradients (gate and up split back from the one weight's) as close to
+    fp64 as the three FP8Linears' (the same FP8 bytes in their GEMMs: only summation order and the
+    dgrad's one GEMM over gate and up differ)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_dense_mlp_unit.py"), "--quick", "--steps", "1",
            "--out", str(tmp_path)]
     run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "dense_mlp_unit_quick.json").read_text())["rows"]
-    assert {r["variant"] for r in rows if "ms" in r} == {"bf16", "linears", "unit"}
+    assert {r["variant"] for r in rows if "ms" in r} == {"bf16", "linears", "unit", "unit_one_weight"}
     sqnr = {r["variant"]: r for r in rows if "sqnr_y" in r}
     keys = ("sqnr_y", "sqnr_dx", "sqnr_dw_gate", "sqnr_dw_up", "sqnr_dw_down")
-    assert all(sqnr["linears"][k] > 20 and abs(sqnr["unit"][k] - sqnr["linears"][k]) < 0.5 for k in keys), sqnr
+    assert all(sqnr["linears"][k] > 20 and abs(sqnr[v][k] - sqnr["linears"][k]) < 0.5
+               for k in keys for v in ("unit", "unit_one_weight")), sqnr
 
 
 def test_bench_dense_loss_variants_convert_the_linears_they_name(torch_references, monkeypatch):
