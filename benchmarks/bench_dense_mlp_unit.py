@@ -41,19 +41,23 @@ QUICK_SHAPES = {"tiny": (40, 64, 96)}
 VARIANTS = ("bf16", "linears", "unit", "unit_one_weight")
 
 
-def unit(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
-    """``x (M, H)`` through ``mlp``'s weights as one group of the experts' grouped path -> ``(M, H)`` bf16."""
+def _one_group_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """``x (M, H)`` through ``w_gate_up (1, 2I, H)`` and ``w_down (1, H, I)`` as one group of the experts'
+    grouped path -> ``(M, H)`` bf16."""
     offs = torch.empty((1,), dtype=torch.int32, device=x.device).fill_(x.shape[0])
-    w1 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])[None]
-    a, a_q, a_s = fp8_grouped_mm_swiglu(x, w1, offs, recipe="rowwise")
-    return fp8_grouped_mm(a, mlp.down_proj.weight[None], offs, recipe="rowwise", x_fp8=(a_q, a_s))
+    a, a_q, a_s = fp8_grouped_mm_swiglu(x, w_gate_up, offs, recipe="rowwise")
+    return fp8_grouped_mm(a, w_down, offs, recipe="rowwise", x_fp8=(a_q, a_s))
+
+
+def unit(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
+    """``mlp``'s gate and up weights concatenated per call."""
+    w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])[None]
+    return _one_group_mlp(x, w_gate_up, mlp.down_proj.weight[None])
 
 
 def unit_one_weight(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
-    """:func:`unit` on ``mlp.gate_up (1, 2I, H)``, a parameter holding the gate and up weights."""
-    offs = torch.empty((1,), dtype=torch.int32, device=x.device).fill_(x.shape[0])
-    a, a_q, a_s = fp8_grouped_mm_swiglu(x, mlp.gate_up, offs, recipe="rowwise")
-    return fp8_grouped_mm(a, mlp.down_proj.weight[None], offs, recipe="rowwise", x_fp8=(a_q, a_s))
+    """``mlp.gate_up (1, 2I, H)``, a parameter holding the gate and up weights."""
+    return _one_group_mlp(x, mlp.gate_up, mlp.down_proj.weight[None])
 
 
 def bf16(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
