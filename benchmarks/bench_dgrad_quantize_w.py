@@ -104,6 +104,16 @@ def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, 
     return out
 
 
+def table_lines(table: list[dict]) -> list[str]:
+    """The markdown table of ``_row`` results: layout + GEMM against quantized in the GEMM, per weight."""
+    body = ["| model | weight (E, N, K) | routed rows | experts with rows | layout + GEMM ms | layout ms | GEMM ms | "
+            "quantized in the GEMM ms | speedup | max gap |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    return body + [f"| {r['model']} | {r['weight']} ({r['experts']}, {r['n']}, {r['k']}) | {r['rows']} | "
+                   f"{r['active']} | {r['two_step_ms']:.3f} | {r['layout_ms']:.3f} | {r['gemm_ms']:.3f} | "
+                   f"{r['fused_ms']:.3f} | {r['two_step_ms'] / r['fused_ms']:.2f}x | {r['max_gap']:.1e} |"
+                   for r in table]
+
+
 def main() -> None:
     args, device = script_args(__doc__, 20)
     models = QUICK_MODELS if args.quick else MODELS
@@ -111,11 +121,7 @@ def main() -> None:
     table = [_row(model, name, n, k, rows, experts, active, in_out, args.steps, device)
              for model, (experts, rows, in_out, shapes) in models.items() for active in (experts, experts // 8)
              for name, (n, k) in shapes.items()]
-    body = ["| model | weight (E, N, K) | routed rows | experts with rows | layout + GEMM ms | layout ms | GEMM ms | "
-            "quantized in the GEMM ms | speedup | max gap |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    body += [f"| {r['model']} | {r['weight']} ({r['experts']}, {r['n']}, {r['k']}) | {r['rows']} | {r['active']} | "
-             f"{r['two_step_ms']:.3f} | {r['layout_ms']:.3f} | {r['gemm_ms']:.3f} | {r['fused_ms']:.3f} | "
-             f"{r['two_step_ms'] / r['fused_ms']:.2f}x | {r['max_gap']:.1e} |" for r in table]
+    body = table_lines(table)
     sweep = [r for model, (experts, rows, in_out, shapes) in models.items() for active in (experts, experts // 8)
              for name, (n, k) in shapes.items()
              for r in _sweep_rows(model, name, n, k, rows, experts, active, in_out, args.steps, device)]

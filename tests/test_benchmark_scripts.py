@@ -316,6 +316,21 @@ def test_bench_dgrad_quantize_w_quick(tmp_path):
 
 
 @pytest.mark.interpreter
+def test_bench_forward_quantize_w_quick(tmp_path):
+    """The in-GEMM forward benchmark runs its CPU smoke shapes (both weight layouts) and writes its
+    report, each row's fp32 output equal to the forward layout + GEMM one within fp32 summation order."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_forward_quantize_w.py"), "--quick", "--steps", "1",
+           "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "forward_quantize_w_quick.json").read_text())["rows"]
+    assert {(r["model"], r["weight"], r["active"]) for r in rows} == {
+        ("qwen3_30b", "gate_up", 8), ("qwen3_30b", "down", 8), ("qwen3_30b", "gate_up", 1), ("qwen3_30b", "down", 1),
+        ("llama4", "gate_up", 8), ("llama4", "gate_up", 1)}
+    assert all(r["max_gap"] <= 1e-5 for r in rows)
+
+
+@pytest.mark.interpreter
 def test_bench_dense_mlp_unit_quick(tmp_path):
     """The dense MLP unit benchmark runs its CPU smoke shape and writes its report: every variant timed,
     and both units' outputs and gradients (gate and up split back from the one weight's) as close to

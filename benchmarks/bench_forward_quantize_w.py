@@ -1,0 +1,83 @@
+"""The forward GEMM of an uncached expert weight: its FP8 layout written and then read, against quantized
+inside the GEMM from the weight's row amax.
+
+Uncached, the forward of ``fp8_grouped_mm`` quantizes ``w (E, N, K)`` per output row (the forward
+layout kernel, which also reduces the dgrad's column amax from the same read) and the Triton 2D x 3D
+GEMM reads the FP8 copy. The in-GEMM dgrad kernel (``triton_grouped_mm_dgrad_quantize_w``) computes
+the same product from the BF16 weight when it is handed ``w.transpose(1, 2)`` and ``w``'s row amax
+``(E, N)``: per output column scales, the FP8 tiles equal the forward layout's. The amax must be
+known before the GEMM: a per-weight-version amax (once per optimizer step) would supply it; it is
+taken as given here. Same shapes as ``bench_dgrad_quantize_w.py`` (8 x 1024 tokens; Qwen3-30B-A3B and
+DeepSeek-V3 top-8, Llama 4 Scout top-1 with its weights stored ``(E, K, N)``), every expert routed
+and an eighth of them. Medians of CUDA-event times; ``max gap``: the largest difference of the two
+fp32 outputs over the largest output.
+
+Usage: ``python benchmarks/bench_forward_quantize_w.py [--steps 20] [--out benchmarks/results]``
+(writes ``forward_quantize_w.json`` and ``.md``); ``--quick``: tiny shapes on the CPU (a smoke run,
+under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+from bench_dgrad_quantize_w import MODELS, QUICK_MODELS, _offsets, table_lines
+
+from moe_fp8.bench.report import run_env, script_args, write_report
+from moe_fp8.bench.timing import event_median_ms
+from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d3d, triton_grouped_mm_dgrad_quantize_w
+from moe_fp8.quant.ops import triton_quantize_expert_rowwise_with_amax
+from moe_fp8.quant.reference import quantize_rowwise
+
+
+def _problem(n: int, k: int, rows: int, experts: int, active: int, in_out: bool, device: str) -> tuple:
+    """``(x, xs, w, row_amax, offs)``: the token rows' rowwise FP8 ``(rows, k)``, the weight ``(E, n, k)``
+    (a transposed view of ``(E, k, n)`` storage when ``in_out``), its amax over K ``(E, n)``."""
+    offs = _offsets(rows, experts, active, device)
+    x, xs = quantize_rowwise(torch.randn(rows, k, device=device, dtype=torch.bfloat16))
+    shape = (experts, k, n) if in_out else (experts, n, k)
+    w = torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02
+    w = w.transpose(1, 2) if in_out else w
+    return x, xs, w, w.float().abs().amax(dim=2), offs
+
+
+def _two_step(x, xs, w, row_amax, offs, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    q, s, _ = triton_quantize_expert_rowwise_with_amax(w)
+    return triton_grouped_mm_2d3d(x, xs, q, s, offs, out_dtype)
+
+
+def _in_gemm(x, xs, w, row_amax, offs, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return triton_grouped_mm_dgrad_quantize_w(x, xs, w.transpose(1, 2), row_amax, offs, out_dtype)
+
+
+def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, in_out: bool, steps: int,
+         device: str) -> dict:
+    p = _problem(n, k, rows, experts, active, in_out, device)
+    x, xs, w, _, offs = p
+    q, s, _ = triton_quantize_expert_rowwise_with_amax(w)
+    ref = _two_step(*p, out_dtype=torch.float32)
+    gap = float((_in_gemm(*p, out_dtype=torch.float32) - ref).abs().max() / ref.abs().max())
+    return dict(model=model, weight=name, experts=experts, n=n, k=k, rows=rows, active=active,
+                two_step_ms=event_median_ms(lambda: _two_step(*p), steps),
+                layout_ms=event_median_ms(lambda: triton_quantize_expert_rowwise_with_amax(w), steps),
+                gemm_ms=event_median_ms(lambda: triton_grouped_mm_2d3d(x, xs, q, s, offs), steps),
+                fused_ms=event_median_ms(lambda: _in_gemm(*p), steps), max_gap=gap)
+
+
+def main() -> None:
+    args, device = script_args(__doc__, 20)
+    models = QUICK_MODELS if args.quick else MODELS
+    torch.manual_seed(0)
+    table = [_row(model, name, n, k, rows, experts, active, in_out, args.steps, device)
+             for model, (experts, rows, in_out, shapes) in models.items() for active in (experts, experts // 8)
+             for name, (n, k) in shapes.items()]
+    body = table_lines(table)
+    print("\n".join(body))
+    stem = "forward_quantize_w" + ("_quick" if args.quick else "")
+    write_report(args.out, stem, run_env(device), table,
+                 "The forward of an uncached expert weight: FP8 layout + GEMM against quantized inside the GEMM",
+                 f"`python benchmarks/bench_forward_quantize_w.py --steps {args.steps}`, routed rows as the "
+                 "table says, the weight's row amax given, medians of CUDA-event times", body)
+
+
+if __name__ == "__main__":
+    main()
