@@ -44,22 +44,44 @@ QUICK_MODELS = {"qwen3_30b": (8, 96, False, {"gate_up": (32, 64), "down": (64, 1
                 "llama4": (8, 96, True, {"gate_up": (32, 64)})}
 
 
-def _offsets(rows: int, experts: int, active: int, device: str) -> torch.Tensor:
+def routed_offsets(rows: int, experts: int, active: int, device: str) -> torch.Tensor:
     """int32 end offsets: ``rows`` split evenly over ``active`` experts at random positions."""
     sizes = torch.zeros(experts, dtype=torch.long)
     sizes[torch.randperm(experts)[:active]] = rows // active
     return sizes.cumsum(0).to(torch.int32).to(device)
 
 
+def expert_weight(n: int, k: int, experts: int, in_out: bool, device: str) -> torch.Tensor:
+    """A bf16 weight ``(E, n, k)``: a transposed view of ``(E, k, n)`` storage when ``in_out``."""
+    if in_out:
+        return (torch.randn(experts, k, n, device=device, dtype=torch.bfloat16) * 0.02).transpose(1, 2)
+    return torch.randn(experts, n, k, device=device, dtype=torch.bfloat16) * 0.02
+
+
+def rowwise_fp8(rows: int, cols: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 ``(rows, cols)`` quantized per row: ``(q, scale)``."""
+    return quantize_rowwise(torch.randn(rows, cols, device=device, dtype=torch.bfloat16))
+
+
+def compared(meta: dict, layout, gemm, fused, steps: int) -> dict:
+    """``meta`` with the median ms of layout + GEMM, the layout alone, the GEMM alone and the GEMM that
+    quantizes the weight itself, and ``max_gap``: the largest difference of the two fp32 outputs over
+    the largest output. ``layout()`` -> ``(q, s)``; ``gemm(q, s, out_dtype)``; ``fused(out_dtype)``."""
+    q, s = layout()
+    ref = gemm(q, s, torch.float32)
+    return dict(meta, two_step_ms=event_median_ms(lambda: gemm(*layout(), torch.bfloat16), steps),
+                layout_ms=event_median_ms(layout, steps),
+                gemm_ms=event_median_ms(lambda: gemm(q, s, torch.bfloat16), steps),
+                fused_ms=event_median_ms(lambda: fused(torch.bfloat16), steps),
+                max_gap=float((fused(torch.float32) - ref).abs().max() / ref.abs().max()))
+
+
 def _problem(n: int, k: int, rows: int, experts: int, active: int, in_out: bool, device: str) -> tuple:
     """``(g, gs, w, amax, offs)``: grad_out's rowwise FP8 ``(rows, n)``, the weight ``(E, n, k)`` (a
     transposed view of ``(E, k, n)`` storage when ``in_out``), its amax over N."""
-    offs = _offsets(rows, experts, active, device)
-    g, gs = quantize_rowwise(torch.randn(rows, n, device=device, dtype=torch.bfloat16))
-    shape = (experts, k, n) if in_out else (experts, n, k)
-    w = torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02
-    w = w.transpose(1, 2) if in_out else w
-    return g, gs, w, w.float().abs().amax(dim=1), offs
+    g, gs = rowwise_fp8(rows, n, device)
+    w = expert_weight(n, k, experts, in_out, device)
+    return g, gs, w, w.float().abs().amax(dim=1), routed_offsets(rows, experts, active, device)
 
 
 def _two_step(g, gs, w, amax, offs, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -83,12 +105,10 @@ def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active:
          device: str) -> dict:
     p = _problem(n, k, rows, experts, active, in_out, device)
     g, gs, w, amax, offs = p
-    q, s = triton_quantize_expert_colwise_from_amax(w, amax)
-    return dict(model=model, weight=name, experts=experts, n=n, k=k, rows=rows, active=active,
-                two_step_ms=event_median_ms(lambda: _two_step(*p), steps),
-                layout_ms=event_median_ms(lambda: triton_quantize_expert_colwise_from_amax(w, amax), steps),
-                gemm_ms=event_median_ms(lambda: triton_grouped_mm_2d3d(g, gs, q, s, offs), steps),
-                fused_ms=event_median_ms(lambda: _fused(*p), steps), max_gap=_gap(p))
+    meta = dict(model=model, weight=name, experts=experts, n=n, k=k, rows=rows, active=active)
+    return compared(meta, lambda: triton_quantize_expert_colwise_from_amax(w, amax),
+                    lambda q, s, dtype: triton_grouped_mm_2d3d(g, gs, q, s, offs, dtype),
+                    lambda dtype: _fused(*p, out_dtype=dtype), steps)
 
 
 def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, in_out: bool,
@@ -102,6 +122,14 @@ def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, 
         out.append(dict(model=model, weight=name, experts=experts, active=active, config=tile,
                         fused_ms=event_median_ms(lambda: _fused(*p, cfg), steps), max_gap=_gap(p, cfg)))
     return out
+
+
+def weight_cases(models: dict) -> list[tuple]:
+    """``(model, weight, n, k, routed rows, experts, experts with rows, in_out)`` of every weight of
+    ``models`` (``MODELS``' layout), with every expert routed and with an eighth of them."""
+    return [(model, name, n, k, rows, experts, active, in_out)
+            for model, (experts, rows, in_out, shapes) in models.items() for active in (experts, experts // 8)
+            for name, (n, k) in shapes.items()]
 
 
 def table_lines(table: list[dict]) -> list[str]:
@@ -118,13 +146,9 @@ def main() -> None:
     args, device = script_args(__doc__, 20)
     models = QUICK_MODELS if args.quick else MODELS
     torch.manual_seed(0)
-    table = [_row(model, name, n, k, rows, experts, active, in_out, args.steps, device)
-             for model, (experts, rows, in_out, shapes) in models.items() for active in (experts, experts // 8)
-             for name, (n, k) in shapes.items()]
+    table = [_row(*case, args.steps, device) for case in weight_cases(models)]
     body = table_lines(table)
-    sweep = [r for model, (experts, rows, in_out, shapes) in models.items() for active in (experts, experts // 8)
-             for name, (n, k) in shapes.items()
-             for r in _sweep_rows(model, name, n, k, rows, experts, active, in_out, args.steps, device)]
+    sweep = [r for case in weight_cases(models) for r in _sweep_rows(*case, args.steps, device)]
     body += ["", "Quantized in the GEMM, per tile configuration (block_m x block_n x block_k, stages, warps; `*`: "
              "picked):", "", "| model | weight | experts with rows | configuration | ms | max gap |",
              "|---|---|---:|---|---:|---|"]

@@ -20,56 +20,32 @@ under ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import torch
-from bench_dgrad_quantize_w import MODELS, QUICK_MODELS, _offsets, table_lines
+from bench_dgrad_quantize_w import (MODELS, QUICK_MODELS, compared, expert_weight, routed_offsets, rowwise_fp8,
+                                    table_lines, weight_cases)
 
 from moe_fp8.bench.report import run_env, script_args, write_report
-from moe_fp8.bench.timing import event_median_ms
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d3d, triton_grouped_mm_dgrad_quantize_w
 from moe_fp8.quant.ops import triton_quantize_expert_rowwise_with_amax
-from moe_fp8.quant.reference import quantize_rowwise
-
-
-def _problem(n: int, k: int, rows: int, experts: int, active: int, in_out: bool, device: str) -> tuple:
-    """``(x, xs, w, row_amax, offs)``: the token rows' rowwise FP8 ``(rows, k)``, the weight ``(E, n, k)``
-    (a transposed view of ``(E, k, n)`` storage when ``in_out``), its amax over K ``(E, n)``."""
-    offs = _offsets(rows, experts, active, device)
-    x, xs = quantize_rowwise(torch.randn(rows, k, device=device, dtype=torch.bfloat16))
-    shape = (experts, k, n) if in_out else (experts, n, k)
-    w = torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02
-    w = w.transpose(1, 2) if in_out else w
-    return x, xs, w, w.float().abs().amax(dim=2), offs
-
-
-def _two_step(x, xs, w, row_amax, offs, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    q, s, _ = triton_quantize_expert_rowwise_with_amax(w)
-    return triton_grouped_mm_2d3d(x, xs, q, s, offs, out_dtype)
-
-
-def _in_gemm(x, xs, w, row_amax, offs, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return triton_grouped_mm_dgrad_quantize_w(x, xs, w.transpose(1, 2), row_amax, offs, out_dtype)
 
 
 def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, in_out: bool, steps: int,
          device: str) -> dict:
-    p = _problem(n, k, rows, experts, active, in_out, device)
-    x, xs, w, _, offs = p
-    q, s, _ = triton_quantize_expert_rowwise_with_amax(w)
-    ref = _two_step(*p, out_dtype=torch.float32)
-    gap = float((_in_gemm(*p, out_dtype=torch.float32) - ref).abs().max() / ref.abs().max())
-    return dict(model=model, weight=name, experts=experts, n=n, k=k, rows=rows, active=active,
-                two_step_ms=event_median_ms(lambda: _two_step(*p), steps),
-                layout_ms=event_median_ms(lambda: triton_quantize_expert_rowwise_with_amax(w), steps),
-                gemm_ms=event_median_ms(lambda: triton_grouped_mm_2d3d(x, xs, q, s, offs), steps),
-                fused_ms=event_median_ms(lambda: _in_gemm(*p), steps), max_gap=gap)
+    """Token rows' rowwise FP8 ``(rows, k)`` through the weight ``(E, n, k)`` both ways."""
+    x, xs = rowwise_fp8(rows, k, device)
+    w = expert_weight(n, k, experts, in_out, device)
+    row_amax, offs = w.float().abs().amax(dim=2), routed_offsets(rows, experts, active, device)
+    meta = dict(model=model, weight=name, experts=experts, n=n, k=k, rows=rows, active=active)
+    return compared(meta, lambda: triton_quantize_expert_rowwise_with_amax(w)[:2],
+                    lambda q, s, dtype: triton_grouped_mm_2d3d(x, xs, q, s, offs, dtype),
+                    lambda dtype: triton_grouped_mm_dgrad_quantize_w(x, xs, w.transpose(1, 2), row_amax, offs, dtype),
+                    steps)
 
 
 def main() -> None:
     args, device = script_args(__doc__, 20)
     models = QUICK_MODELS if args.quick else MODELS
     torch.manual_seed(0)
-    table = [_row(model, name, n, k, rows, experts, active, in_out, args.steps, device)
-             for model, (experts, rows, in_out, shapes) in models.items() for active in (experts, experts // 8)
-             for name, (n, k) in shapes.items()]
+    table = [_row(*case, args.steps, device) for case in weight_cases(models)]
     body = table_lines(table)
     print("\n".join(body))
     stem = "forward_quantize_w" + ("_quick" if args.quick else "")
