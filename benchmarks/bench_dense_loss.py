@@ -5,8 +5,8 @@ layer's MLP, the shared experts) or with their weight gradients in BF16 (``rowwi
 linears), with other dense recipes (scales not rounded to powers of two; dgrad / wgrad without fast
 accumulation, as TorchAO's rowwise recipe has them), with TorchAO's rowwise ``Float8Linear`` on
 exactly the linears the defaults convert (our FP8 experts; needs ``torchao``), and the library's BF16
-path (the spread that summation order alone gives). Prints the mean loss of steps 41-50, 91-100 and 141-150
-per variant and writes ``dense_loss_<model>[_<name>].json`` / ``.md`` to ``--out``. Loss spread
+path (the spread that summation order alone gives). Prints the mean loss of steps 41-50, 91-100 and
+141-150 per variant and writes ``dense_loss_<model>[_<name>].json`` / ``.md`` to ``--out``. Loss spread
 between two runs of HF BF16 on the GPU: about 2% (its kernels are not deterministic). ``--seeds N``
 repeats every variant on N models and data orders (seeds 0..N-1) and reports each variant's gap to
 HF BF16 of the same seed, its mean over the seeds and the standard error of that mean.

@@ -25,15 +25,15 @@ Usage: ``python benchmarks/bench_dense_mlp_unit.py [--steps 20] [--out benchmark
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 from moe_fp8.bench.report import run_env, script_args, write_report
+from moe_fp8.bench.timing import event_median_ms
 from moe_fp8.grouped_gemm import fp8_grouped_mm
 from moe_fp8.grouped_gemm.with_neighbors import fp8_grouped_mm_swiglu
 from moe_fp8.layers.mlp import SwiGLUMLP
+from moe_fp8.testing import sqnr
 
 # model -> (M token rows, H, I): Llama3-8B's MLP, DeepSeek-V3's dense (first-layer) MLP, at 8 x 1024 tokens
 SHAPES = {"llama3_8b": (8192, 4096, 14336), "dsv3_dense": (8192, 7168, 18432)}
@@ -60,9 +60,12 @@ def unit_one_weight(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
     return _one_group_mlp(x, mlp.gate_up, mlp.down_proj.weight[None])
 
 
+def _swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
 def bf16(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
-    w = [m.weight for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-    return F.linear(F.silu(F.linear(x, w[0])) * F.linear(x, w[1]), w[2])
+    return _swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
 
 def linears(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
@@ -70,10 +73,6 @@ def linears(mlp: SwiGLUMLP, x: torch.Tensor) -> torch.Tensor:
 
 
 FUNCTIONS = {"bf16": bf16, "linears": linears, "unit": unit, "unit_one_weight": unit_one_weight}
-
-
-def _sqnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (10 * torch.log10(b.double().pow(2).sum() / (a.double() - b.double()).pow(2).sum())).item()
 
 
 def _step(fn, mlp: SwiGLUMLP, x: torch.Tensor, gy: torch.Tensor) -> None:
@@ -84,7 +83,8 @@ def _step(fn, mlp: SwiGLUMLP, x: torch.Tensor, gy: torch.Tensor) -> None:
 
 
 def _time(fn, mlp: SwiGLUMLP, x: torch.Tensor, gy: torch.Tensor, steps: int) -> tuple[float, float | None]:
-    """``(median ms, peak GiB above the start or None off CUDA)`` of ``steps`` forward + backward steps."""
+    """``(median ms, peak GiB above the start or None off CUDA)`` of ``steps`` forward + backward steps
+    after 3 warm-up steps."""
     cuda = x.is_cuda
     for _ in range(3):
         _step(fn, mlp, x, gy)
@@ -92,29 +92,15 @@ def _time(fn, mlp: SwiGLUMLP, x: torch.Tensor, gy: torch.Tensor, steps: int) -> 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            _step(fn, mlp, x, gy)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            _step(fn, mlp, x, gy)
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
-    return times[len(times) // 2], peak
+    ms = event_median_ms(lambda: _step(fn, mlp, x, gy), steps)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
 
 
 def _accuracy(model: str, ref: SwiGLUMLP, fp8: SwiGLUMLP, x: torch.Tensor, gy: torch.Tensor) -> list[dict]:
     """Per FP8 variant, the SQNR of the output and of every gradient against fp64."""
     x64 = x.detach().double().requires_grad_()
     w64 = [m.weight.detach().double().requires_grad_() for m in (ref.gate_proj, ref.up_proj, ref.down_proj)]
-    y64 = F.linear(F.silu(F.linear(x64, w64[0])) * F.linear(x64, w64[1]), w64[2])
+    y64 = _swiglu(x64, *w64)
     y64.backward(gy.double())
     rows = []
     for variant in VARIANTS[1:]:
@@ -126,9 +112,8 @@ def _accuracy(model: str, ref: SwiGLUMLP, fp8: SwiGLUMLP, x: torch.Tensor, gy: t
         grads = [m.weight.grad for m in (fp8.gate_proj, fp8.up_proj, fp8.down_proj)]
         if variant == "unit_one_weight":
             grads[:2] = fp8.gate_up.grad[0].chunk(2)
-        rows.append(dict(model=model, variant=variant, sqnr_y=_sqnr(y, y64.detach()),
-                         sqnr_dx=_sqnr(x.grad, x64.grad),
-                         **{f"sqnr_dw_{n}": _sqnr(g, w.grad) for n, g, w in zip(("gate", "up", "down"), grads, w64)}))
+        rows.append(dict(model=model, variant=variant, sqnr_y=sqnr(y64, y), sqnr_dx=sqnr(x64.grad, x.grad),
+                         **{f"sqnr_dw_{n}": sqnr(w.grad, g) for n, g, w in zip(("gate", "up", "down"), grads, w64)}))
     return rows
 
 

@@ -9,9 +9,9 @@ the same scales (``triton_grouped_mm_dgrad_quantize_w``): no FP8 copy, but each 
 converted once per row tile of its expert. Shapes at 8 x 1024 tokens: Qwen3-30B-A3B's two expert
 weights (128 experts) and DeepSeek-V3's (32 experts) at top-8 (65536 routed rows), Llama 4 Scout's
 (16 experts, stored ``(E, K, N)`` as its checkpoints hold them) at top-1 (8192 rows), with every
-expert routed and with an eighth of them getting all the rows. Medians of CUDA-event times. Each row also
-gives the largest difference of the two fp32 outputs over the largest output (``max gap``): fp32
-summation order at most, if the FP8 tiles are equal. Then the in-GEMM dgrad under each tile
+expert routed and with an eighth of them getting all the rows. Medians of CUDA-event times. Each
+row also gives the largest difference of the two fp32 outputs over the largest output (``max
+gap``): fp32 summation order at most, if the FP8 tiles are equal. Then the in-GEMM dgrad under each tile
 configuration of ``SWEEP`` (``*``: the one ``config_dgrad_quantize_w`` picks).
 
 Usage: ``python benchmarks/bench_dgrad_quantize_w.py [--steps 20] [--out benchmarks/results]``
@@ -68,12 +68,17 @@ def compared(meta: dict, layout, gemm, fused, steps: int) -> dict:
     quantizes the weight itself, and ``max_gap``: the largest difference of the two fp32 outputs over
     the largest output. ``layout()`` -> ``(q, s)``; ``gemm(q, s, out_dtype)``; ``fused(out_dtype)``."""
     q, s = layout()
-    ref = gemm(q, s, torch.float32)
     return dict(meta, two_step_ms=event_median_ms(lambda: gemm(*layout(), torch.bfloat16), steps),
                 layout_ms=event_median_ms(layout, steps),
                 gemm_ms=event_median_ms(lambda: gemm(q, s, torch.bfloat16), steps),
                 fused_ms=event_median_ms(lambda: fused(torch.bfloat16), steps),
-                max_gap=float((fused(torch.float32) - ref).abs().max() / ref.abs().max()))
+                max_gap=max_gap(fused(torch.float32), gemm(q, s, torch.float32)))
+
+
+def max_gap(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference of two fp32 outputs over the largest output: fp32 accumulation order
+    (about 1e-6) if the in-GEMM FP8 tiles equal the layout kernel's; one differing FP8 value shows."""
+    return float((out - ref).abs().max() / ref.abs().max())
 
 
 def _problem(n: int, k: int, rows: int, experts: int, active: int, in_out: bool, device: str) -> tuple:
@@ -95,10 +100,7 @@ def _fused(g, gs, w, amax, offs, config: GemmConfig | None = None,
 
 
 def _gap(p: tuple, config: GemmConfig | None = None) -> float:
-    """Largest difference of the fp32 outputs over the largest output: fp32 accumulation order
-    (about 1e-6) if the in-GEMM FP8 tiles equal the layout kernel's; one differing FP8 value shows."""
-    ref = _two_step(*p, out_dtype=torch.float32)
-    return float((_fused(*p, config, torch.float32) - ref).abs().max() / ref.abs().max())
+    return max_gap(_fused(*p, config, torch.float32), _two_step(*p, out_dtype=torch.float32))
 
 
 def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, in_out: bool, steps: int,
