@@ -1,6 +1,6 @@
 """What ``torch.compile`` sees of the library: our Triton kernels as ``triton_kernel_wrapper`` nodes
-in the AOT graphs (forward and backward), not opaque ``moe_fp8::*`` calls (except, with the weight
-cache on, the GEMMs that read the cached FP8 weights), and compiled results equal to eager ones. CPU: tiny shapes, Triton interpreter, a graph-capturing AOT backend. GPU:
+in the AOT graphs (forward and backward), not opaque ``moe_fp8::*`` calls (except the GEMMs that read
+a weight cache: FP8 copies, or amaxes for small groups), and compiled results equal to eager ones. CPU: tiny shapes, Triton interpreter, a graph-capturing AOT backend. GPU:
 Inductor on converted Hugging Face decoder layers, ``mode="reduce-overhead"`` on a whole model."""
 
 import logging
@@ -11,6 +11,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
 from moe_fp8 import FP8Linear, FP8MoE, hf
+from moe_fp8.grouped_gemm.backends.triton_backend import TritonBackend
 from moe_fp8.testing import sqnr
 
 transformers = pytest.importorskip("transformers")
@@ -68,10 +69,14 @@ _CACHED_GEMM = "moe_fp8.gg_mm_2d3d_cached_weight.default"
 
 @pytest.mark.slow(10)
 @pytest.mark.interpreter
-def test_fp8_moe_graph_holds_the_triton_kernels():
-    """Forward+backward of FP8MoE (Triton grouped GEMM backend, rowwise, no weight cache) compiled:
-    every kernel of routing, quantization and GEMM is a node of the graph, and the results are bit
-    for bit eager's."""
+@pytest.mark.parametrize("small_groups", [False, True])
+def test_fp8_moe_graph_holds_the_triton_kernels(small_groups, monkeypatch):
+    """Forward+backward of FP8MoE (Triton grouped GEMM backend, rowwise, ``cache_weights=False``)
+    compiled: every kernel of routing, quantization and GEMM is a node of the graph, and the results
+    are bit for bit eager's. Groups small enough for the GEMMs to quantize the weights themselves
+    read the amax-only cache: the GEMMs are then the opaque cached-weight op, nothing else is."""
+    if not small_groups:
+        monkeypatch.setattr(TritonBackend, "quantize_w_max_rows_per_group", 0)
     torch.manual_seed(0)
     moe = FP8MoE(H, I, E, K, recipe="rowwise", backend="triton", cache_weights=False).to(torch.bfloat16)
     x, dy = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
@@ -81,12 +86,16 @@ def test_fp8_moe_graph_holds_the_triton_kernels():
     fw, bw = (set(cap.kernels(g)) for g in cap.graphs)
     assert {"plan_kernel", "permute_rows_kernel", "combine_kernel"} <= fw
     assert "combine_backward_kernel" in bw
-    assert {"_swiglu_quant_kernel", "_grouped_mm_2d3d_kernel", "_expert_rowwise_col_amax_kernel"} <= fw
-    # the SwiGLU and combine backwards write the dgrads' FP8 rows: no row quantization of its own;
-    # the dgrads quantize the weights as they read them (tests/test_launch_count.py counts the rest)
-    assert {"_swiglu_bwd_quant_kernel", "_grouped_mm_dgrad_quantize_w_kernel", "_grouped_mm_2d2d_kernel"} <= bw
+    # the SwiGLU and combine backwards write the dgrads' FP8 rows: no row quantization of its own
+    assert {"_swiglu_quant_kernel"} <= fw and {"_swiglu_bwd_quant_kernel", "_grouped_mm_2d2d_kernel"} <= bw
     assert "_rowwise_kernel" not in bw, sorted(bw)
-    assert not any(cap.library_ops(g) for g in cap.graphs)  # nothing opaque left
+    if small_groups:  # tests/test_weight_amax_cache.py: what the op runs
+        assert [cap.library_ops(g) for g in cap.graphs] == [{_CACHED_GEMM}] * 2
+        assert not {"_grouped_mm_2d3d_kernel", "_expert_rowwise_col_amax_kernel"} & (fw | bw)
+    else:  # the weights' layouts, the dgrad's from the forward's amax over N
+        assert {"_grouped_mm_2d3d_kernel", "_expert_rowwise_col_amax_kernel"} <= fw
+        assert {"_colwise_kernel", "_grouped_mm_2d3d_kernel"} <= bw
+        assert not any(cap.library_ops(g) for g in cap.graphs)  # nothing opaque left
 
 
 _VIEW_OPS = ("aten.slice.Tensor", "aten.as_strided.default", "aten.view.default", "aten.view.dtype",

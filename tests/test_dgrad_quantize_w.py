@@ -153,18 +153,18 @@ def test_bad_input(case):
 
 def test_backends_take_it_for_small_groups_only(monkeypatch):
     """The rule reads static shapes: the Triton kernel for groups of at most
-    ``dgrad_quantize_w_max_rows_per_group`` rows on average (on ``cuda_auto`` only where it runs the
+    ``quantize_w_max_rows_per_group`` rows on average (on ``cuda_auto`` only where it runs the
     2D x 3D GEMMs on Triton); never on ``cuda`` (its GEMMs take FP8 operands only)."""
     triton_be = get_backend("triton")
-    limit = triton_be.dgrad_quantize_w_max_rows_per_group
-    assert triton_be.dgrad_quantizes_w(limit * 8, 8) and not triton_be.dgrad_quantizes_w(limit * 8 + 1, 8)
+    limit = triton_be.quantize_w_max_rows_per_group
+    assert triton_be.quantizes_w_in_gemm(limit * 8, 8) and not triton_be.quantizes_w_in_gemm(limit * 8 + 1, 8)
     for name in ("hybrid", "cuda_auto"):
         be = get_backend(name)
-        assert be.dgrad_quantizes_w(limit * 8, 8) and not be.dgrad_quantizes_w(limit * 8 + 1, 8)
+        assert be.quantizes_w_in_gemm(limit * 8, 8) and not be.quantizes_w_in_gemm(limit * 8 + 1, 8)
     auto = get_backend("cuda_auto")  # only where its own rule runs the 2D x 3D GEMMs on Triton
     monkeypatch.setattr(type(auto), "triton_max_rows_per_group", 1)
-    assert not auto.dgrad_quantizes_w(8 * 8, 8) and auto.dgrad_quantizes_w(8, 8)
-    assert not get_backend("cuda").dgrad_quantizes_w(8, 8)
+    assert not auto.quantizes_w_in_gemm(8 * 8, 8) and auto.quantizes_w_in_gemm(8, 8)
+    assert not get_backend("cuda").quantizes_w_in_gemm(8, 8)
 
 
 # ---- GPU: the sizes it runs at ---------------------------------------------------------------
@@ -206,7 +206,7 @@ def test_fp8_grouped_mm_backward_either_way(recipe, stored_transposed, monkeypat
         return out, x.grad, param.grad, n.ops
 
     out1, dx1, dw1, ops1 = run()
-    monkeypatch.setattr(TritonBackend, "dgrad_quantize_w_max_rows_per_group", 0)
+    monkeypatch.setattr(TritonBackend, "quantize_w_max_rows_per_group", 0)
     out2, dx2, dw2, ops2 = run()
     assert ops1.get("triton:_grouped_mm_dgrad_quantize_w_kernel") == 1, sorted(ops1)
     assert "triton:_grouped_mm_dgrad_quantize_w_kernel" not in ops2

@@ -18,11 +18,15 @@ except (``save_w``) when no cache serves a ``rowwise`` weight that the caller ke
 (a parameter or a view of one): then the forward quantizes the forward layout and takes the dgrad
 layout's amax (over N) from the same read, ``w`` itself and that ``(E, K)`` amax are saved, and
 the backward's dgrad quantizes ``w``'s tiles with those scales as its GEMM reads them (our Triton
-kernel, where the backend's ``dgrad_quantizes_w`` says so: small groups) or quantizes the dgrad
+kernel, where the backend's ``quantizes_w_in_gemm`` says so: small groups) or quantizes the dgrad
 layout from them first (the same bytes, one read and one write of ``w``), so no FP8 weight copy
 lives from forward to backward;
+and except (``WeightAmax``) when an amax-only cache holds the weight's amaxes over K and over N:
+then both GEMMs quantize ``w``'s tiles as they read them (the forward on ``w.transpose(1, 2)``
+with the row amax), and ``w`` and the column amax are saved;
 and except (``cached``) under torch.compile with a cache: the forward and dgrad GEMMs read the
-weight's FP8 layouts inside one opaque op each (``compiled_cache``), and only the parameter is saved.
+weight's FP8 layouts (or, amax-only, its amaxes) inside one opaque op each (``compiled_cache``),
+and only the parameter is saved.
 With ``rowwise`` FP8 wgrad and both gradients wanted, the forward's row quantization of ``x`` (or,
 when ``x`` comes quantized from upstream and its groups average at least
 ``UPSTREAM_AMAX_MIN_ROWS_PER_GROUP`` rows, a read of ``x`` alone) and the dgrad's of grad_out also
@@ -44,7 +48,7 @@ from ..quant.kernels.rowwise import col_amax_fits
 from ..quant.reference import dequantize
 from . import library as lib
 from .backends import get_backend
-from .compiled_cache import mm_2d3d_cached_weight
+from .compiled_cache import WeightAmax, mm_2d3d_cached_weight
 from .grad_accumulation import adds_in_place
 from .padding import padded_offsets, padded_rows
 from .quantized_weight import QuantizedExpertWeight
@@ -100,7 +104,9 @@ class FP8GroupedMM(torch.autograd.Function):
     save_x_fp8, cached, wgrad_offs)``.
 
     ``scaling`` is ``None`` for the BF16 recipe; ``w_quant`` is the 4-tuple of
-    ``quant_seam.quantize_weight`` (from a cache) or ``None`` to quantize here; ``x_quant`` is
+    ``quant_seam.quantize_weight`` (from a cache), a ``WeightAmax`` of ``w`` (``rowwise``, an
+    amax-only cache, groups the backend's ``quantizes_w_in_gemm`` takes), or ``None`` to quantize
+    here; ``x_quant`` is
     ``x``'s rowwise ``(q, scale)`` made upstream, or ``None`` to quantize here. A
     ``QuantizedExpertWeight`` ``w`` gives its forward layout in forward and its dgrad layout in
     backward (read then: its owner gathers it again in between). ``save_x_fp8``
@@ -108,9 +114,9 @@ class FP8GroupedMM(torch.autograd.Function):
     (:func:`dequantize_rows`); ``x`` is then never read. ``save_w`` (only
     with ``scaling="rowwise"`` and ``w_quant=None``): save ``w`` (and its amax over N) and quantize
     its dgrad layout in backward instead of saving that layout from forward. ``cached`` (FP8
-    recipes, ``w_quant=None``, a plain ``w``): ``None``, or ``(transposed, training)``: whether ``w`` is
-    the transposed view of the parameter whose FP8 layouts :func:`.compiled_cache.mm_2d3d_cached_weight`
-    reads, and whether the forward runs with gradients. ``wgrad_offs``: the weight gradient's group
+    recipes, ``w_quant=None``, a plain ``w``): ``None``, or ``(transposed, training, copies)``: whether
+    ``w`` is the transposed view of the parameter whose FP8 layouts (``copies=False``: amaxes)
+    :func:`.compiled_cache.mm_2d3d_cached_weight` reads, and whether the forward runs with gradients. ``wgrad_offs``: the weight gradient's group
     end offsets over the same rows, or ``None`` (``offs``); rows whose group differs between the two
     are zero in ``x`` and in the output's gradient (``fp8_grouped_mm``). ``grad_into``: ``None``, or
     a tensor shaped like ``w`` (its parameter's ``.grad``) that the backward adds the weight
@@ -149,7 +155,11 @@ def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, ba
     ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant
     ctx.w_operands = None
     ctx.cached = cached
-    if cached is not None:  # the parameter itself: the GEMMs read its FP8 layouts from the cache
+    w_amax = w_quant if isinstance(w_quant, WeightAmax) else None
+    if w_amax is not None:  # both GEMMs quantize w's tiles themselves, with the scales of its kept amaxes
+        ctx.w_saved = True
+        q_fwd, s_fwd, q_bwd, s_bwd = w.transpose(1, 2), w_amax.row, w, w_amax.col
+    elif cached is not None:  # the parameter itself: the GEMMs read its FP8 layouts from the cache
         param = w.transpose(1, 2) if cached[0] else w
         q_fwd, s_fwd, q_bwd, s_bwd = param, None, param, None
     elif ctx.w_saved:
@@ -180,7 +190,9 @@ def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, ba
         xq, xs = lib.quantize_activation(x, scaling, fmt, pow2, fused, _routed_rows(offs, scaling))
     if cached is not None:
         out = mm_2d3d_cached_weight(backend, xq, xs, q_fwd, cached[0], offs, out_dtype, False, scaling, fmt, pow2,
-                                    fused, cached[1])
+                                    fused, *cached[1:])
+    elif w_amax is not None:
+        out = lib.mm_dgrad_quantize_w(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype, fmt, pow2)
     else:
         out = lib.mm_2d3d(backend, xq, xs, q_fwd, s_fwd, offs, out_dtype)
     ctx.x_dtype = x.dtype
@@ -280,7 +292,7 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
     else:
         rows = _routed_rows(offs, ctx.scaling)
         g_fp8 = lib.quantize_activation(grad_out, ctx.scaling, ctx.fmt, ctx.pow2, fused, rows)
-    if ctx.w_saved and backend.dgrad_quantizes_w(grad_out.shape[0], offs.shape[0]):
+    if ctx.w_saved and backend.quantizes_w_in_gemm(grad_out.shape[0], offs.shape[0]):
         # the GEMM quantizes w's tiles as it reads them: no FP8 dgrad layout is written
         dx = lib.mm_dgrad_quantize_w(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, s_bwd, offs, ctx.x_dtype, ctx.fmt,
                                      ctx.pow2)
@@ -291,7 +303,7 @@ def _dgrad(ctx, grad_out: torch.Tensor, q_bwd: torch.Tensor, s_bwd: torch.Tensor
         q_bwd, s_bwd = ctx.w_operands.get("dgrad", ctx.w_dtype, ctx.fmt, ctx.pow2)
     if ctx.cached is not None:
         dx = mm_2d3d_cached_weight(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, ctx.cached[0], offs, ctx.x_dtype, True,
-                                   ctx.scaling, ctx.fmt, ctx.pow2, fused, ctx.cached[1])
+                                   ctx.scaling, ctx.fmt, ctx.pow2, fused, *ctx.cached[1:])
         return dx, g_fp8
     return lib.mm_2d3d(ctx.backend, g_fp8[0], g_fp8[1], q_bwd, s_bwd, offs, ctx.x_dtype), g_fp8
 

@@ -290,7 +290,7 @@ mm_2d3d = _op_mm_2d3d
 #: ``mm_dgrad_quantize_w(backend, a (M, N), scale_a, w (E, N, K), w_amax (E, K), offs, out_dtype, fmt, pow2)``:
 #: the rowwise dgrad ``a[rows of g] @ w[g]`` with the high-precision weight quantized inside the GEMM
 #: with the scales of its amax over N (the dgrad layout's, not written); only where the backend's
-#: ``dgrad_quantizes_w`` says so.
+#: ``quantizes_w_in_gemm`` says so.
 mm_dgrad_quantize_w = _op_mm_dgrad_quantize_w
 mm_2d2d = _op_mm_2d2d
 #: ``mm_2d2d_into(backend, out (E, N, K), a, scale_a, b, scale_b, offs)``: ``out[g] += a_g^T @ b_g`` in

@@ -12,7 +12,7 @@ from ..quant.formats import resolve_format
 from ..quant.recipes import Float8Recipe, get_recipe
 from .autograd import FP8GroupedMM
 from .backends import select_backend
-from .compiled_cache import cached_weight_layouts
+from .compiled_cache import cached_weight_amax, cached_weight_layouts
 from .quantized_weight import QuantizedExpertWeight
 from .weight_cache import Fp8WeightCache
 
@@ -67,9 +67,13 @@ def fp8_grouped_mm(
             process-wide ``compiled_weight_cache()`` instead (``w`` a parameter or a transposed
             view of one, in ``x``'s dtype; see ``compiled_cache``); bypassed while a CUDA graph is
             captured (the graph then quantizes ``w`` on every replay, as without a cache: see
-            ``Fp8WeightCache``). Without a cache, a ``rowwise`` weight that is a parameter (or a
-            view of one) is saved as is and its dgrad layout quantized in backward, so no FP8
-            copy of it lives from forward to backward.
+            ``Fp8WeightCache``). An amax-only cache (``Fp8WeightCache(copies=False)``) keeps
+            weight states' amaxes instead, by the same rules: where the backend quantizes the
+            weight inside its GEMMs (``rowwise``, small groups: ``quantizes_w_in_gemm``) and the
+            amaxes are kept, both GEMMs read the BF16 weight with the scales they give; otherwise
+            the call runs as without a cache. Without a cache, a
+            ``rowwise`` weight that is a parameter (or a view of one) is saved as is and its dgrad
+            layout quantized in backward, so no FP8 copy of it lives from forward to backward.
         x_fp8: ``(q (M, K) fp8, scale (M,) fp32)``, the rowwise quantization of ``x`` in this
             call's format and ``pow2`` setting, made by a kernel that already touched ``x`` (the
             fused permute + quantize, the fused SwiGLU + quantize): the forward GEMM uses it
@@ -175,8 +179,13 @@ def grouped_mm_arguments(
     if weight_cache is not None and rec.is_fp8 and torch.compiler.is_compiling():
         if hasattr(w, "_fp8_cache_source"):
             raise ValueError("w: under torch.compile pass the weight itself in x's dtype, not a stand-in")
-        cached = _transposed_layout(w), torch.is_grad_enabled()
+        if weight_cache.copies or _amax_serves(rec, be, w, M, E):
+            cached = _transposed_layout(w), torch.is_grad_enabled(), weight_cache.copies
         weight_cache = None
+    if weight_cache is not None and rec.is_fp8 and not weight_cache.copies:
+        if _amax_serves(rec, be, w, M, E):  # None where the cache keeps nothing: as without a cache
+            w_quant = cached_weight_amax(weight_cache, w, be.fused_quant, torch.is_grad_enabled())
+        w, weight_cache = weight_cache.values(w), None
     if weight_cache is not None and rec.is_fp8:
         w_quant = cached_weight_layouts(weight_cache, w, rec.scaling, fmt, rec.pow2_scales, be.fused_quant,
                                         torch.is_grad_enabled())
@@ -191,6 +200,14 @@ def grouped_mm_arguments(
               and (_kept_alive(w) or torch.compiler.is_compiling()))
     return (x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
             bool(save_x_fp8), cached, wgrad_offs, grad_into)
+
+
+def _amax_serves(rec: Float8Recipe, be, w: torch.Tensor, m: int, groups: int) -> bool:
+    """Whether an amax-only weight cache serves ``w (E, N, K)``'s GEMMs over ``m`` rows: ``rowwise``,
+    groups small enough for the backend to quantize the weight inside its GEMMs, and ``w`` the weight
+    itself (not a stand-in, which holds no values) in either matrix layout."""
+    return (rec.scaling == "rowwise" and be.quantizes_w_in_gemm(m, groups) and not hasattr(w, "_fp8_cache_source")
+            and _transposed_layout(w) is not None)
 
 
 def _safe_offsets(offs: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:

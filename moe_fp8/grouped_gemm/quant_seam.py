@@ -30,6 +30,7 @@ __all__ = [
     "quantize_weight_layout",
     "quantize_weight_forward_layout",
     "quantize_wgrad_operands",
+    "weight_amax",
     "wgrad_operand_layout",
 ]
 
@@ -152,6 +153,15 @@ def _dgrad_from_forward(q_fwd: torch.Tensor, s_fwd: torch.Tensor, scaling: str,
     return _transposed_copy(q_fwd, kernel), s_bwd
 
 
+def weight_amax(w: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w (E, N, K)``'s amax over K ``(E, N)`` and over N ``(E, K)``, fp32: the scales of both rowwise
+    layouts, for GEMMs that quantize ``w``'s tiles as they read them. One read of ``w`` with the
+    kernels (contiguous rows of at most 16384 elements), else two torch reductions."""
+    if _kernels(w, fused) and kernels.expert_amax_fits(w):
+        return kernels.triton_expert_amax(w)
+    return ref.expert_amax(w), ref.expert_amax(w, transposed=True)
+
+
 def quantize_weight_forward_layout(
     w: torch.Tensor, fmt: Float8Format, pow2: bool, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,11 +173,11 @@ def quantize_weight_forward_layout(
         ``q (E, N, K)`` contiguous and ``s (E, N)`` (amax over K), the same bytes as
         ``quantize_weight``; and ``col_amax (E, K)`` fp32, the amax over N, for
         :func:`quantize_weight_dgrad_layout`. The kernels take it from the same read of ``w``
-        (``K <= 16384``; longer rows reduce it with torch).
+        (contiguous rows of at most 16384 elements; longer rows reduce it with torch).
     Used when no cache holds the weights: the forward quantizes its layout and the backward the
     dgrad one from the saved ``w`` and ``col_amax``, so no FP8 copy lives from forward to backward.
     """
-    if _kernels(w, fused) and col_amax_fits(w.shape[2]):
+    if _kernels(w, fused) and kernels.expert_amax_fits(w):
         return kernels.triton_quantize_expert_rowwise_with_amax(w, fmt, pow2)
     if _kernels(w, fused):
         q, s = kernels.triton_quantize_expert_colwise(w, fmt, pow2)

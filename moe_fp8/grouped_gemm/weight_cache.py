@@ -136,10 +136,16 @@ class Fp8WeightCache:
     """Cache of quantized weights, keyed by tensor and quantization settings.
 
     Pass one to ``fp8_grouped_mm(..., weight_cache=cache)`` (or share one per module); ``hits``
-    and ``misses`` count lookups.
+    and ``misses`` count lookups. ``copies=False``: an amax-only cache, which keeps no FP8 copy but
+    weight states' amaxes over K and over N (4 bytes per row and per column; kept by the rules of
+    :meth:`serve`), from which ``rowwise`` GEMMs that quantize the weight inside (small groups: the
+    backend's ``quantizes_w_in_gemm``) read the BF16 weight in forward and dgrad; other GEMMs, and
+    forwards that keep nothing, run as without a cache.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, copies: bool = True) -> None:
+        #: whether FP8 copies of the weights are kept (``False``: amaxes only)
+        self.copies = bool(copies)
         self._entries: dict[tuple, _Entry] = {}
         self.hits = 0
         self.misses = 0
@@ -149,7 +155,7 @@ class Fp8WeightCache:
     def __reduce__(self):
         """A copy (``copy.deepcopy``) or a pickle (``torch.save`` of a whole module) starts empty: the
         entries are derived from tensors of this process, keyed on their identities."""
-        return type(self), ()
+        return type(self), (self.copies,)
 
     def stand_in(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``w`` in ``dtype`` for ``fp8_grouped_mm(..., weight_cache=self)`` with an FP8 recipe,
@@ -354,4 +360,4 @@ class Fp8WeightCache:
         return len(self._entries)
 
     def __repr__(self) -> str:
-        return f"Fp8WeightCache(entries={len(self)}, hits={self.hits}, misses={self.misses})"
+        return f"Fp8WeightCache(copies={self.copies}, entries={len(self)}, hits={self.hits}, misses={self.misses})"

@@ -61,7 +61,11 @@ class FP8GroupedExperts(nn.Module):
             ``torch.compile`` the GEMMs read the process-wide compiled cache (weights in the
             activations' dtype only); off while a CUDA graph is captured or replayed (a captured
             step quantizes the weights on every replay, so it sees weight updates) and for weights
-            FSDP gathers without ``parallelize``'s keys.
+            FSDP gathers without ``parallelize``'s keys. Off, the same caches keep the weights'
+            amaxes only (4 bytes per row and column, under the same rules): under gradient
+            accumulation, where the groups are small enough for the backend to quantize the weights
+            inside its GEMMs (``rowwise``, e.g. Qwen3-30B-A3B's experts), both GEMMs then read the
+            BF16 weights with those scales and no FP8 copy of a weight is written.
         fp8_saved_input: the first GEMM keeps its input's rowwise FP8 rows for the backward, not
             the BF16 rows (recipes with row scales): the BF16 permuted rows are then never written
             (without input scales), and the saved activation is half the bytes. The gate/up weight
@@ -122,7 +126,7 @@ class FP8GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(up_shape, **kw))
         self.down_proj = nn.Parameter(torch.empty(down_shape, **kw))
         self.reset_parameters()
-        self._caches = (Fp8WeightCache(), Fp8WeightCache()) if cache_weights else None
+        self._caches = _weight_caches(cache_weights)
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default init, per expert (uniform in +-1/sqrt(fan_in))."""
@@ -131,11 +135,9 @@ class FP8GroupedExperts(nn.Module):
 
     @property
     def weight_cache_nbytes(self) -> int:
-        """Device bytes held by the FP8 weight cache now (0 without one), the compiled cache's entries
-        of these weights included: memory on top of the parameters, about one BF16-sized copy of the
-        weights once filled."""
-        if self._caches is None:
-            return 0
+        """Device bytes held by the weight caches now, the compiled cache's entries of these weights
+        included: memory on top of the parameters, about one BF16-sized copy of the weights once
+        filled with FP8 copies (the amaxes alone: 4 bytes per row and column)."""
         weights = [_local(p) for p in (self.gate_up_proj, self.down_proj)]
         return sum(c.nbytes for c in self._caches) + compiled_weight_cache().nbytes_of(weights)
 
@@ -150,12 +152,12 @@ class FP8GroupedExperts(nn.Module):
     @property
     def cache_weights(self) -> bool:
         """Whether the FP8 copies of the weights are cached (settable; turning it off drops them)."""
-        return self._caches is not None
+        return self._caches[0].copies
 
     @cache_weights.setter
     def cache_weights(self, enabled: bool) -> None:
         if enabled != self.cache_weights:
-            self._caches = (Fp8WeightCache(), Fp8WeightCache()) if enabled else None
+            self._caches = _weight_caches(enabled)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(E, 2I, H)`` and ``(E, H, I)`` views in ``nn.Linear`` layout; a ``DTensor`` parameter (the
@@ -294,7 +296,7 @@ class FP8GroupedExperts(nn.Module):
         gathers unless ``parallelize`` keys the caches on the sharded state: the gathered tensor keeps
         its identity and version counter across optimizer steps. Under ``torch.compile``: weights in
         the activations' dtype, read from the compiled cache (``fp8_grouped_mm``)."""
-        if self._caches is None or not self.recipe.is_fp8 or isinstance(w1, QuantizedExpertWeight):
+        if not self.recipe.is_fp8 or isinstance(w1, QuantizedExpertWeight):
             return False
         fsdp = getattr(self, "_is_fsdp_managed_module", False)
         if torch.compiler.is_compiling():
@@ -305,6 +307,11 @@ class FP8GroupedExperts(nn.Module):
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, expert_hidden={self.expert_hidden_size}, "
                 f"recipe={self.recipe.name}, in_out_layout={self.in_out_layout}, "
                 f"fp8_saved_input={self.fp8_saved_input}, fused_grad_accumulation={self.fused_grad_accumulation}")
+
+
+def _weight_caches(copies: bool) -> tuple[Fp8WeightCache, Fp8WeightCache]:
+    """The caches of the gate/up and down weights: of FP8 copies, or (``copies=False``) of amaxes only."""
+    return Fp8WeightCache(copies), Fp8WeightCache(copies)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

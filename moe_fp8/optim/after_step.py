@@ -32,7 +32,7 @@ def cached_experts(model: nn.Module) -> list[FP8GroupedExperts]:
     if not found:
         raise ValueError("model: expected at least one FP8GroupedExperts module, found none")
     for name, m in model.named_modules():
-        if isinstance(m, FP8GroupedExperts) and m._caches is None:
+        if isinstance(m, FP8GroupedExperts) and not m.cache_weights:
             raise ValueError(f"model: {name or type(model).__name__} was built with cache_weights=False; "
                              "its weights are quantized in every forward, there is no cache to fill")
     return [m for m in found if m.recipe.is_fp8]

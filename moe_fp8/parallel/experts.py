@@ -114,7 +114,7 @@ class ExpertParallelExperts(FP8GroupedExperts):
         shard = cls(experts.num_experts, experts.hidden_size, experts.expert_hidden_size, group=group,
                     dispatch=dispatch, checkpoint=checkpoint, sync_free=sync_free, recipe=experts.recipe,
                     backend=experts.backend, fmt=experts.fmt, in_out_layout=experts.in_out_layout,
-                    cache_weights=experts._caches is not None, fp8_saved_input=experts.fp8_saved_input,
+                    cache_weights=experts.cache_weights, fp8_saved_input=experts.fp8_saved_input,
                     device="meta", dtype=w1.dtype)
         shard.to_empty(device=w1.device)
         lo, hi = shard.ep_rank * shard.num_experts, (shard.ep_rank + 1) * shard.num_experts

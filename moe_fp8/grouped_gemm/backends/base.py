@@ -86,9 +86,10 @@ class GroupedGemmBackend:
     def mm_2d2d(self, a, scale_a, b, scale_b, offs, out_dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def dgrad_quantizes_w(self, rows: int, groups: int) -> bool:
-        """Whether the rowwise dgrad of ``rows`` gradient rows over ``groups`` experts can take the
-        high-precision weight and quantize it inside the GEMM (:meth:`mm_dgrad_quantize_w`)."""
+    def quantizes_w_in_gemm(self, rows: int, groups: int) -> bool:
+        """Whether a rowwise 2D x 3D GEMM of ``rows`` rows over ``groups`` experts (the dgrad, or the
+        forward where the weight's row amax is known) takes the high-precision weight and quantizes
+        it inside the GEMM (:meth:`mm_dgrad_quantize_w`; the forward passes ``w.transpose(1, 2)``)."""
         return False
 
     def mm_dgrad_quantize_w(self, a, scale_a, w, w_amax, offs, out_dtype: torch.dtype, fmt: Float8Format,

@@ -17,7 +17,7 @@ Why 1536 rows: whole-layer A/B on one H200 (a one-off script, FP8MoE
 
 The threshold sits between the last size where Triton won every run and the first where it did
 not. Where a dgrad runs on Triton, an uncached weight's is quantized inside the GEMM by Triton's
-own rule (``TritonBackend.dgrad_quantize_w_max_rows_per_group``). ``cuda`` (always
+own rule (``TritonBackend.quantize_w_max_rows_per_group``). ``cuda`` (always
 ``torch._scaled_grouped_mm``) and ``hybrid`` (always Triton for 2D x 3D) stay available by name.
 """
 
@@ -42,8 +42,8 @@ class CudaAutoBackend(CudaBackend):
             return self._triton.mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
         return super().mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
 
-    def dgrad_quantizes_w(self, rows, groups):  # where this dgrad runs on Triton, and by Triton's own rule
-        return self.triton_2d3d(rows, groups) and self._triton.dgrad_quantizes_w(rows, groups)
+    def quantizes_w_in_gemm(self, rows, groups):  # where this dgrad runs on Triton, and by Triton's own rule
+        return self.triton_2d3d(rows, groups) and self._triton.quantizes_w_in_gemm(rows, groups)
 
     def mm_dgrad_quantize_w(self, a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2):
         return self._triton.mm_dgrad_quantize_w(a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2)

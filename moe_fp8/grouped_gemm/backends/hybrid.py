@@ -27,8 +27,8 @@ class HybridBackend(CudaBackend):
     def mm_2d3d(self, a, scale_a, b, scale_b, offs, out_dtype):
         return self._triton.mm_2d3d(a, scale_a, b, scale_b, offs, out_dtype)
 
-    def dgrad_quantizes_w(self, rows, groups):
-        return self._triton.dgrad_quantizes_w(rows, groups)
+    def quantizes_w_in_gemm(self, rows, groups):
+        return self._triton.quantizes_w_in_gemm(rows, groups)
 
     def mm_dgrad_quantize_w(self, a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2):
         return self._triton.mm_dgrad_quantize_w(a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2)

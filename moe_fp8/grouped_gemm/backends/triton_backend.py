@@ -28,13 +28,13 @@ class TritonBackend(GroupedGemmBackend):
     name = "triton"
     device_type = "cuda"
     pads_wgrad_groups = True
-    #: An uncached weight's dgrad quantizes the weight inside the GEMM when the groups average at
-    #: most this many rows (a static rule: no host sync). The GEMM converts each weight tile once
+    #: An uncached weight's dgrad (and its forward, where an amax-only weight cache holds its row
+    #: amax) quantizes the weight inside the GEMM when the groups average at most this many rows (a static rule: no host sync). The GEMM converts each weight tile once
     #: per 256-row tile of its expert, where the dgrad layout kernel reads and writes every weight
     #: once. One H100 (``benchmarks/results/dgrad_quantize_w_h100.md``, 65536 rows): 512 rows per
     #: group (Qwen3-30B-A3B) 1.31-1.38x faster than layout + GEMM, 2048 (DeepSeek-V3, 32 experts)
     #: 0.78-0.90x; from the conversion's cost per row tile the two meet near 1000 rows.
-    dgrad_quantize_w_max_rows_per_group: int = 768
+    quantize_w_max_rows_per_group: int = 768
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type == "cpu":
@@ -49,8 +49,8 @@ class TritonBackend(GroupedGemmBackend):
     def mm_2d2d(self, a, scale_a, b, scale_b, offs, out_dtype):
         return triton_grouped_mm_2d2d(a, scale_a, b, scale_b, offs, out_dtype)
 
-    def dgrad_quantizes_w(self, rows, groups):
-        return rows <= self.dgrad_quantize_w_max_rows_per_group * groups
+    def quantizes_w_in_gemm(self, rows, groups):
+        return rows <= self.quantize_w_max_rows_per_group * groups
 
     def mm_dgrad_quantize_w(self, a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2):
         return triton_grouped_mm_dgrad_quantize_w(a, scale_a, w, w_amax, offs, out_dtype, fmt=fmt, pow2=pow2)
