@@ -34,6 +34,7 @@ from moe_fp8.optim.adamw_quantize import adamw_hyper, adamw_quantize  # noqa: E4
 from moe_fp8.quant import E4M3FN, E4M3FNUZ  # noqa: E402
 from moe_fp8.quant.formats import FORMAT_ENV_VAR  # noqa: E402
 from moe_fp8.routing import make_dispatch_plan  # noqa: E402
+from moe_fp8.quant.ops import triton_quantize_expert_rowwise_with_amax  # noqa: E402
 
 #: The GPUs checked: launch target and the FP8 format the library takes there.
 TARGETS = {
@@ -110,7 +111,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def workload(fmt) -> None:
     """Launch every kernel of the library at least once, in the layouts training uses: FP8MoE
     (rowwise, weights cached and not, the gradients' FP8 rows from the SwiGLU and combine backwards
-    and from the dgrads), the grouped GEMM in each FP8 recipe and adding its weight gradient in
+    and from the dgrads), the forward layout of (E, K, N) storage, the grouped GEMM in each FP8 recipe and adding its weight gradient in
     place (fp8 and bf16 operands), FP8Linear, the zeroing kernels, the
     dispatch plan without empty-expert rows, and the fused AdamW + quantize step. Shapes are small
     but wide enough (256) for the GPU's widest tiles."""
@@ -122,7 +123,10 @@ def workload(fmt) -> None:
                      cache_weights=cache, dtype=bf16)
         moe.experts.fused_grad_quant = fused
         x = torch.randn(T, H, dtype=bf16, requires_grad=True)
-        moe(x).sum().backward()
+        for _ in range(1 if cache else 2):  # uncached, the second forward reads the weights' kept amaxes
+            moe(x).sum().backward()
+    w = torch.randn(E, H, I, dtype=bf16).transpose(1, 2)  # (E, K, N) storage: the layout reads the storage's rows
+    triton_quantize_expert_rowwise_with_amax(w, fmt)
     offs = torch.tensor([20, 20, 50, 64], dtype=torch.int32)
     for recipe in ("rowwise", "rowwise_gw_hp", "tensorwise", "blockwise"):
         x = torch.randn(T, H, dtype=bf16, requires_grad=True)

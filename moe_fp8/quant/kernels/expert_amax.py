@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ...launch import launch
 from ...launch_math import cdiv
-from .rowwise import ROW_STAGES, TILE_ELEMENTS, _col_amax_config, col_amax_rows_per_program
+from .rowwise import ROW_STAGES, TILE_ELEMENTS, expert_strips
 
 __all__ = ["launch_expert_amax"]
 
@@ -69,8 +69,7 @@ def launch_expert_amax(
     into ``col_amax_bits (E, K)`` int32 (fp32 bits; pass zeros). ``K`` at most 16384
     (``rowwise.col_amax_fits``); ``rows_per_program`` as in ``launch_expert_rowwise_col_amax``."""
     E, N, K = w.shape
-    rows_per_program = rows_per_program or col_amax_rows_per_program(N, E)
-    cfg, rows = _col_amax_config(N, K, rows_per_program, tile, num_warps)
+    cfg, rows = expert_strips(E, N, K, rows_per_program, tile, num_warps)
     if E * N == 0:
         return
     launch(_expert_amax_kernel)[(E, cdiv(N, rows))](

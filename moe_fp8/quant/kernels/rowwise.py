@@ -35,6 +35,7 @@ __all__ = [
     "launch_expert_rowwise_col_amax",
     "launch_group_rowwise_amax",
     "col_amax_rows_per_program",
+    "expert_strips",
 ]
 
 # Largest row held in registers in one piece; longer rows loop over K twice, TWO_PASS_BLOCK_K
@@ -348,6 +349,14 @@ def _col_amax_config(M: int, K: int, rows_per_program: int, tile: int, num_warps
     return cfg, min(rows, cdiv(max(M, 1), block_m) * block_m)
 
 
+def expert_strips(E: int, N: int, K: int, rows_per_program: int | None, tile: int,
+                  num_warps: int | None) -> tuple[dict, int]:
+    """Block sizes and rows per program (``ROWS``) of a kernel over ``(E, N, K)`` expert weights whose
+    programs ``(e, j)`` hold strips of whole rows of ``K`` and merge a column amax by atomics
+    (``rows_per_program``: ``None`` for :func:`col_amax_rows_per_program`)."""
+    return _col_amax_config(N, K, rows_per_program or col_amax_rows_per_program(N, E), tile, num_warps)
+
+
 def launch_expert_rowwise_col_amax(
     w: torch.Tensor,
     q: torch.Tensor,
@@ -371,8 +380,7 @@ def launch_expert_rowwise_col_amax(
     atomics: ``E * K`` per ``rows_per_program`` rows.
     """
     E, N, K = w.shape
-    rows_per_program = rows_per_program or col_amax_rows_per_program(N, E)
-    cfg, rows = _col_amax_config(N, K, rows_per_program, tile, num_warps)
+    cfg, rows = expert_strips(E, N, K, rows_per_program, tile, num_warps)
     if E * N == 0:
         return
     launch(_expert_rowwise_col_amax_kernel)[(E, cdiv(N, rows))](
