@@ -33,8 +33,8 @@ from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
 from moe_fp8.optim.adamw_quantize import adamw_hyper, adamw_quantize  # noqa: E402
 from moe_fp8.quant import E4M3FN, E4M3FNUZ  # noqa: E402
 from moe_fp8.quant.formats import FORMAT_ENV_VAR  # noqa: E402
-from moe_fp8.routing import make_dispatch_plan  # noqa: E402
 from moe_fp8.quant.ops import triton_quantize_expert_rowwise_with_amax  # noqa: E402
+from moe_fp8.routing import make_dispatch_plan  # noqa: E402
 
 #: The GPUs checked: launch target and the FP8 format the library takes there.
 TARGETS = {
