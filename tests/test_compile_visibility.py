@@ -1,6 +1,7 @@
 """What ``torch.compile`` sees of the library: our Triton kernels as ``triton_kernel_wrapper`` nodes
 in the AOT graphs (forward and backward), not opaque ``moe_fp8::*`` calls (except the GEMMs that read
-a weight cache: FP8 copies, or amaxes for small groups), and compiled results equal to eager ones. CPU: tiny shapes, Triton interpreter, a graph-capturing AOT backend. GPU:
+a weight cache: FP8 copies, or amaxes for small groups), and compiled results equal to eager ones.
+CPU: tiny shapes, Triton interpreter, a graph-capturing AOT backend. GPU:
 Inductor on converted Hugging Face decoder layers, ``mode="reduce-overhead"`` on a whole model."""
 
 import logging

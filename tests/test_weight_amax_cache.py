@@ -32,7 +32,9 @@ IN_GEMM = "triton:_grouped_mm_dgrad_quantize_w_kernel"
                                                                 (4, 40, 64, True), (1, 300, 128, False)])
 def test_expert_amax_kernel_is_the_reference(E, N, K, stored_transposed):
     gen = torch.Generator().manual_seed(E * N + K)
-    w = torch.randn(E, K, N, generator=gen).transpose(1, 2) if stored_transposed else torch.randn(E, N, K, generator=gen)
+    shape = (E, K, N) if stored_transposed else (E, N, K)
+    w = torch.randn(shape, generator=gen)
+    w = w.transpose(1, 2) if stored_transposed else w
     w = (w * 3).bfloat16()
     w[0].zero_()  # an expert of zeros: amaxes of 0
     dirty_allocator()

@@ -111,9 +111,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def workload(fmt) -> None:
     """Launch every kernel of the library at least once, in the layouts training uses: FP8MoE
     (rowwise, weights cached and not, the gradients' FP8 rows from the SwiGLU and combine backwards
-    and from the dgrads), the forward layout of (E, K, N) storage, the grouped GEMM in each FP8 recipe and adding its weight gradient in
-    place (fp8 and bf16 operands), FP8Linear, the zeroing kernels, the
-    dispatch plan without empty-expert rows, and the fused AdamW + quantize step. Shapes are small
+    and from the dgrads), the forward layout of (E, K, N) storage, the grouped GEMM in each FP8
+    recipe and adding its weight gradient in place (fp8 and bf16 operands), FP8Linear, the zeroing
+    kernels, the dispatch plan without empty-expert rows, and the fused AdamW + quantize step. Shapes are small
     but wide enough (256) for the GPU's widest tiles."""
     torch.manual_seed(0)
     bf16 = torch.bfloat16

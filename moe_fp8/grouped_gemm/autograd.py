@@ -116,11 +116,12 @@ class FP8GroupedMM(torch.autograd.Function):
     its dgrad layout in backward instead of saving that layout from forward. ``cached`` (FP8
     recipes, ``w_quant=None``, a plain ``w``): ``None``, or ``(transposed, training, copies)``: whether
     ``w`` is the transposed view of the parameter whose FP8 layouts (``copies=False``: amaxes)
-    :func:`.compiled_cache.mm_2d3d_cached_weight` reads, and whether the forward runs with gradients. ``wgrad_offs``: the weight gradient's group
-    end offsets over the same rows, or ``None`` (``offs``); rows whose group differs between the two
-    are zero in ``x`` and in the output's gradient (``fp8_grouped_mm``). ``grad_into``: ``None``, or
-    a tensor shaped like ``w`` (its parameter's ``.grad``) that the backward adds the weight
-    gradient to in place, returning no gradient for ``w``.
+    :func:`.compiled_cache.mm_2d3d_cached_weight` reads, and whether the forward runs with gradients.
+    ``wgrad_offs``: the weight gradient's group end offsets over the same rows, or ``None``
+    (``offs``); rows whose group differs between the two are zero in ``x`` and in the output's
+    gradient (``fp8_grouped_mm``). ``grad_into``: ``None``, or a tensor shaped like ``w`` (its
+    parameter's ``.grad``) that the backward adds the weight gradient to in place, returning no
+    gradient for ``w``.
     """
 
     @staticmethod

@@ -45,8 +45,8 @@ from . import library as lib
 from . import quant_seam
 from .weight_cache import Fp8WeightCache
 
-__all__ = ["WeightAmax", "WeightQuantizers", "cached_weight_amax", "cached_weight_layouts", "compiled_layout", "compiled_weight_cache",
-           "mm_2d3d_cached_weight", "off_default_stream"]
+__all__ = ["WeightAmax", "WeightQuantizers", "cached_weight_amax", "cached_weight_layouts", "compiled_layout",
+           "compiled_weight_cache", "mm_2d3d_cached_weight", "off_default_stream"]
 
 _CACHE = Fp8WeightCache()
 

@@ -289,7 +289,7 @@ def triton_quantize_expert_colwise_dual(
 def _expert_rowwise_amax_op(w: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     f = _check_expert(w, fmt)
     if not expert_amax_fits(w):
-        raise ValueError(f"w: contiguous rows of {max(w.shape[1:])} elements do not fit the one-read kernel "
+        raise ValueError(f"w: contiguous rows of {_row_length(w)} elements do not fit the one-read kernel "
                          "(at most 16384)")
     return _forward_layout_with_amax(w, f, pow2)
 
@@ -321,7 +321,7 @@ def triton_quantize_expert_rowwise_with_amax(
 def _expert_amax_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _hp("w", w, 3)
     if not expert_amax_fits(w):
-        raise ValueError(f"w: contiguous rows of {max(w.shape[1:])} elements do not fit the one-read kernel "
+        raise ValueError(f"w: contiguous rows of {_row_length(w)} elements do not fit the one-read kernel "
                          "(at most 16384)")
     return _amaxes(w)
 
@@ -350,9 +350,14 @@ def _stored_transposed(w: torch.Tensor) -> bool:
     return w.stride(1) == 1 and w.stride(2) != 1
 
 
+def _row_length(w: torch.Tensor) -> int:
+    """The length of ``w (E, N, K)``'s contiguous rows: ``N`` for (E, K, N) storage, else ``K``."""
+    return w.shape[1] if _stored_transposed(w) else w.shape[2]
+
+
 def expert_amax_fits(w: torch.Tensor) -> bool:
     """Whether :func:`triton_expert_amax` takes ``w``: its contiguous rows of at most 16384 elements."""
-    return col_amax_fits(w.shape[1] if _stored_transposed(w) else w.shape[2])
+    return col_amax_fits(_row_length(w))
 
 
 def triton_expert_amax(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

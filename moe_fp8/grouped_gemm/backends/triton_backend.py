@@ -29,11 +29,13 @@ class TritonBackend(GroupedGemmBackend):
     device_type = "cuda"
     pads_wgrad_groups = True
     #: An uncached weight's dgrad (and its forward, where an amax-only weight cache holds its row
-    #: amax) quantizes the weight inside the GEMM when the groups average at most this many rows (a static rule: no host sync). The GEMM converts each weight tile once
-    #: per 256-row tile of its expert, where the dgrad layout kernel reads and writes every weight
-    #: once. One H100 (``benchmarks/results/dgrad_quantize_w_h100.md``, 65536 rows): 512 rows per
+    #: amax) quantizes the weight inside the GEMM when the groups average at most this many rows (a
+    #: static rule: no host sync). The GEMM converts each weight tile once per 256-row tile of its
+    #: expert, where the layout kernel reads and writes every weight once. One H100
+    #: (``benchmarks/results/dgrad_quantize_w_h100.md``, 65536 rows): 512 rows per
     #: group (Qwen3-30B-A3B) 1.31-1.38x faster than layout + GEMM, 2048 (DeepSeek-V3, 32 experts)
-    #: 0.78-0.90x; from the conversion's cost per row tile the two meet near 1000 rows.
+    #: 0.78-0.90x; from the conversion's cost per row tile the two meet near 1000 rows. The forward
+    #: (``forward_quantize_w_h100.md``): 1.21-1.45x at Qwen3-30B-A3B's sizes, 0.65-0.82x at DeepSeek-V3's.
     quantize_w_max_rows_per_group: int = 768
 
     def unavailable_reason(self, device: torch.device) -> str | None:
