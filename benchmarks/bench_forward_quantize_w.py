@@ -6,8 +6,8 @@ layout kernel, which also reduces the dgrad's column amax from the same read) an
 GEMM reads the FP8 copy. The in-GEMM dgrad kernel (``triton_grouped_mm_dgrad_quantize_w``) computes
 the same product from the BF16 weight when it is handed ``w.transpose(1, 2)`` and ``w``'s row amax
 ``(E, N)``: per output column scales, the FP8 tiles equal the forward layout's. The amax must be
-known before the GEMM: a per-weight-version amax (once per optimizer step) would supply it; it is
-taken as given here. Same shapes as ``bench_dgrad_quantize_w.py`` (8 x 1024 tokens; Qwen3-30B-A3B and
+known before the GEMM: the experts' amax-only weight cache (``Fp8WeightCache(copies=False)``, one
+read of the weight per weight state) supplies it; it is taken as given here. Same shapes as ``bench_dgrad_quantize_w.py`` (8 x 1024 tokens; Qwen3-30B-A3B and
 DeepSeek-V3 top-8, Llama 4 Scout top-1 with its weights stored ``(E, K, N)``), every expert routed
 and an eighth of them. Medians of CUDA-event times; ``max gap``: the largest difference of the two
 fp32 outputs over the largest output.

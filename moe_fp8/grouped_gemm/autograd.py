@@ -153,7 +153,7 @@ def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, ba
     if scaling is None:
         return same_or_cast(lib.bf16_mm_2d3d(backend, x, w, offs, True), out_dtype), (x, w, offs, wgrad_offs)
     fused = get_backend(backend).fused_quant
-    ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant
+    ctx.w_saved = save_w  # fp8_grouped_mm sets it only for rowwise without w_quant (WeightAmax sets it below)
     ctx.w_operands = None
     ctx.cached = cached
     w_amax = w_quant if isinstance(w_quant, WeightAmax) else None

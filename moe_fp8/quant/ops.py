@@ -186,10 +186,13 @@ def _layout_buffers(w: torch.Tensor, f: Float8Format, transposed: bool) -> tuple
 
 def _expert_layout(w: torch.Tensor, f: Float8Format, pow2: bool, transposed: bool,
                    after: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layout of ``w``, one launch: rows over K (forward) or the column-wise kernel (dgrad)."""
+    """One layout of ``w``, one launch: rows over K (forward) or the column-wise kernel (dgrad). The
+    forward layout of a transposed view of ``(E, K, N)`` storage is the storage's column-wise layout:
+    the row kernel would read rows of K strided by N (see :func:`_forward_layout_with_amax`)."""
     q, scale = _layout_buffers(w, f, transposed)
-    if transposed:
-        launch_expert_colwise_t(w, q, scale, f, pow2, after=after)
+    if transposed or _stored_transposed(w):
+        src = w if transposed else w.transpose(1, 2)
+        launch_expert_colwise_t(src, q, scale, f, pow2, after=after)
     else:
         E, N, K = w.shape
         launch_rowwise(w, q, scale, f, pow2, M=E * N, K=K, rows_per_group=N, stride_g=w.stride(0),
