@@ -173,7 +173,8 @@ def quantize_weight_forward_layout(
         ``q (E, N, K)`` contiguous and ``s (E, N)`` (amax over K), the same bytes as
         ``quantize_weight``; and ``col_amax (E, K)`` fp32, the amax over N, for
         :func:`quantize_weight_dgrad_layout`. The kernels take it from the same read of ``w``
-        (contiguous rows of at most 16384 elements; longer rows reduce it with torch).
+        (contiguous rows of at most 16384 elements; longer rows reduce it with torch; a view of
+        ``(E, K, N)`` storage is read twice along the storage's rows).
     Used when no cache holds the weights: the forward quantizes its layout and the backward the
     dgrad one from the saved ``w`` and ``col_amax``, so no FP8 copy lives from forward to backward.
     """

@@ -314,7 +314,9 @@ def triton_quantize_expert_rowwise_with_amax(
     ``triton_quantize_expert_colwise(w)``), and ``col_amax (E, K)`` fp32, the amax over N of every
     expert column (``reference.expert_amax(w, transposed=True)``). Hand ``col_amax`` to
     :func:`triton_quantize_expert_colwise_from_amax` for the dgrad layout at one read and one
-    write of ``w``. ``K`` at most 16384 (whole rows in registers).
+    write of ``w``. Contiguous rows of at most 16384 elements (:func:`expert_amax_fits`); a
+    transposed view of ``(E, K, N)`` storage is read twice along the storage's rows (amaxes, then
+    the layout) instead of once across them.
     """
     _hp("w", w, 3)
     return _expert_rowwise_amax_op(w, _format(fmt, w.device).name, bool(pow2))
