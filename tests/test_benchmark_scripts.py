@@ -183,6 +183,26 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
         models.collect("cpu", models=["llama3_8b"], layers=0)
 
 
+def test_bench_llama4_is_opt_in_and_converts_whole_blocks_cpu(torch_references):
+    """The Llama 4 stand-in (every layer MoE, top-1, a shared expert) runs only when named: its MoE
+    blocks become ``FP8Llama4TextMoe`` with FP8 experts and it trains close to the unconverted loss;
+    an unknown model name is refused with the names there are."""
+    pytest.importorskip("transformers")
+    from moe_fp8.bench import models
+    from moe_fp8.layers.hf_blocks import FP8Llama4TextMoe
+
+    base = models.build(models._spec("llama4_scout", "cpu", None), 32, "cpu")
+    assert type(base).__name__ == "Llama4ForCausalLM" and base.config.moe_layers == [0, 1]
+    blocks = [m for m in models.convert(base, "ours_fp8_experts", None).modules() if isinstance(m, FP8Llama4TextMoe)]
+    assert len(blocks) == 2 and all(b.experts.recipe.name.startswith("rowwise") for b in blocks)
+    rows = models.collect("cpu", models=["llama4_scout"], loss_steps=3, variants=["hf_bf16", "ours_fp8_experts"])
+    assert [r["variant"] for r in rows] == ["hf_bf16", "ours_fp8_experts"] and all("error" not in r for r in rows), rows
+    assert 4.0 < rows[1]["final_loss"] < 6.5 and abs(rows[1]["loss_gap"]) < 0.02
+    assert "llama4_scout" in models.OPT_IN and set(models.MODELS) >= set(models.OPT_IN)
+    with pytest.raises(ValueError, match=r"models: unknown \['qwen3_30b'\] on cpu"):
+        models.collect("cpu", models=["qwen3_30b"])
+
+
 def test_bench_router_aux_loss_is_added_to_the_step_loss(torch_references):
     """``router_aux_loss``: the Qwen3-MoE stand-in returns its load-balancing loss and the step's loss
     is the cross-entropy plus the coefficient times it; other families ignore the coefficient; a

@@ -8,7 +8,10 @@ Models (real layer sizes, few layers, byte-level vocabulary, 8 x 1024 tokens per
 * ``qwen3_30b``: Qwen3-30B-A3B layer sizes (hidden 2048, 128 experts, I = 768, top-8), 2 layers;
 * ``dsv3``: DeepSeek-V3 layer sizes (hidden 7168, MLA, 32 experts, I = 2048, top-8, one shared
   expert), one dense layer (I = 18432) and one MoE layer;
-* ``llama3_8b``: Llama3-8B layer sizes (dense: hidden 4096, I = 14336, 32 heads, 8 KV heads), 4 layers.
+* ``llama3_8b``: Llama3-8B layer sizes (dense: hidden 4096, I = 14336, 32 heads, 8 KV heads), 4 layers;
+* ``llama4_scout``: Llama 4 Scout layer sizes (hidden 5120, 16 experts, I = 8192, top-1, one shared
+  expert, 40 heads, 8 KV heads, every layer MoE), 2 layers; run only when named (``OPT_IN``): a layer
+  holds 2.2 B parameters, so with AdamW's state 2 layers take ~40 GiB and 4 do not fit an 80 GiB GPU.
 
 ``layers`` (``--layers``) gives every model that many decoder layers instead (DeepSeek-V3's first
 stays its dense layer).
@@ -109,8 +112,8 @@ LOSS_VARIANTS = ("hf_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_experts_ca
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Sizes of one benchmark model (``family``: ``"qwen3"``, ``"deepseek_v3"`` or ``"llama"``;
-    ``expert_hidden`` is the MLP's intermediate size of a dense model)."""
+    """Sizes of one benchmark model (``family``: ``"qwen3"``, ``"deepseek_v3"``, ``"llama"`` or
+    ``"llama4"``; ``expert_hidden`` is the MLP's intermediate size of a dense model)."""
 
     family: str
     hidden: int
@@ -133,13 +136,17 @@ MODELS = {
     "qwen3_30b": ModelSpec("qwen3", 2048, 128, 768, 8, 2, 32),
     "dsv3": ModelSpec("deepseek_v3", 7168, 32, 2048, 8, 2, 128, dense_layers=1, dense_hidden=18432),
     "llama3_8b": ModelSpec("llama", 4096, 0, 14336, 0, 4, 32),
+    "llama4_scout": ModelSpec("llama4", 5120, 16, 8192, 1, 2, 40, dense_hidden=16384),
 }
 #: the CPU smoke run's stand-ins (same families, tiny)
 CPU_MODELS = {
     "qwen3_h1024": ModelSpec("qwen3", 64, 8, 32, 2, 1, 4),
     "dsv3": ModelSpec("deepseek_v3", 64, 8, 32, 2, 2, 4, dense_layers=1, dense_hidden=64),
     "llama3_8b": ModelSpec("llama", 64, 0, 128, 0, 2, 4),
+    "llama4_scout": ModelSpec("llama4", 64, 4, 32, 1, 2, 4, dense_hidden=64),
 }
+#: models that run only when named (``collect(models=...)``, ``--models``)
+OPT_IN = ("llama4_scout",)
 
 
 def hf_config(spec: ModelSpec, seq: int):
@@ -152,6 +159,13 @@ def hf_config(spec: ModelSpec, seq: int):
 
         return LlamaConfig(intermediate_size=spec.expert_hidden, num_key_value_heads=max(1, spec.heads // 4),
                            **common)
+    if spec.family == "llama4":
+        from transformers import Llama4TextConfig
+
+        return Llama4TextConfig(intermediate_size=spec.expert_hidden, intermediate_size_mlp=spec.dense_hidden,
+                                num_local_experts=spec.experts, num_experts_per_tok=spec.top_k,
+                                num_key_value_heads=max(1, spec.heads // 5), head_dim=spec.hidden // spec.heads,
+                                interleave_moe_layer_step=1, **common)
     if spec.family == "qwen3":
         from transformers import Qwen3MoeConfig
 
@@ -480,7 +494,10 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
         raise ValueError(f"variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
     gpu = device == "cuda"
     table = MODELS if gpu else CPU_MODELS
-    names = models or list(table)
+    unknown = [name for name in models or () if name not in table]
+    if unknown:
+        raise ValueError(f"models: unknown {unknown} on {device}; expected some of {sorted(table)}")
+    names = models or [name for name in table if name not in OPT_IN]
     modes = modes or (list(MODES) if gpu else ["eager"])
     batch, seq = _shapes(device)
     loss_steps = loss_steps or (150 if gpu else 3)
