@@ -274,7 +274,9 @@ def cache_never_stale() -> None:
     """With and without the FP8 weight cache, 3 AdamW steps (lr 0.05: a stale FP8 copy would be far
     off) of 2 micro-batches on (dp_shard 2, ep 2): outputs and parameters bitwise equal throughout;
     each entry misses once per step and hits at the second micro-batch (its weights gathered anew),
-    except in the first step, whose first micro-batch keeps nothing (two misses)."""
+    except in the first step, whose first micro-batch keeps nothing (two misses). The model without
+    it keeps amaxes alone, keyed on the same sharded state (served where the GEMMs quantize the
+    weight themselves, not on this backend)."""
     rank, dp = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
     models = [parallelize(tiny_lm("rowwise"), mesh, cache_weights=c) for c in (True, False)]
@@ -299,6 +301,9 @@ def cache_never_stale() -> None:
             o.step()
             o.zero_grad()
     assert all(c.hits == 2 for c in caches), f"cache: expected a hit at the second micro-batch of steps 2, 3: {caches}"
+    amax_caches = [c for m in models[1].modules() if isinstance(m, FP8GroupedExperts) for c in m._caches]
+    assert amax_caches and not any(c.copies for c in amax_caches)
+    assert all(c.source_stamp is not None for c in amax_caches), "cache: the amax-only caches are not keyed"
     for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(_full(p.detach()), _full(q.detach())), f"cache: {n} differs from the uncached model"
 

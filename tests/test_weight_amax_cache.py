@@ -187,6 +187,42 @@ def test_uncached_module_keeps_amaxes_only(compiled):
         assert [(c.misses, c.hits) for c in amax_only.experts._caches] == [(2, 1), (2, 1)]
 
 
+@needs_cpu_kernel
+def test_fsdp_managed_module_keeps_amaxes_under_a_stamp():
+    """Experts that FSDP gathers read the amax-only caches only once ``parallelize``'s pre-hook keys
+    them on the sharded state (``_stamp_caches``): unkeyed, nothing is kept; keyed, the amaxes are
+    kept from a state's second forward, and an in-place update (a new stamp) is never served the
+    old state's amaxes. Outputs match the same module without caches to one rounding."""
+    from moe_fp8.parallel.fsdp import _stamp_caches
+
+    stamped, plain = _moe(False, 5), _moe(False, 5)
+    plain.experts.cache_weights = True  # then back: fresh, empty amax-only caches that nothing keys
+    plain.experts.cache_weights = False
+    for m in (stamped, plain):
+        m.experts._is_fsdp_managed_module = True
+    gen = torch.Generator().manual_seed(6)
+
+    def forwards(n: int, stamp: bool) -> None:
+        for _ in range(n):
+            if stamp:
+                _stamp_caches([stamped.experts], stamped, ())
+            x = torch.randn(24, 64, generator=gen).bfloat16()
+            with torch.no_grad():
+                _assert_one_rounding(stamped(x), plain(x))
+
+    forwards(3, stamp=False)
+    assert [(c.misses, c.hits, len(c)) for c in stamped.experts._caches] == [(0, 0, 0)] * 2
+    forwards(3, stamp=True)
+    assert [(c.misses, c.hits) for c in stamped.experts._caches] == [(2, 1)] * 2
+    with torch.no_grad():
+        for m in (stamped, plain):
+            m.experts.gate_up_proj.mul_(4.0)
+            m.experts.down_proj.mul_(0.25)
+    forwards(2, stamp=True)
+    assert [(c.misses, c.hits) for c in stamped.experts._caches] == [(4, 1)] * 2
+    assert all(len(c) == 0 for c in plain.experts._caches)
+
+
 # ---- GPU: the sizes it runs at ---------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -119,7 +119,9 @@ def parallelize(
             Off by default. Its copies are keyed on the sharded parameters' version counters and
             on the count of ``torch.optim`` steps (any optimizer's): an optimizer outside
             ``torch.optim`` that writes the weights must call ``Fp8WeightCache.invalidate`` on the
-            experts' caches.
+            experts' caches. Off, the experts keep each weight state's amaxes alone (4 bytes per
+            row and column, keyed the same way), which spares the GEMMs that quantize the weight
+            themselves a read of it per micro-batch.
         fp8_all_gather: FSDP all-gathers the routed experts' weights as rowwise FP8 (each shard
             quantized before the gather, in the layout the grouped GEMMs of that pass take) instead
             of in their dtype; bitwise the same training (``moe_fp8.parallel.fp8_all_gather``).
@@ -192,12 +194,13 @@ def parallelize(
 
 
 def _shard(unit: nn.Module, mesh: DeviceMesh, experts: list[FP8GroupedExperts], fsdp: dict, placement=None) -> None:
-    """``fully_shard`` ``unit``; key the FP8 weight caches of the ``experts`` whose parameters it
-    gathers on their sharded state (a forward pre-hook that runs before FSDP's)."""
+    """``fully_shard`` ``unit``; key the weight caches (FP8 copies, or amaxes only) of the FP8
+    ``experts`` whose parameters it gathers on their sharded state (a forward pre-hook that runs
+    before FSDP's)."""
     fully_shard(unit, mesh=mesh, shard_placement_fn=placement, **fsdp)
-    cached = [e for e in experts if e.cache_weights]
-    if cached:
-        unit.register_forward_pre_hook(functools.partial(_stamp_caches, cached), prepend=True)
+    fp8 = [e for e in experts if e.recipe.is_fp8]
+    if fp8:
+        unit.register_forward_pre_hook(functools.partial(_stamp_caches, fp8), prepend=True)
 
 
 def _expert_placement(experts: list[FP8GroupedExperts], layout: ParallelLayout):
@@ -302,7 +305,7 @@ def _shard_over_ep(experts: FP8GroupedExperts, layout: ParallelLayout, dispatch:
 
 
 def _stamp_caches(experts: list[FP8GroupedExperts], unit: nn.Module, args) -> None:
-    """Forward pre-hook of an FSDP unit, before its all-gather: key the FP8 weight caches of
+    """Forward pre-hook of an FSDP unit, before its all-gather: key the weight caches of
     ``experts`` on the identities and version counters of the parameters registered now: the
     sharded ones, which the optimizer step and loads bump, and which FSDP is about to gather from;
     or, where FSDP did not reshard since their last use (and so gathers nothing), the unsharded
