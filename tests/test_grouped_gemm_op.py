@@ -332,7 +332,8 @@ def test_uncached_rowwise_saves_no_fp8_weight_copy(layout, backend):
 @pytest.mark.parametrize("recipe", ["bf16", "rowwise"])
 def test_transposed_view_weights_match_contiguous(recipe, backend):
     """w given as the transposed view of (E, K, N) storage (Llama 4's layout): same bits as the
-    contiguous copy, gradient into the storage, and the weight cache hits across views."""
+    contiguous copy, the gradient in the storage's own layout (contiguous: autograd keeps it and
+    adds to it without a strided copy), and the weight cache hits across views."""
     x, w, g, offs = make_inputs(48, 32, 48, 3, 45, "balanced", seed=11)
     storage = w.detach().transpose(1, 2).contiguous().requires_grad_()  # (E, K, N)
     want = run(x, w, g, offs, recipe=recipe, backend=backend)
@@ -340,6 +341,9 @@ def test_transposed_view_weights_match_contiguous(recipe, backend):
     y.backward(g)
     assert torch.equal(y, want[0])
     assert torch.equal(storage.grad.transpose(1, 2), want[2])
+    (dw,) = torch.autograd.grad(fp8_grouped_mm(x, storage.transpose(1, 2), offs, recipe=recipe, backend=backend),
+                                (storage,), g)  # as the GEMMs made it, before autograd accumulates it
+    assert torch.equal(dw, storage.grad) and dw.is_contiguous()
     if recipe != "bf16":
         cache = Fp8WeightCache()
         for _ in range(3):  # a new view object every call, as a module makes it

@@ -281,6 +281,9 @@ def test_transposed_view_weights_gpu(backend, recipe):
     tol = {} if recipe == "bf16" else dict(rtol=0, atol=0)
     torch.testing.assert_close(y, want[0], **tol)
     torch.testing.assert_close(storage.grad.transpose(1, 2), want[2], **tol)
+    (dw,) = torch.autograd.grad(fp8_grouped_mm(x, storage.transpose(1, 2), offs, recipe=recipe, backend=backend),
+                                (storage,), g)
+    assert dw.is_contiguous()  # made in the storage's own layout, before autograd accumulates it
 
 
 @pytest.mark.parametrize("limit, same_as", [(256, "hybrid"), (255, "cuda")])

@@ -145,6 +145,7 @@ def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, ba
     other backwards add to it in between)."""
     ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
     ctx.w_dtype = w.dtype
+    ctx.dw_transposed = _column_major(w)
     ctx.grad_into = grad_into
     ctx.empty = x.shape[0] == 0
     if ctx.empty:  # static shape: no GEMM to run, dw = 0
@@ -335,13 +336,27 @@ def _wgrad(ctx, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, g_a
 def _wgrad_gemm(ctx, a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, sb: torch.Tensor | None,
                 offs: torch.Tensor) -> torch.Tensor | None:
     """``a_g^T @ b_g``, ``(E, N, K)``: FP8 operands with their scales (in the weights' dtype), or BF16
-    ones with ``None``; or ``None`` after adding it to ``ctx.grad_into``."""
+    ones with ``None``; or ``None`` after adding it to ``ctx.grad_into``. For a column-major ``w``
+    (the transposed view of ``(E, K, N)`` weights) the GEMM computes ``b_g^T @ a_g`` and returns its
+    transposed view, in ``w``'s strides: the weights' gradient then comes out in their own
+    layout, which autograd keeps and adds to without a strided copy."""
     if ctx.grad_into is not None:
         lib.mm_2d2d_into(ctx.backend, ctx.grad_into, a, sa, b, sb, offs)
         return None
+    if ctx.dw_transposed:
+        a, sa, b, sb = b, sb, a, sa
     if sa is None:
-        return lib.bf16_mm_2d2d(ctx.backend, a, b, offs)
-    return lib.mm_2d2d(ctx.backend, a, sa, b, sb, offs, ctx.w_dtype)
+        dw = lib.bf16_mm_2d2d(ctx.backend, a, b, offs)
+    else:
+        dw = lib.mm_2d2d(ctx.backend, a, sa, b, sb, offs, ctx.w_dtype)
+    return dw.transpose(1, 2) if ctx.dw_transposed else dw
+
+
+def _column_major(w: torch.Tensor) -> bool:
+    """Whether every expert matrix of ``w (E, N, K)`` is column-major and not also row-major (a
+    transposed view of ``(E, K, N)`` weights)."""
+    E, N, K = w.shape
+    return w.stride(1) == 1 and w.stride(2) == N and not (w.stride(2) == 1 and w.stride(1) == K)
 
 
 def _wgrad_tensorwise(ctx, grad_out: torch.Tensor, g_fp8: tuple[torch.Tensor, torch.Tensor] | None,
