@@ -76,32 +76,44 @@ class _Recorder:
         self.aliases: dict[Launch, set[tuple[str, ...]]] = {}
 
     def __enter__(self):
-        self._run = InterpretedFunction.run
-        recorder = self
+        # triton >= 3.6 launches through the class's ``run``; 3.4 / 3.5 through ``kernel[grid]``,
+        # an executor made by ``__getitem__`` (their ``run`` is an attribute of each kernel)
+        self._patched = "run" if "run" in vars(InterpretedFunction) else "__getitem__"
+        self._original = getattr(InterpretedFunction, self._patched)
+        original = self._original
 
         def run(fn, *args, grid, warmup, **kwargs):
-            options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
-            params = dict(zip(fn.arg_names, args))
-            params.update(kwargs)
-            described = tuple((name, _describe(params[name])) for name in fn.arg_names if name in params)
-            launch = Launch(fn.fn.__module__, fn.fn.__name__, described, tuple(sorted(options.items())))
-            recorder.launches[launch] = None
-            tensors = {n: v for n, v in params.items() if isinstance(v, torch.Tensor)}
-            before = {n: _bytes(t).clone() for n, t in tensors.items()}
-            result = recorder._run(fn, *args, grid=grid, warmup=warmup, **kwargs)
-            changed = {n for n, t in tensors.items() if not torch.equal(_bytes(t), before[n])}
-            recorder.written.setdefault(launch, set()).update(changed)
-            storages: dict[int, list[str]] = {}
-            for n, t in tensors.items():
-                storages.setdefault(t.untyped_storage().data_ptr(), []).append(n)
-            recorder.aliases.setdefault(launch, set()).update(tuple(g) for g in storages.values() if len(g) > 1)
-            return result
+            return self._launch(fn, args, kwargs, lambda kw: original(fn, *args, grid=grid, warmup=warmup, **kw))
 
-        InterpretedFunction.run = run
+        def getitem(fn, grid):
+            execute = original(fn, grid)
+            return lambda *args, **kwargs: self._launch(fn, args, kwargs, lambda kw: execute(*args, **kw))
+
+        setattr(InterpretedFunction, self._patched, run if self._patched == "run" else getitem)
         return self
 
     def __exit__(self, *exc) -> None:
-        InterpretedFunction.run = self._run
+        setattr(InterpretedFunction, self._patched, self._original)
+
+    def _launch(self, fn, args: tuple, kwargs: dict, call):
+        """Record the launch of ``fn`` with ``args``, ``kwargs`` and run it (``call(kwargs)``, the
+        launch options left out): the arguments it wrote and those that shared a storage."""
+        options = {k: kwargs.pop(k) for k in _LAUNCH_OPTIONS if k in kwargs}
+        params = dict(zip(fn.arg_names, args))
+        params.update(kwargs)
+        described = tuple((name, _describe(params[name])) for name in fn.arg_names if name in params)
+        launch = Launch(fn.fn.__module__, fn.fn.__name__, described, tuple(sorted(options.items())))
+        self.launches[launch] = None
+        tensors = {n: v for n, v in params.items() if isinstance(v, torch.Tensor)}
+        before = {n: _bytes(t).clone() for n, t in tensors.items()}
+        result = call(kwargs)
+        changed = {n for n, t in tensors.items() if not torch.equal(_bytes(t), before[n])}
+        self.written.setdefault(launch, set()).update(changed)
+        storages: dict[int, list[str]] = {}
+        for n, t in tensors.items():
+            storages.setdefault(t.untyped_storage().data_ptr(), []).append(n)
+        self.aliases.setdefault(launch, set()).update(tuple(g) for g in storages.values() if len(g) > 1)
+        return result
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import concurrent.futures
 import datetime
 import importlib
 import json
+import multiprocessing
 import os
 import pkgutil
 import re
@@ -220,7 +221,8 @@ def main() -> int:
         if target == "sm_90a":
             traced = traced_writes.check(launches, _source, GPU_TARGETS[target])
             print(f"sm_90a: torch's analysis of traced kernels, {len(traced)} problems", flush=True)
-        with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        # fresh processes: a worker forked after the recording crashes in triton 3.4 / 3.5's compiler
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             rows += list(pool.map(compile_one, [target] * len(launches), launches))
         failed = sum(not r["ok"] for r in rows if r["target"] == target)
         print(f"{target}: {len(launches)} specializations, {failed} failed", flush=True)

@@ -63,12 +63,15 @@ def _sm90_analysis() -> Iterator[_Warnings]:
     handler = _Warnings()
     logger.addHandler(handler)
     drivers = triton.runtime.driver
-    previous = drivers._active  # None without a GPU (reset_active would then raise)
+    # the active driver as stored: None without a GPU (reset_active would then raise) from triton
+    # 3.6 on, whose property creates it on first read; a lazy proxy before
+    slot = "_active" if hasattr(drivers, "_active") else "active"
+    previous = getattr(drivers, slot)
     drivers.set_active(_Sm90Driver())
     try:
         yield handler
     finally:
-        drivers._active = previous
+        setattr(drivers, slot, previous)
         logger.removeHandler(handler)
 
 
