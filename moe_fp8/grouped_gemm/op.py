@@ -197,7 +197,7 @@ def grouped_mm_arguments(
         raise ValueError("save_x_fp8: needs x_fp8 (the FP8 rows to keep for the backward)")
     x, w_mat = (x if save_x_fp8 else x.contiguous()), _matrix_layout(w)
     save_w = (not quantized and w_quant is None and cached is None and rec.scaling == "rowwise" and w_mat is w
-              and (_kept_alive(w) or torch.compiler.is_compiling()))
+              and (torch.compiler.is_compiling() or _kept_alive(w)))
     return (x, w_mat, offs, w_quant, x_fp8, rec.scaling, rec.fp8_wgrad, be.name, fmt, rec.pow2_scales, out_dtype, save_w,
             bool(save_x_fp8), cached, wgrad_offs, grad_into)
 
