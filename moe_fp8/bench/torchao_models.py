@@ -1,8 +1,11 @@
 """TorchAO's float8 training applied to a Hugging Face model, as a TorchAO user would apply it.
 
 * dense linears: ``torchao.float8.convert_to_float8_training`` with the recipe's config and TorchAO's
-  own size filter for rowwise scaling (``_auto_filter_for_recipe("rowwise", ...)``; ``lm_head`` and
-  the routers' gates left out), for ``rowwise`` and ``rowwise_with_gw_hp``;
+  own size filter for rowwise scaling (``_auto_filter_for_recipe("rowwise", ...)``; ``lm_head``, the
+  routers' gates and Llama 4's ``shared_expert.down_proj`` left out), for ``rowwise`` and
+  ``rowwise_with_gw_hp``. ``Llama4TextMoe`` adds the routed output to its shared expert's output in
+  place, which the output of TorchAO's ``Float8Linear`` (a view made inside its autograd Function)
+  refuses, eagerly and compiled; a TorchAO user would leave that linear out;
 * routed experts (``experts=True``): ``quantize_(model, Float8TrainingOpConfig())`` on every module
   holding 3D expert weights, with Hugging Face's ``grouped_mm`` experts implementation (the one that
   calls ``torch._grouped_mm``, which TorchAO's weight subclass overrides).
@@ -15,8 +18,9 @@ from __future__ import annotations
 from torch import nn
 
 RECIPES = ("rowwise", "rowwise_with_gw_hp")
-#: substrings of the module names TorchAO leaves in BF16 (the output projection, the routers)
-SKIPPED_FQNS = ["lm_head", "mlp.gate", "router"]
+#: substrings of the module names TorchAO leaves in BF16 (the output projection, the routers, the
+#: linear whose output Llama 4 modifies in place)
+SKIPPED_FQNS = ["lm_head", "mlp.gate", "router", "shared_expert.down_proj"]
 
 
 def available() -> bool:
