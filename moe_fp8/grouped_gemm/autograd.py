@@ -145,7 +145,7 @@ def grouped_mm_forward(ctx, x, w, offs, w_quant, x_quant, scaling, fp8_wgrad, ba
     other backwards add to it in between)."""
     ctx.scaling, ctx.fp8_wgrad, ctx.backend, ctx.fmt, ctx.pow2 = scaling, fp8_wgrad, backend, fmt, pow2
     ctx.w_dtype = w.dtype
-    ctx.dw_transposed = _column_major(w)
+    ctx.dw_transposed = transposed_layout(w) is True
     ctx.grad_into = grad_into
     ctx.empty = x.shape[0] == 0
     if ctx.empty:  # static shape: no GEMM to run, dw = 0
@@ -352,11 +352,15 @@ def _wgrad_gemm(ctx, a: torch.Tensor, sa: torch.Tensor | None, b: torch.Tensor, 
     return dw.transpose(1, 2) if ctx.dw_transposed else dw
 
 
-def _column_major(w: torch.Tensor) -> bool:
-    """Whether every expert matrix of ``w (E, N, K)`` is column-major and not also row-major (a
-    transposed view of ``(E, K, N)`` weights)."""
+def transposed_layout(w: torch.Tensor) -> bool | None:
+    """Whether ``w (E, N, K)`` is the transposed view of ``(E, K, N)`` weights (False: ``nn.Linear``
+    layout; ``None``: neither, so ``fp8_grouped_mm`` takes a contiguous copy)."""
     E, N, K = w.shape
-    return w.stride(1) == 1 and w.stride(2) == N and not (w.stride(2) == 1 and w.stride(1) == K)
+    if w.stride(2) == 1 and w.stride(1) == K:
+        return False
+    if w.stride(1) == 1 and w.stride(2) == N:
+        return True
+    return None
 
 
 def _wgrad_tensorwise(ctx, grad_out: torch.Tensor, g_fp8: tuple[torch.Tensor, torch.Tensor] | None,

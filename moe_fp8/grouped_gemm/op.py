@@ -10,7 +10,7 @@ from .. import valid_offsets
 from ..checks import check_multiple_of, check_offsets, check_offsets_values, check_same_device, check_tensor
 from ..quant.formats import resolve_format
 from ..quant.recipes import Float8Recipe, get_recipe
-from .autograd import FP8GroupedMM
+from .autograd import FP8GroupedMM, transposed_layout
 from .backends import select_backend
 from .compiled_cache import cached_weight_amax, cached_weight_layouts
 from .quantized_weight import QuantizedExpertWeight
@@ -180,7 +180,7 @@ def grouped_mm_arguments(
         if hasattr(w, "_fp8_cache_source"):
             raise ValueError("w: under torch.compile pass the weight itself in x's dtype, not a stand-in")
         if weight_cache.copies or _amax_serves(rec, be, w, M, E):
-            cached = _transposed_layout(w), torch.is_grad_enabled(), weight_cache.copies
+            cached = transposed_layout(w), torch.is_grad_enabled(), weight_cache.copies
         weight_cache = None
     if weight_cache is not None and rec.is_fp8 and not weight_cache.copies:
         if _amax_serves(rec, be, w, M, E):  # None where the cache keeps nothing: as without a cache
@@ -207,7 +207,7 @@ def _amax_serves(rec: Float8Recipe, be, w: torch.Tensor, m: int, groups: int) ->
     groups small enough for the backend to quantize the weight inside its GEMMs, and ``w`` the weight
     itself (not a stand-in, which holds no values) in either matrix layout."""
     return (rec.scaling == "rowwise" and be.quantizes_w_in_gemm(m, groups) and not hasattr(w, "_fp8_cache_source")
-            and _transposed_layout(w) is not None)
+            and transposed_layout(w) is not None)
 
 
 def _safe_offsets(offs: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
@@ -239,18 +239,7 @@ def _matrix_layout(w: torch.Tensor) -> torch.Tensor:
     Every quantizer takes any strides and ``torch._grouped_mm`` takes both layouts, so the
     transposed view of a parameter is never copied (nor is its gradient copied back).
     """
-    return w if _transposed_layout(w) is not None else w.contiguous()
-
-
-def _transposed_layout(w: torch.Tensor) -> bool | None:
-    """Whether ``w (E, N, K)`` is the transposed view of ``(E, K, N)`` weights (False: ``nn.Linear``
-    layout; ``None``: neither, so ``_matrix_layout`` copies it)."""
-    E, N, K = w.shape
-    if w.stride(2) == 1 and w.stride(1) == K:
-        return False
-    if w.stride(1) == 1 and w.stride(2) == N:
-        return True
-    return None
+    return w if transposed_layout(w) is not None else w.contiguous()
 
 
 def _check_x_fp8(x_fp8, rec: Float8Recipe, fmt: str, x: torch.Tensor) -> None:
