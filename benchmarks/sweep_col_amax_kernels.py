@@ -15,6 +15,7 @@ column and program). ``default`` marks the configuration the launchers pick.
 
     PYTHONPATH=. python benchmarks/sweep_col_amax_kernels.py --out DIR   (or with the package installed)
     ... --quick: the launchers' defaults and 128 rows per program only
+    ... --shapes dense: only the shapes whose name contains "dense"
 """
 
 from __future__ import annotations
@@ -47,12 +48,15 @@ WEIGHTS = [  # (name, E, N, K)
     ("Qwen3-30B-A3B w1, 128 experts", 128, 1536, 2048),
 ]
 ROWS = (8, 16, 32, 64, 128)
-WARPS_TILE = ((None, rowwise.TILE_ELEMENTS), (16, rowwise.TILE_ELEMENTS))
+WARPS_TILE = ((None, rowwise.TILE_ELEMENTS), (8, rowwise.TILE_ELEMENTS), (16, rowwise.TILE_ELEMENTS),
+              (None, 2 * rowwise.TILE_ELEMENTS), (16, 2 * rowwise.TILE_ELEMENTS))
 
 
-def sweep_activations(fmt, configs, copy: float) -> list[dict]:
+def sweep_activations(fmt, configs, copy: float, shapes: str) -> list[dict]:
     rows_out = []
     for name, M, K, G in ACTIVATIONS:
+        if shapes not in name:
+            continue
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         offs = torch.linspace(M / G, M, G, device="cuda").round().to(torch.int32)
         q = torch.empty(M, K, device="cuda", dtype=fmt.torch_dtype)
@@ -71,9 +75,11 @@ def sweep_activations(fmt, configs, copy: float) -> list[dict]:
     return rows_out
 
 
-def sweep_weights(fmt, configs, copy: float) -> list[dict]:
+def sweep_weights(fmt, configs, copy: float, shapes: str) -> list[dict]:
     rows_out = []
     for name, E, N, K in WEIGHTS:
+        if shapes not in name:
+            continue
         w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
         q = torch.empty(E, N, K, device="cuda", dtype=fmt.torch_dtype)
         scale = torch.empty(E, N, device="cuda", dtype=torch.float32)
@@ -105,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--quick", action="store_true", help="the defaults and 128 rows per program only")
+    parser.add_argument("--shapes", default="", help="only the shapes whose name contains this text")
     args = parser.parse_args()
     fmt = resolve_format(None, torch.device("cuda"))
 
@@ -114,7 +121,7 @@ def main() -> None:
         return [(rows, warps, tile) for rows, (warps, tile) in itertools.product(ROWS, WARPS_TILE)]
 
     copy = copy_gbps()
-    rows_out = sweep_activations(fmt, configs, copy) + sweep_weights(fmt, configs, copy)
+    rows_out = sweep_activations(fmt, configs, copy, args.shapes) + sweep_weights(fmt, configs, copy, args.shapes)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
