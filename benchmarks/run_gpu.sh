@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/run_gpu.sh STAGE [OUT]
 #   STAGE: tests [PATH...] (the GPU tests of PATHs, default all of tests/, in $WORKERS pytest-xdist
-#   processes, default 4; the failures' names in the log's last lines) | ep | epscale | parscale (every GPU, torchrun: moe_fp8.bench.ep_scaling / parallel_step; run
+#   processes, default one per 32 GiB of GPU memory, at most 4: the largest tests hold 22-26 GiB each;
+#   the failures' names in the log's last lines) | ep | epscale | parscale (every GPU, torchrun: moe_fp8.bench.ep_scaling / parallel_step; run
 #   parscale on one GPU too, then `python -m moe_fp8.bench.parallel_step --weak-scaling --out DIR` over the
 #   reports gathered in DIR tabulates weak scaling) | parallel | harness | demo | weightquant | layerpeak (benchmarks/bench_layer_peak.py) | gradacc (the GPU tests of
 #   tests/test_grad_accumulation.py, benchmarks/bench_grad_accumulation.py) | models | dsv3 | qwen3 | llama4 (the last four:
@@ -45,7 +46,8 @@ run() {  # run LIMIT_SECONDS LOG command...
 }
 
 case $stage in
-  tests)   run 570 gpu_tests.log python3 -m pytest -q -m gpu -n "${WORKERS:-4}" -rfE -p no:cacheprovider \
+  tests)   workers=${WORKERS:-$(python3 -c "import torch; print(max(1, min(4, torch.cuda.get_device_properties(0).total_memory // 2**35)))")}
+           run 570 gpu_tests.log python3 -m pytest -q -m gpu -n "$workers" -rfE -p no:cacheprovider \
              --durations=10 "${@:-tests}" ;;
   ep)      run 300 expert_parallel_tests.log python3 -m pytest -q -m gpu tests/test_expert_parallel_gpu.py \
              tests/test_multi_gpu.py -p no:cacheprovider
