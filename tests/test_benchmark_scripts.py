@@ -203,6 +203,26 @@ def test_bench_llama4_is_opt_in_and_converts_whole_blocks_cpu(torch_references):
         models.collect("cpu", models=["qwen3_30b"])
 
 
+def test_torchao_filter_leaves_out_llama4_shared_down_proj_only():
+    """TorchAO's dense conversion leaves out the ``shared_expert.down_proj`` of each ``Llama4TextMoe``
+    (that block adds to its output in place), by full name, and nothing more in other models."""
+    transformers = pytest.importorskip("transformers")
+    from moe_fp8.bench import torchao_models
+
+    common = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    llama4 = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, head_dim=8, **common))
+    extra = torchao_models.skipped_fqns(llama4)[len(torchao_models.SKIPPED_FQNS):]
+    named = {n for n, _ in llama4.named_modules()}
+    assert extra == ["model.layers.1.feed_forward.shared_expert.down_proj"] and set(extra) <= named
+    qwen2 = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(  # a shared expert, added out of place
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, **common))
+    assert any(n.endswith("shared_expert.down_proj") for n, _ in qwen2.named_modules())
+    assert torchao_models.skipped_fqns(qwen2) == torchao_models.SKIPPED_FQNS
+
+
 def test_bench_router_aux_loss_is_added_to_the_step_loss(torch_references):
     """``router_aux_loss``: the Qwen3-MoE stand-in returns its load-balancing loss and the step's loss
     is the cross-entropy plus the coefficient times it; other families ignore the coefficient; a

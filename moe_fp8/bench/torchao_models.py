@@ -2,10 +2,10 @@
 
 * dense linears: ``torchao.float8.convert_to_float8_training`` with the recipe's config and TorchAO's
   own size filter for rowwise scaling (``_auto_filter_for_recipe("rowwise", ...)``; ``lm_head``, the
-  routers' gates and Llama 4's ``shared_expert.down_proj`` left out), for ``rowwise`` and
-  ``rowwise_with_gw_hp``. ``Llama4TextMoe`` adds the routed output to its shared expert's output in
-  place, which the output of TorchAO's ``Float8Linear`` (a view made inside its autograd Function)
-  refuses, eagerly and compiled; a TorchAO user would leave that linear out;
+  routers' gates and the ``shared_expert.down_proj`` of every ``Llama4TextMoe`` left out), for
+  ``rowwise`` and ``rowwise_with_gw_hp``. ``Llama4TextMoe`` adds the routed output to its shared
+  expert's output in place, which the output of TorchAO's ``Float8Linear`` (a view made inside its
+  autograd Function) refuses, eagerly and compiled; a TorchAO user would leave that linear out;
 * routed experts (``experts=True``): ``quantize_(model, Float8TrainingOpConfig())`` on every module
   holding 3D expert weights, with Hugging Face's ``grouped_mm`` experts implementation (the one that
   calls ``torch._grouped_mm``, which TorchAO's weight subclass overrides).
@@ -18,9 +18,8 @@ from __future__ import annotations
 from torch import nn
 
 RECIPES = ("rowwise", "rowwise_with_gw_hp")
-#: substrings of the module names TorchAO leaves in BF16 (the output projection, the routers, the
-#: linear whose output Llama 4 modifies in place)
-SKIPPED_FQNS = ["lm_head", "mlp.gate", "router", "shared_expert.down_proj"]
+#: substrings of the module names TorchAO leaves in BF16 (the output projection, the routers)
+SKIPPED_FQNS = ["lm_head", "mlp.gate", "router"]
 
 
 def available() -> bool:
@@ -39,11 +38,18 @@ def convert(model: nn.Module, recipe: str, *, experts: bool = False) -> nn.Modul
 
     if recipe not in RECIPES:
         raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
-    keep = _auto_filter_for_recipe("rowwise", filter_fqns=SKIPPED_FQNS)
+    keep = _auto_filter_for_recipe("rowwise", filter_fqns=skipped_fqns(model))
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
     if experts:
         _convert_experts(model)
     return model
+
+
+def skipped_fqns(model: nn.Module) -> list[str]:
+    """``SKIPPED_FQNS`` and the full name of the shared expert's ``down_proj`` in every
+    ``Llama4TextMoe`` of ``model`` (whose output that block adds to in place)."""
+    return SKIPPED_FQNS + [f"{name}.shared_expert.down_proj" for name, m in model.named_modules()
+                           if type(m).__name__ == "Llama4TextMoe"]
 
 
 def _is_experts(module: nn.Module, _fqn: str = "") -> bool:
