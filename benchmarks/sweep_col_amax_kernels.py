@@ -15,7 +15,7 @@ column and program). ``default`` marks the configuration the launchers pick.
 
     PYTHONPATH=. python benchmarks/sweep_col_amax_kernels.py --out DIR   (or with the package installed)
     ... --quick: the launchers' defaults and 128 rows per program only
-    ... --shapes dense: only the shapes whose name contains "dense"
+    ... --shapes dense "Llama 4": only the shapes whose name contains one of these texts
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ ACTIVATIONS = [  # (name, M, K, groups)
     ("Llama3-8B x (dense)", 8192, 4096, 1),
     ("Llama3-8B MLP grad (dense)", 8192, 14336, 1),
     ("DeepSeek-V3 dense x", 8192, 7168, 1),
+    ("DeepSeek-V3 o_proj x (dense)", 8192, 16384, 1),
+    ("DeepSeek-V3 q_b_proj x (dense)", 8192, 1536, 1),
+    ("Llama 4 Scout shared-expert x (dense)", 8192, 5120, 1),
+    ("Llama 4 Scout routed x, top-1", 8192, 5120, 16),
+    ("Mixtral-8x7B routed x, top-2", 16384, 4096, 8),
     ("Qwen3-30B-A3B routed x", 65536, 2048, 128),
     ("DeepSeek-V3 routed x", 65536, 7168, 32),
 ]
@@ -44,7 +49,12 @@ WEIGHTS = [  # (name, E, N, K)
     ("Llama3-8B q_proj (dense)", 1, 4096, 4096),
     ("Llama3-8B gate_proj (dense)", 1, 14336, 4096),
     ("Llama3-8B down_proj (dense)", 1, 4096, 14336),
+    ("DeepSeek-V3 gate_proj (dense)", 1, 18432, 7168),
+    ("DeepSeek-V3 q_b_proj (dense)", 1, 24576, 1536),
+    ("DeepSeek-V3 o_proj (dense)", 1, 7168, 16384),
+    ("Llama 4 Scout shared-expert gate_proj (dense)", 1, 8192, 5120),
     ("DeepSeek-V3 w1, 8 experts", 8, 4096, 7168),
+    ("Mixtral-8x7B w1, 8 experts", 8, 14336, 4096),
     ("Qwen3-30B-A3B w1, 128 experts", 128, 1536, 2048),
 ]
 ROWS = (8, 16, 32, 64, 128)
@@ -52,10 +62,10 @@ WARPS_TILE = ((None, rowwise.TILE_ELEMENTS), (8, rowwise.TILE_ELEMENTS), (16, ro
               (None, 2 * rowwise.TILE_ELEMENTS), (16, 2 * rowwise.TILE_ELEMENTS))
 
 
-def sweep_activations(fmt, configs, copy: float, shapes: str) -> list[dict]:
+def sweep_activations(fmt, configs, copy: float, shapes: list[str]) -> list[dict]:
     rows_out = []
     for name, M, K, G in ACTIVATIONS:
-        if shapes not in name:
+        if not any(text in name for text in shapes):
             continue
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         offs = torch.linspace(M / G, M, G, device="cuda").round().to(torch.int32)
@@ -63,7 +73,7 @@ def sweep_activations(fmt, configs, copy: float, shapes: str) -> list[dict]:
         scale = torch.empty(M, device="cuda", dtype=torch.float32)
         bits = torch.zeros(G, K, device="cuda", dtype=torch.int32)
         nbytes = M * K * 3 + M * 4 + G * K * 4
-        default = (rowwise.col_amax_rows_per_program(M), None, rowwise.TILE_ELEMENTS)
+        default = (rowwise.col_amax_rows_per_program(M), None, rowwise.col_amax_tile(K))
         for rows, warps, tile in configs(default):
             def step():
                 bits.zero_()
@@ -75,17 +85,17 @@ def sweep_activations(fmt, configs, copy: float, shapes: str) -> list[dict]:
     return rows_out
 
 
-def sweep_weights(fmt, configs, copy: float, shapes: str) -> list[dict]:
+def sweep_weights(fmt, configs, copy: float, shapes: list[str]) -> list[dict]:
     rows_out = []
     for name, E, N, K in WEIGHTS:
-        if shapes not in name:
+        if not any(text in name for text in shapes):
             continue
         w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
         q = torch.empty(E, N, K, device="cuda", dtype=fmt.torch_dtype)
         scale = torch.empty(E, N, device="cuda", dtype=torch.float32)
         bits = torch.zeros(E, K, device="cuda", dtype=torch.int32)
         nbytes = E * N * K * 3 + E * N * 4 + E * K * 4
-        default = (rowwise.col_amax_rows_per_program(N, E), None, rowwise.TILE_ELEMENTS)
+        default = (rowwise.col_amax_rows_per_program(N, E), None, rowwise.col_amax_tile(K))
         for rows, warps, tile in configs(default):
             def step():
                 bits.zero_()
@@ -111,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--quick", action="store_true", help="the defaults and 128 rows per program only")
-    parser.add_argument("--shapes", default="", help="only the shapes whose name contains this text")
+    parser.add_argument("--shapes", nargs="*", default=[""], help="only the shapes whose name contains one of these texts")
     args = parser.parse_args()
     fmt = resolve_format(None, torch.device("cuda"))
 

@@ -349,16 +349,46 @@ def test_group_colwise_many_groups_gpu():
 
 def test_col_amax_rows_per_program_keeps_the_gpu_busy():
     """128 rows per program down to the count that still makes MIN_COL_AMAX_PROGRAMS programs over
-    E groups of N rows (a dense linear's 8192 token rows: 32 rows, 256 programs; a dense 4096 x 4096
-    weight: 16 rows), a power of two, at least 1."""
+    E groups of N rows (a dense linear's 8192 token rows: 64 rows, 128 programs; a dense 4096 x 4096
+    weight: 32 rows), a power of two, at least 1."""
     from moe_fp8.quant.kernels.rowwise import MIN_COL_AMAX_PROGRAMS, ROWS_PER_PROGRAM, col_amax_rows_per_program
 
-    assert [col_amax_rows_per_program(m) for m in (0, 1, 511, 512, 8192, 32768, 1 << 20)] == [1, 1, 1, 2, 32, 128,
+    assert [col_amax_rows_per_program(m) for m in (0, 1, 255, 256, 8192, 16384, 1 << 20)] == [1, 1, 1, 2, 64, 128,
                                                                                                128]
     assert [col_amax_rows_per_program(n, e) for n, e in ((4096, 1), (14336, 1), (4096, 8), (1536, 128))] == [
-        16, 32, 128, 128]
+        32, 64, 128, 128]
     for n, e in itertools.product([*range(1, 70000, 997), 16383, 16384, 32767], (1, 3, 8)):
         rows = col_amax_rows_per_program(n, e)
         assert rows & (rows - 1) == 0 and rows <= ROWS_PER_PROGRAM
         assert rows == 1 or e * n >= rows * MIN_COL_AMAX_PROGRAMS  # enough programs of whole row blocks
         assert rows == ROWS_PER_PROGRAM or e * n < 2 * rows * MIN_COL_AMAX_PROGRAMS  # the largest such
+
+
+def test_col_amax_tile_takes_two_rows_per_step_up_to_4096():
+    """Rows of 2049 to 4096 elements step two rows at a time (8192 elements); shorter rows already
+    fit two or more in TILE_ELEMENTS, longer ones one per step."""
+    from moe_fp8.quant.kernels.rowwise import TILE_ELEMENTS, col_amax_tile, rowwise_config
+
+    assert [col_amax_tile(k) for k in (0, 16, 2048, 2049, 4096, 4097, 7168, 16384)] == [
+        TILE_ELEMENTS, TILE_ELEMENTS, TILE_ELEMENTS, 8192, 8192, TILE_ELEMENTS, TILE_ELEMENTS, TILE_ELEMENTS]
+    for k in range(1, 16385, 97):
+        assert rowwise_config(1 << 20, k, tile=col_amax_tile(k))["BLOCK_M"] >= (2 if k <= 4096 else 1)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("K", [2500, 4096])
+def test_group_rowwise_amax_default_config_two_rows_per_step_cpu(K):
+    """The launcher's own configuration where it steps two rows at a time: odd row and group counts,
+    an empty group, outputs starting as garbage; the reference's bytes and amaxes."""
+    x = hard_input((37, K), seed=K)
+    offs = torch.tensor([10, 10, 29], dtype=torch.int32)
+    q = torch.empty((37, K), dtype=torch.float8_e4m3fn)
+    s = torch.empty(37)
+    for t in (q, s):
+        t.view(torch.uint8).fill_(0x55)
+    amax = torch.zeros(3, K)
+    launch_group_rowwise_amax(x, q, s, amax.view(torch.int32), offs, E4M3FN, True)
+    rq, rs = ref.quantize_rowwise(x, E4M3FN, pow2=True)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+    assert_same(amax, ref.group_amax(x, offs), "amax")

@@ -195,6 +195,23 @@ def test_expert_rowwise_col_amax_property_cpu(E, N, K, rows, pow2, seed):
 
 
 @pytest.mark.interpreter
+def test_expert_rowwise_col_amax_default_config_two_rows_per_step_cpu():
+    """The launcher's own configuration for rows of 3000 (two rows per loop step), an odd row count
+    per expert, outputs starting as garbage: the reference's bytes and column amax."""
+    w = hard_input((2, 13, 3000), seed=9)
+    q = torch.empty((2, 13, 3000), dtype=torch.float8_e4m3fn)
+    s = torch.empty((2, 13))
+    for t in (q, s):
+        t.view(torch.uint8).fill_(0x55)
+    amax = torch.zeros(2, 3000)
+    launch_expert_rowwise_col_amax(w, q, s, amax.view(torch.int32), E4M3FN, False)
+    rq, rs = ref.quantize_expert_colwise(w, E4M3FN)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+    assert_same(amax, ref.expert_amax(w, transposed=True), "col_amax")
+
+
+@pytest.mark.interpreter
 def test_expert_colwise_from_amax_uses_the_given_amax_cpu():
     """The dgrad layout's scales come from ``col_amax`` as given (doubled amax: the reference's bytes
     for that amax, not ``w``'s own)."""

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ...launch import launch
 from ...launch_math import cdiv
-from .rowwise import ROW_STAGES, TILE_ELEMENTS, expert_strips
+from .rowwise import ROW_STAGES, expert_strips
 
 __all__ = ["launch_expert_amax"]
 
@@ -63,7 +63,7 @@ def launch_expert_amax(
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     stages: int = ROW_STAGES,
-    tile: int = TILE_ELEMENTS,
+    tile: int | None = None,
 ) -> None:
     """Fill ``row_amax (E, N)`` fp32 contiguous with ``w``'s amax over K and merge its amax over N
     into ``col_amax_bits (E, K)`` int32 (fp32 bits; pass zeros). ``K`` at most 16384

@@ -35,6 +35,7 @@ __all__ = [
     "launch_expert_rowwise_col_amax",
     "launch_group_rowwise_amax",
     "col_amax_rows_per_program",
+    "col_amax_tile",
     "expert_strips",
 ]
 
@@ -54,10 +55,13 @@ ROW_STAGES = 3
 # Both column-amax kernels take fewer rows per program where 128 would leave fewer than this many
 # programs: a dense linear's 8192 token rows (one group) made 64 programs for 132 multiprocessors, a
 # dense 4096 x 4096 weight (one expert) 32 (Llama3-8B sizes, 2026-12-05,
-# ``bench_job_acc4_llama3_8b_profile.md``). At 256 the activation kernel's calls in that step took
-# 13.4 ms instead of 20.1 (``bench_job_acc4_llama3_8b_rows.md``). Each program adds one atomic per
-# column; ``benchmarks/sweep_col_amax_kernels.py`` sweeps the trade.
-MIN_COL_AMAX_PROGRAMS = 256
+# ``bench_job_acc4_llama3_8b_profile.md``). Each program adds one atomic per column: on one H100
+# (2026-12-07, ``sweep_col_amax_kernels_dense_h100.md``) 256 programs or more lost to about 128 on
+# every dense shape but one; ``benchmarks/sweep_col_amax_kernels.py`` sweeps the trade.
+MIN_COL_AMAX_PROGRAMS = 128
+# Rows of at most this many elements take two rows per loop step in the column-amax kernels
+# (``col_amax_tile``): one row of 4096 per step ran 7-12% slower on the same sweep.
+TWO_ROW_STEP_MAX_K = 4096
 
 
 @triton.jit
@@ -336,20 +340,28 @@ def col_amax_fits(K: int) -> bool:
     return next_power_of_2(max(K, 16)) <= MAX_SINGLE_PASS_K
 
 
-def _col_amax_config(M: int, K: int, rows_per_program: int, tile: int, num_warps: int | None) -> tuple[dict, int]:
+def col_amax_tile(K: int) -> int:
+    """Elements per loop step of the column-amax kernels over rows of ``K``: ``TILE_ELEMENTS``, or
+    two whole rows where a padded row holds from 2049 to ``TWO_ROW_STEP_MAX_K`` elements."""
+    return max(TILE_ELEMENTS, 2 * next_power_of_2(max(K, 16))) if K <= TWO_ROW_STEP_MAX_K else TILE_ELEMENTS
+
+
+def _col_amax_config(M: int, K: int, rows_per_program: int, tile: int | None,
+                     num_warps: int | None) -> tuple[dict, int]:
     """Block sizes of the column-amax kernels (``rowwise_config`` without its pass choice: whole
-    rows only, else ``ValueError``) and their rows per program: a multiple of the row block, at most
-    ``M`` rounded up to it (no program loops over row blocks that are wholly masked)."""
+    rows only, else ``ValueError``; ``tile``: ``None`` for :func:`col_amax_tile`) and their rows per
+    program: a multiple of the row block, at most ``M`` rounded up to it (no program loops over row
+    blocks that are wholly masked)."""
     if not col_amax_fits(K):
         raise ValueError(f"K: rows of {K} elements do not fit in registers (at most {MAX_SINGLE_PASS_K})")
-    cfg = rowwise_config(M, K, tile=tile, num_warps=num_warps)
+    cfg = rowwise_config(M, K, tile=tile or col_amax_tile(K), num_warps=num_warps)
     del cfg["SINGLE_PASS"]
     block_m = cfg["BLOCK_M"]
     rows = max(rows_per_program, block_m) // block_m * block_m
     return cfg, min(rows, cdiv(max(M, 1), block_m) * block_m)
 
 
-def expert_strips(E: int, N: int, K: int, rows_per_program: int | None, tile: int,
+def expert_strips(E: int, N: int, K: int, rows_per_program: int | None, tile: int | None,
                   num_warps: int | None) -> tuple[dict, int]:
     """Block sizes and rows per program (``ROWS``) of a kernel over ``(E, N, K)`` expert weights whose
     programs ``(e, j)`` hold strips of whole rows of ``K`` and merge a column amax by atomics
@@ -368,7 +380,7 @@ def launch_expert_rowwise_col_amax(
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     stages: int = ROW_STAGES,
-    tile: int = TILE_ELEMENTS,
+    tile: int | None = None,
     hw_cast: bool | None = None,
 ) -> None:
     """The forward expert layout plus the dgrad layout's amax, from one read of ``w``.
@@ -412,7 +424,7 @@ def launch_group_rowwise_amax(
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     stages: int = ROW_STAGES,
-    tile: int = TILE_ELEMENTS,
+    tile: int | None = None,
     hw_cast: bool | None = None,
 ) -> None:
     """``launch_rowwise`` of ``x (M, K)`` (any strides, ``K`` with :func:`col_amax_fits`) into
@@ -422,7 +434,7 @@ def launch_group_rowwise_amax(
     of ``x`` need (``colwise.launch_group_colwise(amax_bits=...)``). ``q = scale = None``: the amax
     alone (the rows are read, nothing else is written; rows past the groups are not read).
     ``rows_per_program``: ``None`` for :func:`col_amax_rows_per_program`; ``num_warps`` and ``tile``
-    (elements per loop step) as in :func:`rowwise_config`."""
+    (elements per loop step; ``None`` for :func:`col_amax_tile`) as in :func:`rowwise_config`."""
     M, K = x.shape
     rows_per_program = rows_per_program or col_amax_rows_per_program(M)
     cfg, rows = _col_amax_config(M, K, rows_per_program, tile, num_warps)
