@@ -16,6 +16,7 @@ column and program). ``default`` marks the configuration the launchers pick.
     PYTHONPATH=. python benchmarks/sweep_col_amax_kernels.py --out DIR   (or with the package installed)
     ... --quick: the launchers' defaults and 128 rows per program only
     ... --shapes dense "Llama 4": only the shapes whose name contains one of these texts
+    ... --mark RESULTS.json --name NAME: an earlier sweep written again, the current defaults marked
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def sweep_activations(fmt, configs, copy: float, shapes: list[str]) -> list[dict
         scale = torch.empty(M, device="cuda", dtype=torch.float32)
         bits = torch.zeros(G, K, device="cuda", dtype=torch.int32)
         nbytes = M * K * 3 + M * 4 + G * K * 4
-        default = (rowwise.col_amax_rows_per_program(M), None, rowwise.col_amax_tile(K))
+        rows, tile = rowwise.col_amax_defaults(M, K)
+        default = (rows, None, tile)
         for rows, warps, tile in configs(default):
             def step():
                 bits.zero_()
@@ -95,7 +97,8 @@ def sweep_weights(fmt, configs, copy: float, shapes: list[str]) -> list[dict]:
         scale = torch.empty(E, N, device="cuda", dtype=torch.float32)
         bits = torch.zeros(E, K, device="cuda", dtype=torch.int32)
         nbytes = E * N * K * 3 + E * N * 4 + E * K * 4
-        default = (rowwise.col_amax_rows_per_program(N, E), None, rowwise.col_amax_tile(K))
+        rows, tile = rowwise.col_amax_defaults(N, K, E)
+        default = (rows, None, tile)
         for rows, warps, tile in configs(default):
             def step():
                 bits.zero_()
@@ -117,12 +120,54 @@ def _row(kernel, name, shape, rows, warps, tile, default, us, nbytes, copy) -> d
     return row
 
 
+def mark_defaults(rows: list[dict]) -> list[dict]:
+    """``rows`` with ``default`` set where a row's configuration is what the launchers pick now."""
+    marked = []
+    for r in rows:
+        E = r["groups"] if r["kernel"] == "weight" else 1
+        picked, tile = rowwise.col_amax_defaults(r["M"] // E, r["K"], E)
+        marked.append({**r, "default": (r["rows_per_program"], r["num_warps"], r["tile"]) == (picked, "auto", tile)})
+    return marked
+
+
+def write_results(out: Path, name: str, meta: dict, rows: list[dict]) -> None:
+    """``name``.json and ``name``.md in ``out``: every configuration, then each shape's default
+    against its fastest configuration."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = ["# Row quantization with column amax: rows per program, warps, tile", "",
+             f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
+             f"CUDA-graph replays, median · copy {meta['copy_gbps']:.0f} GB/s · `*`: the launcher's default", "",
+             "| kernel | shape | default: rows / tile | µs | % of copy | fastest: rows / warps / tile | µs |",
+             "|---|---|---|---:|---:|---|---:|"]
+    for kernel, shape in dict.fromkeys((r["kernel"], r["shape"]) for r in rows):
+        same = [r for r in rows if (r["kernel"], r["shape"]) == (kernel, shape)]
+        best = min(same, key=lambda r: r["us"])
+        picked = [f"{r['rows_per_program']} / {r['tile']} | {r['us']:.1f} | {r['pct_copy']:.0f}%"
+                  for r in same if r["default"]] or ["not swept | - | -"]
+        lines.append(f"| {kernel} | {shape} | {picked[0]} | {best['rows_per_program']} / {best['num_warps']} / "
+                     f"{best['tile']} | {best['us']:.1f} |")
+    lines += ["", "| kernel | shape | M | K | groups | rows per program | warps | tile | µs | GB/s | % of copy |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['kernel']} | {r['shape']} | {r['M']} | {r['K']} | {r['groups']} | {r['rows_per_program']}"
+              f"{' *' if r['default'] else ''} | {r['num_warps']} | {r['tile']} | {r['us']:.1f} | {r['gbs']:.0f} | "
+              f"{r['pct_copy']:.0f}% |" for r in rows]
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--name", default="sweep_col_amax_kernels", help="file name of the results, no suffix")
     parser.add_argument("--quick", action="store_true", help="the defaults and 128 rows per program only")
     parser.add_argument("--shapes", nargs="*", default=[""], help="only the shapes whose name contains one of these texts")
+    parser.add_argument("--mark", type=Path, help="no GPU run: write this sweep's JSON again with the launchers' "
+                                                  "current defaults marked")
     args = parser.parse_args()
+    if args.mark:
+        swept = json.loads(args.mark.read_text())
+        write_results(args.out, args.name, swept["meta"], mark_defaults(swept["rows"]))
+        return
     fmt = resolve_format(None, torch.device("cuda"))
 
     def configs(default):
@@ -132,19 +177,9 @@ def main() -> None:
 
     copy = copy_gbps()
     rows_out = sweep_activations(fmt, configs, copy, args.shapes) + sweep_weights(fmt, configs, copy, args.shapes)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    (args.out / "sweep_col_amax_kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
-    lines = ["# Row quantization with column amax: rows per program, warps, tile", "",
-             f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
-             f"CUDA-graph replays, median · copy {copy:.0f} GB/s · `*`: the launcher's default", "",
-             "| kernel | shape | M | K | groups | rows per program | warps | tile | µs | GB/s | % of copy |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['kernel']} | {r['shape']} | {r['M']} | {r['K']} | {r['groups']} | {r['rows_per_program']}"
-              f"{' *' if r['default'] else ''} | {r['num_warps']} | {r['tile']} | {r['us']:.1f} | {r['gbs']:.0f} | "
-              f"{r['pct_copy']:.0f}% |" for r in rows_out]
-    (args.out / "sweep_col_amax_kernels.md").write_text("\n".join(lines) + "\n")
+                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, copy_gbps=copy)
+    write_results(args.out, args.name, meta, rows_out)
 
 
 if __name__ == "__main__":

@@ -347,6 +347,39 @@ def test_group_colwise_many_groups_gpu():
     _check_single(b, offs, True, E4M3FN)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [1100, 1536, 2048, 4096, 5120, 7168, 14336])
+def test_col_amax_launchers_at_model_sizes_gpu(K):
+    """Both column-amax launchers with their own configurations on model-sized inputs (two to four
+    rows per loop step up to K = 4096, one above; 128 or 256 programs), skewed groups with empty
+    ones, outputs starting as garbage: the reference's bytes and amaxes."""
+    from moe_fp8.quant.kernels.rowwise import launch_expert_rowwise_col_amax
+
+    x = hard_input((8192, K), seed=K, device="cuda")
+    offs = _offsets(8000, 16, "skewed", seed=K, device="cuda")
+    q = torch.empty((8192, K), dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(8192, device="cuda")
+    for t in (q, s):
+        t.view(torch.uint8).fill_(0x55)
+    amax = torch.zeros(16, K, device="cuda")
+    launch_group_rowwise_amax(x, q, s, amax.view(torch.int32), offs, E4M3FN, True)
+    rq, rs = ref.quantize_rowwise(x, E4M3FN, pow2=True)
+    assert_same(q, rq, "q")
+    assert_same(s, rs, "scale")
+    assert_same(amax, ref.group_amax(x, offs), "amax")
+    w = x[: 4 * 1000].view(4, 1000, K)
+    qw = torch.empty((4, 1000, K), dtype=torch.float8_e4m3fn, device="cuda")
+    sw = torch.empty((4, 1000), device="cuda")
+    for t in (qw, sw):
+        t.view(torch.uint8).fill_(0x55)
+    col = torch.zeros(4, K, device="cuda")
+    launch_expert_rowwise_col_amax(w, qw, sw, col.view(torch.int32), E4M3FN, False)
+    rqw, rsw = ref.quantize_expert_colwise(w, E4M3FN)
+    assert_same(qw, rqw, "q_w")
+    assert_same(sw, rsw, "scale_w")
+    assert_same(col, ref.expert_amax(w, transposed=True), "col_amax")
+
+
 def test_col_amax_rows_per_program_keeps_the_gpu_busy():
     """128 rows per program down to the count that still makes MIN_COL_AMAX_PROGRAMS programs over
     E groups of N rows (a dense linear's 8192 token rows: 64 rows, 128 programs; a dense 4096 x 4096
@@ -364,19 +397,28 @@ def test_col_amax_rows_per_program_keeps_the_gpu_busy():
         assert rows == ROWS_PER_PROGRAM or e * n < 2 * rows * MIN_COL_AMAX_PROGRAMS  # the largest such
 
 
-def test_col_amax_tile_takes_two_rows_per_step_up_to_4096():
-    """Rows of 2049 to 4096 elements step two rows at a time (8192 elements); shorter rows already
-    fit two or more in TILE_ELEMENTS, longer ones one per step."""
-    from moe_fp8.quant.kernels.rowwise import TILE_ELEMENTS, col_amax_tile, rowwise_config
+def test_col_amax_tile_and_programs_follow_the_bytes_per_step():
+    """Rows of 1025 to 4096 elements step WIDE_STEP_ELEMENTS (two to four rows), others
+    TILE_ELEMENTS; launches whose steps read less than FULL_STEP_BYTES keep twice the programs
+    (bf16 rows of 7168: 32 rows per program over 8192 tokens; of 4096, two per step: 64)."""
+    from moe_fp8.quant.kernels.rowwise import (FULL_STEP_BYTES, MIN_COL_AMAX_PROGRAMS, TILE_ELEMENTS,
+                                               WIDE_STEP_ELEMENTS, col_amax_defaults, col_amax_min_programs,
+                                               col_amax_tile, rowwise_config)
 
-    assert [col_amax_tile(k) for k in (0, 16, 2048, 2049, 4096, 4097, 7168, 16384)] == [
-        TILE_ELEMENTS, TILE_ELEMENTS, TILE_ELEMENTS, 8192, 8192, TILE_ELEMENTS, TILE_ELEMENTS, TILE_ELEMENTS]
+    wide, base = WIDE_STEP_ELEMENTS, TILE_ELEMENTS
+    assert [col_amax_tile(k) for k in (0, 16, 1024, 1025, 2048, 4096, 4097, 7168, 16384)] == [
+        base, base, base, wide, wide, wide, base, base, base]
     for k in range(1, 16385, 97):
-        assert rowwise_config(1 << 20, k, tile=col_amax_tile(k))["BLOCK_M"] >= (2 if k <= 4096 else 1)
+        assert rowwise_config(1 << 20, k, tile=col_amax_tile(k))["BLOCK_M"] >= (2 if 1024 < k <= 4096 else 1)
+    assert col_amax_min_programs(2, 4096, 2) == col_amax_min_programs(1, 8192, 2) == MIN_COL_AMAX_PROGRAMS
+    assert col_amax_min_programs(1, FULL_STEP_BYTES // 2 - 1, 2) == 2 * MIN_COL_AMAX_PROGRAMS
+    assert [col_amax_defaults(8192, k) for k in (4096, 5120, 7168, 14336, 1536)] == [
+        (64, wide), (32, base), (32, base), (64, base), (32, wide)]
+    assert col_amax_defaults(1536, 2048, 128) == (128, wide)  # 128 experts: whole strips of 128 rows
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("K", [2500, 4096])
+@pytest.mark.parametrize("K", [1100, 2500, 4096])
 def test_group_rowwise_amax_default_config_two_rows_per_step_cpu(K):
     """The launcher's own configuration where it steps two rows at a time: odd row and group counts,
     an empty group, outputs starting as garbage; the reference's bytes and amaxes."""

@@ -69,7 +69,7 @@ def launch_expert_amax(
     into ``col_amax_bits (E, K)`` int32 (fp32 bits; pass zeros). ``K`` at most 16384
     (``rowwise.col_amax_fits``); ``rows_per_program`` as in ``launch_expert_rowwise_col_amax``."""
     E, N, K = w.shape
-    cfg, rows = expert_strips(E, N, K, rows_per_program, tile, num_warps)
+    cfg, rows = expert_strips(E, N, K, w.element_size(), rows_per_program, tile, num_warps)
     if E * N == 0:
         return
     launch(_expert_amax_kernel)[(E, cdiv(N, rows))](

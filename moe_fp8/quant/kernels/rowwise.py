@@ -35,6 +35,8 @@ __all__ = [
     "launch_expert_rowwise_col_amax",
     "launch_group_rowwise_amax",
     "col_amax_rows_per_program",
+    "col_amax_min_programs",
+    "col_amax_defaults",
     "col_amax_tile",
     "expert_strips",
 ]
@@ -52,16 +54,21 @@ TILE_ELEMENTS = 4096
 # ran at 84-91% of copy where K >= 2048 (71% at K = 768); one stage ran at 44-82%.
 ROWS_PER_PROGRAM = 128
 ROW_STAGES = 3
-# Both column-amax kernels take fewer rows per program where 128 would leave fewer than this many
-# programs: a dense linear's 8192 token rows (one group) made 64 programs for 132 multiprocessors, a
-# dense 4096 x 4096 weight (one expert) 32 (Llama3-8B sizes, 2026-12-05,
-# ``bench_job_acc4_llama3_8b_profile.md``). Each program adds one atomic per column: on one H100
-# (2026-12-07, ``sweep_col_amax_kernels_dense_h100.md``) 256 programs or more lost to about 128 on
-# every dense shape but one; ``benchmarks/sweep_col_amax_kernels.py`` sweeps the trade.
+# Both column-amax kernels take fewer rows per program where 128 would leave too few programs: a
+# dense linear's 8192 token rows (one group) made 64 programs for 132 multiprocessors, a dense
+# 4096 x 4096 weight (one expert) 32 (Llama3-8B sizes, 2026-12-05,
+# ``bench_job_acc4_llama3_8b_profile.md``). Each program adds one atomic per column. On one H100
+# (2026-12-07, ``sweep_col_amax_kernels_rule_h100.md``) about one program per multiprocessor
+# (MIN_COL_AMAX_PROGRAMS) ran fastest where a loop step reads at least FULL_STEP_BYTES (its stages
+# then keep 48 KiB or more in flight), and two per multiprocessor where steps are shorter (bf16
+# rows of 1536, 5120 or 7168: 256 programs 3-14% faster than 128).
+# ``benchmarks/sweep_col_amax_kernels.py`` sweeps the trade.
 MIN_COL_AMAX_PROGRAMS = 128
-# Rows of at most this many elements take two rows per loop step in the column-amax kernels
-# (``col_amax_tile``): one row of 4096 per step ran 7-12% slower on the same sweep.
-TWO_ROW_STEP_MAX_K = 4096
+FULL_STEP_BYTES = 16384
+# Elements per loop step of the column-amax kernels for rows of 1025 to 4096 elements (two to four
+# rows; ``col_amax_tile``): faster than TILE_ELEMENTS on every such shape of the same sweep (K =
+# 1536, 2048 and 4096: 1-12%). Shorter rows were not swept.
+WIDE_STEP_ELEMENTS = 8192
 
 
 @triton.jit
@@ -341,32 +348,51 @@ def col_amax_fits(K: int) -> bool:
 
 
 def col_amax_tile(K: int) -> int:
-    """Elements per loop step of the column-amax kernels over rows of ``K``: ``TILE_ELEMENTS``, or
-    two whole rows where a padded row holds from 2049 to ``TWO_ROW_STEP_MAX_K`` elements."""
-    return max(TILE_ELEMENTS, 2 * next_power_of_2(max(K, 16))) if K <= TWO_ROW_STEP_MAX_K else TILE_ELEMENTS
+    """Elements per loop step of the column-amax kernels over rows of ``K``: ``WIDE_STEP_ELEMENTS``
+    for rows of 1025 to 4096 elements, else ``TILE_ELEMENTS``."""
+    return WIDE_STEP_ELEMENTS if 1024 < K <= 4096 else TILE_ELEMENTS
 
 
-def _col_amax_config(M: int, K: int, rows_per_program: int, tile: int | None,
+def col_amax_min_programs(block_m: int, K: int, itemsize: int) -> int:
+    """Programs a column-amax launch keeps at least when its loop steps read ``block_m`` rows of
+    ``K`` elements of ``itemsize`` bytes: ``MIN_COL_AMAX_PROGRAMS``, twice that below
+    ``FULL_STEP_BYTES`` per step."""
+    full = block_m * K * itemsize >= FULL_STEP_BYTES
+    return MIN_COL_AMAX_PROGRAMS if full else 2 * MIN_COL_AMAX_PROGRAMS
+
+
+def _col_amax_config(N: int, K: int, E: int, itemsize: int, rows_per_program: int | None, tile: int | None,
                      num_warps: int | None) -> tuple[dict, int]:
-    """Block sizes of the column-amax kernels (``rowwise_config`` without its pass choice: whole
-    rows only, else ``ValueError``; ``tile``: ``None`` for :func:`col_amax_tile`) and their rows per
-    program: a multiple of the row block, at most ``M`` rounded up to it (no program loops over row
-    blocks that are wholly masked)."""
+    """Block sizes of the column-amax kernels over ``E`` groups of ``N`` rows of ``K`` elements of
+    ``itemsize`` bytes (``rowwise_config`` without its pass choice: whole rows only, else
+    ``ValueError``; ``tile``: ``None`` for :func:`col_amax_tile`) and their rows per program
+    (``None``: :func:`col_amax_rows_per_program` for :func:`col_amax_min_programs`): a multiple of
+    the row block, at most ``N`` rounded up to it (no program loops over wholly masked row blocks)."""
     if not col_amax_fits(K):
         raise ValueError(f"K: rows of {K} elements do not fit in registers (at most {MAX_SINGLE_PASS_K})")
-    cfg = rowwise_config(M, K, tile=tile or col_amax_tile(K), num_warps=num_warps)
+    cfg = rowwise_config(N, K, tile=tile or col_amax_tile(K), num_warps=num_warps)
     del cfg["SINGLE_PASS"]
     block_m = cfg["BLOCK_M"]
+    rows_per_program = rows_per_program or col_amax_rows_per_program(
+        N, E, col_amax_min_programs(block_m, K, itemsize))
     rows = max(rows_per_program, block_m) // block_m * block_m
-    return cfg, min(rows, cdiv(max(M, 1), block_m) * block_m)
+    return cfg, min(rows, cdiv(max(N, 1), block_m) * block_m)
 
 
-def expert_strips(E: int, N: int, K: int, rows_per_program: int | None, tile: int | None,
+def col_amax_defaults(N: int, K: int, E: int = 1, itemsize: int = 2) -> tuple[int, int]:
+    """Rows per program and elements per loop step the column-amax launchers pick for ``E`` groups
+    of ``N`` rows of ``K`` elements of ``itemsize`` bytes."""
+    tile = col_amax_tile(K)
+    block_m = rowwise_config(N, K, tile=tile)["BLOCK_M"]
+    return col_amax_rows_per_program(N, E, col_amax_min_programs(block_m, K, itemsize)), tile
+
+
+def expert_strips(E: int, N: int, K: int, itemsize: int, rows_per_program: int | None, tile: int | None,
                   num_warps: int | None) -> tuple[dict, int]:
-    """Block sizes and rows per program (``ROWS``) of a kernel over ``(E, N, K)`` expert weights whose
-    programs ``(e, j)`` hold strips of whole rows of ``K`` and merge a column amax by atomics
-    (``rows_per_program``: ``None`` for :func:`col_amax_rows_per_program`)."""
-    return _col_amax_config(N, K, rows_per_program or col_amax_rows_per_program(N, E), tile, num_warps)
+    """Block sizes and rows per program (``ROWS``) of a kernel over ``(E, N, K)`` expert weights of
+    ``itemsize`` bytes per element whose programs ``(e, j)`` hold strips of whole rows of ``K`` and
+    merge a column amax by atomics (``rows_per_program``, ``tile``: ``None`` for the defaults)."""
+    return _col_amax_config(N, K, E, itemsize, rows_per_program, tile, num_warps)
 
 
 def launch_expert_rowwise_col_amax(
@@ -392,7 +418,7 @@ def launch_expert_rowwise_col_amax(
     atomics: ``E * K`` per ``rows_per_program`` rows.
     """
     E, N, K = w.shape
-    cfg, rows = expert_strips(E, N, K, rows_per_program, tile, num_warps)
+    cfg, rows = expert_strips(E, N, K, w.element_size(), rows_per_program, tile, num_warps)
     if E * N == 0:
         return
     launch(_expert_rowwise_col_amax_kernel)[(E, cdiv(N, rows))](
@@ -401,13 +427,13 @@ def launch_expert_rowwise_col_amax(
     )
 
 
-def col_amax_rows_per_program(N: int, E: int = 1) -> int:
+def col_amax_rows_per_program(N: int, E: int = 1, min_programs: int = MIN_COL_AMAX_PROGRAMS) -> int:
     """Rows per program of the column-amax kernels over ``E`` groups of ``N`` rows (activations: one
     group of ``M`` rows): ``ROWS_PER_PROGRAM``, or the largest power of two below it that still makes
-    ``MIN_COL_AMAX_PROGRAMS`` programs (at least 1). Decided by comparisons only, so a traced ``N``
-    (a ``SymInt``) is guarded on a range of sizes."""
+    ``min_programs`` programs (at least 1). Decided by comparisons only, so a traced ``N`` (a
+    ``SymInt``) is guarded on a range of sizes."""
     rows = ROWS_PER_PROGRAM
-    while rows > 1 and E * N < rows * MIN_COL_AMAX_PROGRAMS:
+    while rows > 1 and E * N < rows * min_programs:
         rows //= 2
     return rows
 
@@ -436,8 +462,7 @@ def launch_group_rowwise_amax(
     ``rows_per_program``: ``None`` for :func:`col_amax_rows_per_program`; ``num_warps`` and ``tile``
     (elements per loop step; ``None`` for :func:`col_amax_tile`) as in :func:`rowwise_config`."""
     M, K = x.shape
-    rows_per_program = rows_per_program or col_amax_rows_per_program(M)
-    cfg, rows = _col_amax_config(M, K, rows_per_program, tile, num_warps)
+    cfg, rows = _col_amax_config(M, K, 1, x.element_size(), rows_per_program, tile, num_warps)
     if M == 0:
         return
     G = offs.numel()
