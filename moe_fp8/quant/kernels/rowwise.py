@@ -61,7 +61,8 @@ ROW_STAGES = 3
 # (2026-12-07, ``sweep_col_amax_kernels_rule_h100.md``) about one program per multiprocessor
 # (MIN_COL_AMAX_PROGRAMS) ran fastest where a loop step reads at least FULL_STEP_BYTES (its stages
 # then keep 48 KiB or more in flight), and two per multiprocessor where steps are shorter (bf16
-# rows of 1536, 5120 or 7168: 256 programs 3-14% faster than 128).
+# rows of 5120 or 7168, one per step: 4-14% faster than 128; rows of 1536, four per step, within
+# 5% either way).
 # ``benchmarks/sweep_col_amax_kernels.py`` sweeps the trade.
 MIN_COL_AMAX_PROGRAMS = 128
 FULL_STEP_BYTES = 16384
