@@ -14,7 +14,7 @@
 #   modes from $MODES, default "eager compiled"; variants from $VARIANTS, default hf_bf16 ours_fp8
 #   ours_fp8_experts torchao_rowwise; eager loss steps from $STEPS, default 40; time limit $LIMIT,
 #   default 590 s; PROFILE=1: each row also profiles one more step, device time by kernel category
-#   and the allocations alive at its peak: bench_job_acc<ACCUMULATE>_<first model><$SUFFIX>.json/.md) | ab BASE ARGS... (the
+#   and the allocations alive at its peak: bench_job_acc<ACCUMULATE>_<first model><$SUFFIX>.json/.md) | ab OUT BASE ARGS... (the
 #   `python -m moe_fp8.bench ARGS...` run twice, on the tree in the folder BASE (another commit, e.g.
 #   `git worktree add build/base COMMIT`, carried to the device) and on this one, named ARGS' --name
 #   with the suffixes _base and _head)
@@ -85,7 +85,8 @@ case $stage in
              --models "$@" --layers "${LAYERS:-4}" --accumulate "$acc" --modes "${modes[@]}" --steps "${STEPS:-40}" \
              --name "bench_job_acc${acc}_$1${SUFFIX:-}" --out "$out" --variants "${variants[@]}" \
              ${PROFILE:+--profile} ;;
-  ab)      base=$(cd "$1" && pwd) || exit 2
+  ab)      [[ -d ${1:-}/moe_fp8 ]] || { echo "ab: BASE '${1:-}' holds no moe_fp8 tree (run_gpu.sh ab OUT BASE ARGS...)" >&2; exit 2; }
+           base=$(cd "$1" && pwd) || exit 2
            shift
            args=("$@") name=ab
            for ((i = 0; i + 1 < ${#args[@]}; i++)); do [[ ${args[i]} == --name ]] && name=${args[i + 1]}; done
