@@ -420,8 +420,8 @@ def test_col_amax_tile_and_programs_follow_the_bytes_per_step():
 @pytest.mark.interpreter
 @pytest.mark.parametrize("K", [1100, 2500, 4096])
 def test_group_rowwise_amax_default_config_two_rows_per_step_cpu(K):
-    """The launcher's own configuration where it steps two rows at a time: odd row and group counts,
-    an empty group, outputs starting as garbage; the reference's bytes and amaxes."""
+    """The launcher's own configuration where it steps four (K = 1100) or two rows at a time: odd row
+    and group counts, an empty group, outputs starting as garbage; the reference's bytes and amaxes."""
     x = hard_input((37, K), seed=K)
     offs = torch.tensor([10, 10, 29], dtype=torch.int32)
     q = torch.empty((37, K), dtype=torch.float8_e4m3fn)
