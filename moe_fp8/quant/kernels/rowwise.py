@@ -383,9 +383,7 @@ def _col_amax_config(N: int, K: int, E: int, itemsize: int, rows_per_program: in
 def col_amax_defaults(N: int, K: int, E: int = 1, itemsize: int = 2) -> tuple[int, int]:
     """Rows per program and elements per loop step the column-amax launchers pick for ``E`` groups
     of ``N`` rows of ``K`` elements of ``itemsize`` bytes."""
-    tile = col_amax_tile(K)
-    block_m = rowwise_config(N, K, tile=tile)["BLOCK_M"]
-    return col_amax_rows_per_program(N, E, col_amax_min_programs(block_m, K, itemsize)), tile
+    return _col_amax_config(N, K, E, itemsize, None, None, None)[1], col_amax_tile(K)
 
 
 def expert_strips(E: int, N: int, K: int, itemsize: int, rows_per_program: int | None, tile: int | None,
