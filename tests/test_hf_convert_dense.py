@@ -77,7 +77,7 @@ def test_dense_model_converts(family, tied, monkeypatch):
     want = {"model.embed_tokens": ("Embedding", cr.KEPT, cr.EMBEDDING), "lm_head": ("Linear", cr.KEPT, cr.LM_HEAD),
             **{fqn: ("Linear", cr.FP8_LINEAR, None) for fqn in _linear_fqns()}}
     assert got == want
-    assert report["model.layers.1.self_attn.k_proj"].detail == "64->32, rowwise"
+    assert report["model.layers.1.self_attn.k_proj"].detail == "64->32, rowwise; input quantized with q_proj, v_proj"
     assert report.fp8_params == 2 * sum(i * o for _, i, o in LINEARS)
     assert report.matmul_params == report.fp8_params + 64 * V
     text = str(report)
@@ -156,3 +156,45 @@ def test_state_dict_round_trip():
     assert torch.equal(fresh(ids).logits, model(ids).logits)
     converted.load_state_dict(fresh.state_dict(), strict=True)
     assert isinstance(converted.model.layers[0].self_attn.q_proj, FP8Linear)
+
+
+def test_siblings_share_their_input(monkeypatch):
+    """Each decoder layer's q/k/v and gate/up projections run as one ``SharedInput``, and the model
+    calls them so that each group runs once per forward (no member alone); the report says which
+    share. ``share_inputs=False`` leaves every linear on its own."""
+    from moe_fp8.layers import shared_input
+
+    model = _model("llama")
+    converted = hf.convert(copy.deepcopy(model), min_dense_size=0)
+    report = converted.fp8_conversion_report
+    attn, mlp = converted.model.layers[0].self_attn, converted.model.layers[0].mlp
+    assert attn.q_proj.shared_input.members == (attn.q_proj, attn.k_proj, attn.v_proj)
+    assert mlp.gate_proj.shared_input.members == (mlp.gate_proj, mlp.up_proj)
+    assert attn.o_proj.shared_input is None and mlp.down_proj.shared_input is None
+    assert report["model.layers.1.self_attn.k_proj"].detail.endswith("; input quantized with q_proj, v_proj")
+    assert report["model.layers.1.mlp.up_proj"].detail.endswith("; input quantized with gate_proj")
+    runs, real = [], shared_input.fp8_linears
+    monkeypatch.setattr(shared_input, "fp8_linears", lambda x, w, *a, **k: runs.append(len(w)) or real(x, w, *a, **k))
+    _check_close_and_backward(model, converted)
+    assert runs == [3, 2, 3, 2]
+    alone = hf.convert(copy.deepcopy(model), min_dense_size=0, share_inputs=False)
+    assert not any(getattr(m, "shared_input", None) for m in alone.modules())
+
+
+@pytest.mark.parametrize(("min_shared", "share", "kv"), [(32, True, True), (48, True, False), (32, False, False)])
+def test_shared_input_size_rule(min_shared, share, kv):
+    """``min_dense_size=64`` keeps k_proj / v_proj (64 -> 32) alone; beside q_proj, which converts,
+    ``min_shared_input_size=32`` converts them (and they join its group), 48 does not, and without
+    ``share_inputs`` the sibling rule does not apply."""
+    model = hf.convert(_model("llama"), min_dense_size=64, min_shared_input_size=min_shared, share_inputs=share)
+    report = model.fp8_conversion_report
+    for name in ("k_proj", "v_proj"):
+        e = report[f"model.layers.0.self_attn.{name}"]
+        if kv:
+            assert e.became == cr.FP8_LINEAR and e.detail.endswith("input quantized with " + (
+                "q_proj, v_proj" if name == "k_proj" else "q_proj, k_proj"))
+        else:
+            least = min(64, min_shared) if share else 64
+            assert (e.became, e.reason, e.detail) == (cr.KEPT, cr.BELOW_MIN_SIZE, f"64->32: min(in, out) < {least}")
+    q = model.model.layers[0].self_attn.q_proj
+    assert (q.shared_input is not None) == kv

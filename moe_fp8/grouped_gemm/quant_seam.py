@@ -29,6 +29,7 @@ __all__ = [
     "quantize_weight_dgrad_layout",
     "quantize_weight_layout",
     "quantize_weight_forward_layout",
+    "quantize_wgrad_operand",
     "quantize_wgrad_operands",
     "weight_amax",
     "wgrad_operand_layout",
@@ -248,6 +249,26 @@ def quantize_wgrad_operands(
     qb, sb = ref.quantize_group_colwise(b, offs, fmt, pow2=pow2, amax=b_amax)
     return (wgrad_operand_layout(qa, offs, False, padded_offs=padded_offs, padded_rows=padded_rows), sa,
             wgrad_operand_layout(qb, offs, False, padded_offs=padded_offs, padded_rows=padded_rows), sb)
+
+
+def quantize_wgrad_operand(
+    a: torch.Tensor,
+    offs: torch.Tensor,
+    fmt: Float8Format,
+    pow2: bool,
+    fused: bool,
+    *,
+    padded_offs: torch.Tensor | None = None,
+    padded_rows: int | None = None,
+    a_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One operand of :func:`quantize_wgrad_operands`: ``(qa (rows, N) column-major, sa (E, N))``, the
+    same bytes as that function's first pair (for a wgrad whose other operand is already made)."""
+    if _kernels(a, fused):
+        return kernels.triton_quantize_group_colwise(a, offs, fmt, pow2, column_major=True, padded_offs=padded_offs,
+                                                     padded_rows=padded_rows, amax=a_amax)
+    qa, sa = ref.quantize_group_colwise(a, offs, fmt, pow2=pow2, amax=a_amax)
+    return wgrad_operand_layout(qa, offs, False, padded_offs=padded_offs, padded_rows=padded_rows), sa
 
 
 def wgrad_operand_layout(

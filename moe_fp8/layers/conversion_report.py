@@ -10,7 +10,7 @@ dense ``nn.Linear`` layers, routers and embeddings. Parameters are counted once 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -82,6 +82,14 @@ class ConversionReport:
         cache = layouts if getattr(module, "cache_weights", False) else 0
         self.entries.append(ModuleConversion(fqn, cls or type(module).__name__, became, reason, detail, fp8, params,
                                              cache, layouts))
+
+    def annotate(self, fqn: str, note: str) -> None:
+        """Append ``note`` to the detail of the entry of ``fqn``."""
+        for i, e in enumerate(self.entries):
+            if e.fqn == fqn:
+                self.entries[i] = replace(e, detail=f"{e.detail}; {note}" if e.detail else note)
+                return
+        raise KeyError(fqn)
 
     def __getitem__(self, fqn: str) -> ModuleConversion:
         for e in self.entries:

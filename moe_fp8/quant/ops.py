@@ -442,36 +442,42 @@ def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows, a_amax=None,
 
 @eager_triton_op("moe_fp8::quantize_group_colwise")
 def _group_colwise_op(
-    x: torch.Tensor, offs: torch.Tensor, fmt: str, pow2: bool, column_major: bool
+    x: torch.Tensor, offs: torch.Tensor, fmt: str, pow2: bool, column_major: bool,
+    padded_offs: Optional[torch.Tensor] = None, padded_rows: Optional[int] = None, amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    f, rows = _check_group(x, None, offs, fmt, None, None)
+    f, rows = _check_group(x, None, offs, fmt, padded_offs, padded_rows, amax)
     C = x.shape[1]
     q = _col_major(rows, C, f.torch_dtype, x.device) if column_major else torch.empty(
         (rows, C), dtype=f.torch_dtype, device=x.device)
     scale = torch.empty((offs.numel(), C), dtype=_F32, device=x.device)
-    launch_group_colwise(x, q, scale, None, None, None, offs, None, f, pow2)
+    bits = None if amax is None else amax.contiguous().view(torch.int32)
+    launch_group_colwise(x, q, scale, None, None, None, offs, padded_offs, f, pow2, amax_bits=bits)
     return q, scale
 
 
 @_group_colwise_op.register_fake
-def _(x, offs, fmt, pow2, column_major):
-    f, rows = _check_group(x, None, offs, fmt, None, None)
+def _(x, offs, fmt, pow2, column_major, padded_offs=None, padded_rows=None, amax=None):
+    f, rows = _check_group(x, None, offs, fmt, padded_offs, padded_rows, amax)
     C = x.shape[1]
     q = _col_major(rows, C, f.torch_dtype, x.device) if column_major else x.new_empty((rows, C), dtype=f.torch_dtype)
     return q, x.new_empty((offs.numel(), C), dtype=_F32)
 
 
 def triton_quantize_group_colwise(
-    x: torch.Tensor, offs: torch.Tensor, fmt=None, pow2: bool = False, *, column_major: bool = False
+    x: torch.Tensor, offs: torch.Tensor, fmt=None, pow2: bool = False, *, column_major: bool = False,
+    padded_offs: Optional[torch.Tensor] = None, padded_rows: Optional[int] = None, amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group, per-column scales over jagged row groups (``reference.quantize_group_colwise``).
 
     ``x (M, C)``, ``offs (E,)`` int32 end offsets (on ``x``'s device, not checked for monotonicity:
-    that would sync) -> ``q (M, C)`` (row-major, or column-major strides with ``column_major``;
-    rows at or past ``offs[-1]`` are 0), ``scale (E, C)``.
+    that would sync) -> ``q (R, C)`` (row-major, or column-major strides with ``column_major``;
+    rows at or past ``offs[-1]`` are 0), ``scale (E, C)``. ``R = M``, or with ``padded_offs`` and
+    ``padded_rows`` the padded row layout of :func:`triton_quantize_group_colwise_dual`. ``amax``:
+    optional ``(E, C)`` fp32 per-group column amax of ``x`` (trusted): then no reduction, one read.
     """
     _hp("x", x, 2)
-    return _group_colwise_op(x, offs, _format(fmt, x.device).name, bool(pow2), bool(column_major))
+    return _group_colwise_op(x, offs, _format(fmt, x.device).name, bool(pow2), bool(column_major), padded_offs,
+                             padded_rows, amax)
 
 
 @eager_triton_op("moe_fp8::quantize_group_colwise_dual")

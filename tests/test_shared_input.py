@@ -1,0 +1,239 @@
+"""Linears of one input: ``fp8_linears`` (x quantized once) against one ``fp8_linear`` per weight, and
+``SharedInput`` (the ``FP8Linear`` layers a model calls on one tensor) with its fallbacks."""
+
+import pytest
+import torch
+from torch import nn
+
+from moe_fp8 import FP8Linear
+from moe_fp8.layers import shared_input as si
+from moe_fp8.layers.fp8_linear import fp8_linear, fp8_linears
+from moe_fp8.layers.shared_input import SharedInput
+from moe_fp8.testing import dirty_allocator
+from moe_fp8.testing.launches import count_launches
+
+K = 64
+NS = (48, 32, 32)
+
+
+def _data(M, ns=NS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    ws = [(torch.randn(n, K, generator=g) * K**-0.5).to(torch.bfloat16) for n in ns]
+    bs = [torch.randn(n, generator=g).to(torch.bfloat16) for n in ns]
+    dys = [torch.randn(M, n, generator=g).to(torch.bfloat16) for n in ns]
+    return x, ws, bs, dys
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+def _separate(x, ws, bs, dys, recipe):
+    """Outputs and gradients of one ``fp8_linear`` per weight; x's gradient summed in member order."""
+    outs, gx, gws, gbs = [], None, [], []
+    for w, b, dy in zip(ws, bs, dys):
+        xi, wi, bi = _leaves(x, w, b)
+        y = fp8_linear(xi, wi, bi, recipe=recipe)
+        y.backward(dy)
+        outs.append(y)
+        gx = xi.grad if gx is None else gx + xi.grad
+        gws.append(wi.grad)
+        gbs.append(bi.grad)
+    return outs, gx, gws, gbs
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp", "tensorwise"])
+@pytest.mark.parametrize("M", [40, 3, 64])  # token counts not multiples of 16 pad the wgrad operands
+def test_fp8_linears_equal_one_linear_per_weight(recipe, M):
+    """Outputs, weight and bias gradients bit for bit those of separate ``fp8_linear`` calls (on the
+    CPU under the interpreter: the same kernels); x's gradient the sum of theirs, in member order."""
+    x, ws, bs, dys = _data(M)
+    want = _separate(x, ws, bs, dys, recipe)
+    xi, *leaves = _leaves(x, *ws, *bs)
+    outs = fp8_linears(xi, leaves[:3], leaves[3:], recipe=recipe)
+    torch.autograd.backward(outs, dys)
+    assert all(torch.equal(o, w) for o, w in zip(outs, want[0]))
+    assert torch.equal(xi.grad, want[1])
+    assert all(torch.equal(w.grad, g) for w, g in zip(leaves[:3], want[2]))
+    assert all(torch.equal(b.grad, g) for b, g in zip(leaves[3:], want[3]))
+
+
+def test_fp8_linears_some_outputs_without_gradient():
+    """Outputs the loss does not read add nothing: the other weights' gradients and x's are those of
+    the used outputs alone; the unused weight gets none."""
+    x, ws, bs, dys = _data(40)
+    want = _separate(x, ws[::2], bs[::2], dys[::2], "rowwise")
+    xi, *w = _leaves(x, *ws)
+    outs = fp8_linears(xi, w, recipe="rowwise")
+    torch.autograd.backward([outs[0], outs[2]], [dys[0], dys[2]])
+    assert w[1].grad is None
+    assert torch.equal(w[0].grad, want[2][0]) and torch.equal(w[2].grad, want[2][1])
+    assert torch.equal(xi.grad, want[1])  # x's gradient from the two used outputs
+
+
+def test_fp8_linears_empty_batch():
+    """No tokens: empty outputs, zero weight gradients (not memory an empty reduction left)."""
+    dirty_allocator()
+    x, ws, _, dys = _data(0)
+    xi, *w = _leaves(x, *ws)
+    outs = fp8_linears(xi, w, recipe="rowwise")
+    assert [tuple(o.shape) for o in outs] == [(0, n) for n in NS]
+    torch.autograd.backward(outs, dys)
+    assert all(g.grad is not None and not g.grad.any() for g in w)
+
+
+def test_fp8_linears_rejects_bad_arguments():
+    x, ws, bs, _ = _data(8)
+    with pytest.raises(ValueError, match="weights: expected at least one"):
+        fp8_linears(x, [])
+    with pytest.raises(ValueError, match="biases: expected 3 entries"):
+        fp8_linears(x, ws, bs[:2])
+    with pytest.raises(ValueError, match="in_features"):
+        fp8_linears(x, [ws[0], torch.zeros(32, 48, dtype=torch.bfloat16)])
+    with pytest.raises(TypeError, match="weight_cache: expected Fp8WeightCache"):
+        fp8_linears(x, ws, weight_caches=[None, object(), None])
+
+
+class _Attention(nn.Module):
+    """Calls its three projections on one tensor, as a Hugging Face attention does."""
+
+    def __init__(self, order=("q_proj", "k_proj", "v_proj"), recipe="rowwise"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q_proj, self.k_proj, self.v_proj = (FP8Linear(K, n, bias=i == 0, recipe=recipe, dtype=torch.bfloat16)
+                                                 for i, n in enumerate(NS))
+        self.order = order
+
+    def forward(self, x):
+        outs = {name: getattr(self, name)(x) for name in self.order}
+        return torch.cat([outs["q_proj"], outs["k_proj"], outs["v_proj"]], dim=-1)
+
+
+def _run(module, x, dy):
+    module.zero_grad()
+    xi = x.detach().clone().requires_grad_()
+    y = module(xi)
+    y.backward(dy)
+    return y, xi.grad, [p.grad for p in module.parameters()]
+
+
+def _grouped(order=("q_proj", "k_proj", "v_proj"), recipe="rowwise"):
+    m = _Attention(order, recipe)
+    SharedInput([m.q_proj, m.k_proj, m.v_proj])
+    return m
+
+
+def _count_group_runs(monkeypatch) -> list:
+    runs = []
+    real = si.fp8_linears
+
+    def counting(x, weights, *args, **kwargs):
+        runs.append(len(weights))
+        return real(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(si, "fp8_linears", counting)
+    return runs
+
+
+@pytest.mark.parametrize("order", [("q_proj", "k_proj", "v_proj"), ("v_proj", "q_proj", "k_proj")])
+def test_shared_input_runs_the_members_together(order, monkeypatch):
+    """One ``fp8_linears`` call per forward whichever member is called first; the outputs and weight
+    gradients of the ungrouped layers bit for bit, x's gradient to bf16 rounding (summed in another
+    order)."""
+    x, _, _, _ = _data(40)
+    dy = torch.randn(40, sum(NS)).to(torch.bfloat16)
+    want = _run(_Attention(order), x, dy)
+    runs = _count_group_runs(monkeypatch)
+    got = _run(_grouped(order), x, dy)
+    assert runs == [3]
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+
+
+def test_shared_input_falls_back_where_the_input_differs(monkeypatch):
+    """A member called on another tensor (or on the same one after an in-place write) runs alone and
+    gives its own output; a member called twice reruns the group."""
+    m = _grouped()
+    x = _data(40)[0]
+    with torch.no_grad():
+        m.q_proj(x)
+        other = x + 1
+        k_other = m.k_proj(other)  # not the group's tensor: alone
+        m.k_proj.shared_input, saved = None, m.k_proj.shared_input
+        assert torch.equal(k_other, m.k_proj(other))
+        m.k_proj.shared_input = saved
+        y = x.clone()
+        m.q_proj(y)
+        y.mul_(2)  # written in place after the group ran: the kept outputs are stale
+        v = m.v_proj(y)
+        m.v_proj.shared_input = None
+        assert torch.equal(v, m.v_proj(y))
+        m.v_proj.shared_input = saved
+    runs = _count_group_runs(monkeypatch)
+    with torch.no_grad():
+        m.q_proj(x), m.q_proj(x), m.k_proj(x), m.v_proj(x)
+    assert runs == [3, 3]  # the second q_proj reran the group; k and v took the second run's outputs
+
+
+def test_shared_input_skips_weights_it_cannot_read(monkeypatch):
+    """A member whose weight is not a plain tensor on the input's device (FSDP's sharded ``DTensor``,
+    here a meta tensor) leaves every member to run alone."""
+    m = _grouped()
+    runs = _count_group_runs(monkeypatch)
+    m.v_proj.weight = nn.Parameter(torch.empty(NS[2], K, dtype=torch.bfloat16, device="meta"))
+    with torch.no_grad():
+        m.q_proj(_data(8)[0])
+    assert runs == []
+
+
+def test_shared_input_rejects_bad_members():
+    a, b = FP8Linear(K, 32), FP8Linear(K, 16)
+    with pytest.raises(ValueError, match="two or more distinct"):
+        SharedInput([a, a])
+    with pytest.raises(ValueError, match="one in_features, recipe and fmt"):
+        SharedInput([a, FP8Linear(32, 16)])
+    with pytest.raises(ValueError, match="one in_features, recipe and fmt"):
+        SharedInput([a, FP8Linear(K, 16, recipe="tensorwise")])
+    with pytest.raises(TypeError, match="expected FP8Linear"):
+        SharedInput([a, nn.Linear(K, 16)])
+    SharedInput([a, b])
+    with pytest.raises(ValueError, match="one SharedInput at most"):
+        SharedInput([a, FP8Linear(K, 16)])
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_shared_input_compiles_fullgraph(recipe):
+    """The group traces with torch.compile(fullgraph=True) (aot_eager on CPU) and equals eager."""
+    m = _grouped(recipe=recipe)
+    x = _data(40)[0]
+    dy = torch.randn(40, sum(NS)).to(torch.bfloat16)
+    eager = _run(m, x, dy)
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(m, fullgraph=True, backend="aot_eager"), x, dy)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    assert all(torch.equal(a, b) for a, b in zip(compiled[2], eager[2]))
+    assert m.q_proj.shared_input._pending == {}  # nothing kept past the forward
+
+
+def test_shared_input_saves_a_quantization_each_way():
+    """Two linears of one input, forward + backward, against two separate layers: one row quantization
+    of x fewer (its Triton launch, the zeroing of its column amax, the fill of its one-group offsets)
+    and one ``x.T`` operand fewer (the second weight gradient's operand launch takes grad_out alone:
+    the same launch count, without the concatenation of two amaxes the two-operand launch reads)."""
+    x = _data(40)[0].requires_grad_()
+
+    def count(group: bool):
+        torch.manual_seed(0)
+        a, b = FP8Linear(K, 48, dtype=torch.bfloat16), FP8Linear(K, 32, dtype=torch.bfloat16)
+        if group:
+            SharedInput([a, b])
+        with count_launches() as n:
+            torch.cat([a(x), b(x)], dim=1).float().sum().backward()
+        return n
+
+    count(False)  # one-time probes of the CPU GEMM out of the counts
+    alone, together = count(False), count(True)
+    assert alone.triton - together.triton == 1, (sorted(alone.ops.items()), sorted(together.ops.items()))
+    assert alone.total - together.total == 4, (sorted(alone.ops.items()), sorted(together.ops.items()))
