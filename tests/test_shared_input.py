@@ -16,10 +16,10 @@ K = 64
 NS = (48, 32, 32)
 
 
-def _data(M, ns=NS, seed=0):
+def _data(M, ns=NS, k=K, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-    ws = [(torch.randn(n, K, generator=g) * K**-0.5).to(torch.bfloat16) for n in ns]
+    x = torch.randn(M, k, generator=g).to(torch.bfloat16)
+    ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16) for n in ns]
     bs = [torch.randn(n, generator=g).to(torch.bfloat16) for n in ns]
     dys = [torch.randn(M, n, generator=g).to(torch.bfloat16) for n in ns]
     return x, ws, bs, dys
@@ -237,3 +237,20 @@ def test_shared_input_saves_a_quantization_each_way():
     alone, together = count(False), count(True)
     assert alone.triton - together.triton == 1, (sorted(alone.ops.items()), sorted(together.ops.items()))
     assert alone.total - together.total == 4, (sorted(alone.ops.items()), sorted(together.ops.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ns", [(4096, 1024, 1024), (14336, 14336), (16400, 512)])
+def test_fp8_linears_equal_one_linear_per_weight_gpu(ns):
+    """On the GPU: the shapes of Llama3-8B's q/k/v and gate/up projections (8192 tokens) and a weight
+    whose rows are too long for the column-amax path (16400), bit for bit as in the CPU test."""
+    x, ws, bs, dys = _data(8192, ns, k=4096)
+    x, ws, bs, dys = x.cuda(), [w.cuda() for w in ws], [b.cuda() for b in bs], [d.cuda() for d in dys]
+    want = _separate(x, ws, bs, dys, "rowwise")
+    xi, *leaves = _leaves(x, *ws, *bs)
+    outs = fp8_linears(xi, leaves[:len(ns)], leaves[len(ns):], recipe="rowwise")
+    torch.autograd.backward(outs, dys)
+    assert all(torch.equal(o, w) for o, w in zip(outs, want[0]))
+    assert torch.equal(xi.grad, want[1])
+    assert all(torch.equal(w.grad, g) for w, g in zip(leaves[:len(ns)], want[2]))
+    assert all(torch.equal(b.grad, g) for b, g in zip(leaves[len(ns):], want[3]))

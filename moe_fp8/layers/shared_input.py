@@ -8,7 +8,8 @@ rows for the forward GEMM and, in the backward, ``x.T`` for its weight gradient.
 outputs; each other member called with the same tensor object (eagerly: at the same version)
 takes its output from there. A member called with another input, or called again before the
 others, and weights that are not plain tensors on the input's device (FSDP's sharded parameters)
-run the member alone, as without the group: the values are the same either way.
+and inference tensors (which keep no version counter) run the member alone, as without the group:
+the values are the same either way. Outputs a member never takes are dropped at the group's next run.
 
 Under ``torch.compile`` the group's Python runs at trace time: the outputs are handed over inside
 the traced graph (tensor identity is traced, version counters are not read).
@@ -60,7 +61,7 @@ class SharedInput:
             return out
         self._x, self._pending = None, {}
         x_in = member.input_operand(x)
-        if not all(_plain_on(p, x.device) for m in self.members for p in m.parameters()):
+        if (not torch.compiler.is_compiling() and x.is_inference()) or not all(_plain_on(p, x.device) for m in self.members for p in m.parameters()):
             return None
         operands = [m.weight_operand(x_in.dtype) for m in self.members]
         outs = fp8_linears(x_in, [w for w, _ in operands], [m.bias for m in self.members], recipe=member.recipe,
