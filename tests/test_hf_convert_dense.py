@@ -173,8 +173,8 @@ def test_siblings_share_their_input(monkeypatch):
     assert attn.o_proj.shared_input is None and mlp.down_proj.shared_input is None
     assert report["model.layers.1.self_attn.k_proj"].detail.endswith("; input quantized with q_proj, v_proj")
     assert report["model.layers.1.mlp.up_proj"].detail.endswith("; input quantized with gate_proj")
-    runs, real = [], shared_input.fp8_linears
-    monkeypatch.setattr(shared_input, "fp8_linears", lambda x, w, *a, **k: runs.append(len(w)) or real(x, w, *a, **k))
+    runs, real = [], shared_input.fp8_linears_shared_input
+    monkeypatch.setattr(shared_input, "fp8_linears_shared_input", lambda x, w, *a, **k: runs.append(len(w)) or real(x, w, *a, **k))
     _check_close_and_backward(model, converted)
     assert runs == [3, 2, 3, 2]
     alone = hf.convert(copy.deepcopy(model), min_dense_size=0, share_inputs=False)

@@ -1,4 +1,4 @@
-"""Linears of one input: ``fp8_linears`` (x quantized once) against one ``fp8_linear`` per weight, and
+"""Linears of one input: ``fp8_linears_shared_input`` (x quantized once) against one ``fp8_linear`` per weight, and
 ``SharedInput`` (the ``FP8Linear`` layers a model calls on one tensor) with its fallbacks."""
 
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 
 from moe_fp8 import FP8Linear
 from moe_fp8.layers import shared_input as si
-from moe_fp8.layers.fp8_linear import fp8_linear, fp8_linears
+from moe_fp8.layers.fp8_linear import fp8_linear, fp8_linears_shared_input
 from moe_fp8.layers.shared_input import SharedInput
 from moe_fp8.testing import dirty_allocator
 from moe_fp8.testing.launches import count_launches
@@ -51,7 +51,7 @@ def test_fp8_linears_equal_one_linear_per_weight(recipe, M):
     x, ws, bs, dys = _data(M)
     want = _separate(x, ws, bs, dys, recipe)
     xi, *leaves = _leaves(x, *ws, *bs)
-    outs = fp8_linears(xi, leaves[:3], leaves[3:], recipe=recipe)
+    outs = fp8_linears_shared_input(xi, leaves[:3], leaves[3:], recipe=recipe)
     torch.autograd.backward(outs, dys)
     assert all(torch.equal(o, w) for o, w in zip(outs, want[0]))
     assert torch.equal(xi.grad, want[1])
@@ -65,7 +65,7 @@ def test_fp8_linears_some_outputs_without_gradient():
     x, ws, bs, dys = _data(40)
     want = _separate(x, ws[::2], bs[::2], dys[::2], "rowwise")
     xi, *w = _leaves(x, *ws)
-    outs = fp8_linears(xi, w, recipe="rowwise")
+    outs = fp8_linears_shared_input(xi, w, recipe="rowwise")
     torch.autograd.backward([outs[0], outs[2]], [dys[0], dys[2]])
     assert w[1].grad is None
     assert torch.equal(w[0].grad, want[2][0]) and torch.equal(w[2].grad, want[2][1])
@@ -77,7 +77,7 @@ def test_fp8_linears_empty_batch():
     dirty_allocator()
     x, ws, _, dys = _data(0)
     xi, *w = _leaves(x, *ws)
-    outs = fp8_linears(xi, w, recipe="rowwise")
+    outs = fp8_linears_shared_input(xi, w, recipe="rowwise")
     assert [tuple(o.shape) for o in outs] == [(0, n) for n in NS]
     torch.autograd.backward(outs, dys)
     assert all(g.grad is not None and not g.grad.any() for g in w)
@@ -86,13 +86,13 @@ def test_fp8_linears_empty_batch():
 def test_fp8_linears_rejects_bad_arguments():
     x, ws, bs, _ = _data(8)
     with pytest.raises(ValueError, match="weights: expected at least one"):
-        fp8_linears(x, [])
+        fp8_linears_shared_input(x, [])
     with pytest.raises(ValueError, match="biases: expected 3 entries"):
-        fp8_linears(x, ws, bs[:2])
+        fp8_linears_shared_input(x, ws, bs[:2])
     with pytest.raises(ValueError, match="in_features"):
-        fp8_linears(x, [ws[0], torch.zeros(32, 48, dtype=torch.bfloat16)])
+        fp8_linears_shared_input(x, [ws[0], torch.zeros(32, 48, dtype=torch.bfloat16)])
     with pytest.raises(TypeError, match="weight_cache: expected Fp8WeightCache"):
-        fp8_linears(x, ws, weight_caches=[None, object(), None])
+        fp8_linears_shared_input(x, ws, weight_caches=[None, object(), None])
 
 
 class _Attention(nn.Module):
@@ -126,19 +126,19 @@ def _grouped(order=("q_proj", "k_proj", "v_proj"), recipe="rowwise"):
 
 def _count_group_runs(monkeypatch) -> list:
     runs = []
-    real = si.fp8_linears
+    real = si.fp8_linears_shared_input
 
     def counting(x, weights, *args, **kwargs):
         runs.append(len(weights))
         return real(x, weights, *args, **kwargs)
 
-    monkeypatch.setattr(si, "fp8_linears", counting)
+    monkeypatch.setattr(si, "fp8_linears_shared_input", counting)
     return runs
 
 
 @pytest.mark.parametrize("order", [("q_proj", "k_proj", "v_proj"), ("v_proj", "q_proj", "k_proj")])
 def test_shared_input_runs_the_members_together(order, monkeypatch):
-    """One ``fp8_linears`` call per forward whichever member is called first; the outputs and weight
+    """One ``fp8_linears_shared_input`` call per forward whichever member is called first; the outputs and weight
     gradients of the ungrouped layers bit for bit, x's gradient to bf16 rounding (summed in another
     order)."""
     x, _, _, _ = _data(40)
@@ -248,7 +248,7 @@ def test_fp8_linears_equal_one_linear_per_weight_gpu(ns):
     x, ws, bs, dys = x.cuda(), [w.cuda() for w in ws], [b.cuda() for b in bs], [d.cuda() for d in dys]
     want = _separate(x, ws, bs, dys, "rowwise")
     xi, *leaves = _leaves(x, *ws, *bs)
-    outs = fp8_linears(xi, leaves[:len(ns)], leaves[len(ns):], recipe="rowwise")
+    outs = fp8_linears_shared_input(xi, leaves[:len(ns)], leaves[len(ns):], recipe="rowwise")
     torch.autograd.backward(outs, dys)
     assert all(torch.equal(o, w) for o, w in zip(outs, want[0]))
     assert torch.equal(xi.grad, want[1])

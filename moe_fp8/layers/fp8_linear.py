@@ -48,7 +48,7 @@ from .dense_weight_cache import cached_dense_layouts, dense_mm_cached_weight
 from .param_checks import check_parameters
 from .scaled_mm import scaled_mm
 
-__all__ = ["FP8Linear", "DENSE_RECIPES", "fp8_linear", "fp8_linears"]
+__all__ = ["FP8Linear", "DENSE_RECIPES", "fp8_linear", "fp8_linears_shared_input"]
 
 # Recipes a dense layer takes; "bf16" runs plain F.linear (the A/B baseline).
 
@@ -262,7 +262,7 @@ def _weight_and_cache(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recip
     return weight, cache
 
 
-def fp8_linears(
+def fp8_linears_shared_input(
     x: torch.Tensor, weights, biases=None, *, recipe="rowwise", fmt=None, weight_caches=None,
 ) -> list[torch.Tensor]:
     """Several FP8 linears of one input: ``[x (..., K) @ w (N_i, K).T + b_i]``, each ``(..., N_i)`` in
@@ -314,7 +314,7 @@ def fp8_linear(
     compiled cache is read instead (pass the parameter itself, in x's dtype); while a CUDA graph is
     captured, no cache is read.
     """
-    return fp8_linears(x, [weight], [bias], recipe=recipe, fmt=fmt, weight_caches=[weight_cache])[0]
+    return fp8_linears_shared_input(x, [weight], [bias], recipe=recipe, fmt=fmt, weight_caches=[weight_cache])[0]
 
 
 class FP8Linear(nn.Linear):

@@ -1,9 +1,9 @@
-"""``SharedInput``: ``FP8Linear`` layers that read one input tensor, run as one ``fp8_linears`` call.
+"""``SharedInput``: ``FP8Linear`` layers that read one input tensor, run as one ``fp8_linears_shared_input`` call.
 
 A model calls attention's ``q_proj``, ``k_proj`` and ``v_proj`` (an MLP's ``gate_proj`` and ``up_proj``)
 one after another on the same tensor. Alone, each ``FP8Linear`` quantizes that tensor itself: its
 rows for the forward GEMM and, in the backward, ``x.T`` for its weight gradient. Joined in a
-``SharedInput``, the first member called computes every member's output in one ``fp8_linears`` call
+``SharedInput``, the first member called computes every member's output in one ``fp8_linears_shared_input`` call
 (x quantized once each way, one autograd node whose input gradients add up) and keeps the other
 outputs; each other member called with the same tensor object (eagerly: at the same version)
 takes its output from there. A member called with another input, or called again before the
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .fp8_linear import FP8Linear, fp8_linears
+from .fp8_linear import FP8Linear, fp8_linears_shared_input
 
 __all__ = ["SharedInput"]
 
@@ -64,7 +64,7 @@ class SharedInput:
         if (not torch.compiler.is_compiling() and x.is_inference()) or not all(_plain_on(p, x.device) for m in self.members for p in m.parameters()):
             return None
         operands = [m.weight_operand(x_in.dtype) for m in self.members]
-        outs = fp8_linears(x_in, [w for w, _ in operands], [m.bias for m in self.members], recipe=member.recipe,
+        outs = fp8_linears_shared_input(x_in, [w for w, _ in operands], [m.bias for m in self.members], recipe=member.recipe,
                            fmt=member.fmt, weight_caches=[c for _, c in operands])
         mine = None
         for m, out in zip(self.members, outs):
@@ -83,7 +83,7 @@ class SharedInput:
 
 
 def _plain_on(param: torch.Tensor, device: torch.device) -> bool:
-    """A parameter ``fp8_linears`` can read here: a plain tensor (not FSDP's sharded ``DTensor``), on
+    """A parameter ``fp8_linears_shared_input`` can read here: a plain tensor (not FSDP's sharded ``DTensor``), on
     ``device`` (not on the meta device)."""
     return type(param) in (torch.Tensor, torch.nn.Parameter) and param.device == device
 
