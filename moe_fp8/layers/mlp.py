@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .fp8_linear import DENSE_RECIPES, FP8Linear
+from .shared_input import SharedInput
 
 __all__ = ["SwiGLUMLP"]
 
@@ -16,7 +17,8 @@ class SwiGLUMLP(nn.Module):
 
     With an FP8 dense recipe (``rowwise``, ``rowwise_gw_hp``, ``tensorwise``) the three linears
     are ``FP8Linear``; other recipes (``bf16``; ``blockwise``, which has no dense kernel yet) keep
-    them ``nn.Linear``. Both dims must be multiples of 16 for FP8.
+    them ``nn.Linear``. Both dims must be multiples of 16 for FP8. The FP8 ``gate_proj`` and
+    ``up_proj`` quantize their input once for both (``SharedInput``).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, recipe="rowwise", fmt=None,
@@ -31,6 +33,8 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = make(hidden_size, intermediate_size)
         self.up_proj = make(hidden_size, intermediate_size)
         self.down_proj = make(intermediate_size, hidden_size)
+        if name in DENSE_RECIPES:
+            SharedInput([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
