@@ -34,7 +34,7 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = make(hidden_size, intermediate_size)
         self.down_proj = make(intermediate_size, hidden_size)
         if name in DENSE_RECIPES:
-            SharedInput([self.gate_proj, self.up_proj])
+            SharedInput([self.gate_proj, self.up_proj], self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
