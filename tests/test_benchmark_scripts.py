@@ -128,6 +128,7 @@ def test_bench_whole_model_kind_cpu(torch_references):
     assert set(models.VARIANTS) - set(models.MODE_VARIANTS["eager"]) == {"ours_fp8_experts_fp8_wgrad",
                                                                         "ours_fp8_experts_fp8_wgrad_cached",
                                                                         "ours_fp8_cached_all",
+                                                                        "ours_fp8_unshared", "ours_fp8_shared_kept",
                                                                         "ours_fp8_experts_cached_unfused",
                                                                         "ours_bf16_fused_acc", "ours_fp8_fused_acc",
                                                                         "ours_fp8_cached_fused_acc",
@@ -164,7 +165,7 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
         assert r["accumulate"] == 2 and 0 < r["fwd_bwd_ms"] + r["optim_ms"] <= r["step_ms"] * 1.05
         assert r["layers"] == 3
         assert r["profile"]["device"] == "cpu" and r["profile"]["total_ms"] > 0 and "peak_allocations" not in r
-    assert "_FP8LinearFn" in {name for name, *_ in by_variant["ours_fp8"]["profile"]["top"]}
+    assert "_FP8LinearsFn" in {name for name, *_ in by_variant["ours_fp8"]["profile"]["top"]}
     assert by_variant["ours_fp8_cached_all"]["cache_gap"] == 0 and by_variant["hf_bf16"]["cache_gap"] is None
     lines = step_profile.markdown(rows)
     assert sum(line.startswith("### llama3_8b eager") for line in lines) == 3
@@ -174,6 +175,10 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
     linears = [m for m in models.convert(base, "ours_fp8_cached_all", None, size_rules=False).modules()
                if type(m).__name__ == "FP8Linear"]
     assert linears and all(m.cache_weights for m in linears)
+    for variant, shared in (("ours_fp8", True), ("ours_fp8_unshared", False)):  # q/k/v and gate/up of 3 layers
+        converted = models.convert(base, variant, None, size_rules=False)
+        assert len({id(m.shared_input) for m in converted.modules() if getattr(m, "shared_input", None)}) == (
+            6 if shared else 0)
     moe = models._spec("qwen3_h1024", "cpu", None)  # named variants run in any mode; the defaults per mode
     assert models._variants_of(moe, "reduce-overhead", True, ["ours_bf16", "hf_bf16"]) == ["ours_bf16", "hf_bf16"]
     assert models._variants_of(moe, "reduce-overhead", True, None) == list(models.MODE_VARIANTS["reduce-overhead"])
