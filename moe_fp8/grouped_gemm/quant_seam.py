@@ -245,23 +245,14 @@ def quantize_wgrad_operands(
         return kernels.triton_quantize_group_colwise_dual(
             a, b, offs, fmt, pow2, padded_offs=padded_offs, padded_rows=padded_rows, a_amax=a_amax, b_amax=b_amax
         )
-    qa, sa = ref.quantize_group_colwise(a, offs, fmt, pow2=pow2, amax=a_amax)
-    qb, sb = ref.quantize_group_colwise(b, offs, fmt, pow2=pow2, amax=b_amax)
-    return (wgrad_operand_layout(qa, offs, False, padded_offs=padded_offs, padded_rows=padded_rows), sa,
-            wgrad_operand_layout(qb, offs, False, padded_offs=padded_offs, padded_rows=padded_rows), sb)
+    padded = dict(padded_offs=padded_offs, padded_rows=padded_rows)
+    return (*quantize_wgrad_operand(a, offs, fmt, pow2, False, a_amax=a_amax, **padded),
+            *quantize_wgrad_operand(b, offs, fmt, pow2, False, a_amax=b_amax, **padded))
 
 
-def quantize_wgrad_operand(
-    a: torch.Tensor,
-    offs: torch.Tensor,
-    fmt: Float8Format,
-    pow2: bool,
-    fused: bool,
-    *,
-    padded_offs: torch.Tensor | None = None,
-    padded_rows: int | None = None,
-    a_amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_wgrad_operand(a: torch.Tensor, offs: torch.Tensor, fmt: Float8Format, pow2: bool, fused: bool, *,
+                           padded_offs: torch.Tensor | None = None, padded_rows: int | None = None,
+                           a_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One operand of :func:`quantize_wgrad_operands`: ``(qa (rows, N) column-major, sa (E, N))``, the
     same bytes as that function's first pair (for a wgrad whose other operand is already made)."""
     if _kernels(a, fused):
