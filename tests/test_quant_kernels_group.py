@@ -63,7 +63,8 @@ def _check_dual(a, b, offs, pow2, fmt, padded=False):
 
 def _check_from_group_amax(a, b, offs, pow2, fmt, kwargs, want):
     """Each operand's row quantization with its per-group column amax (the reference's row bytes
-    and amax), then the dual given either amax or both: the dual's bytes."""
+    and amax), then the dual given either amax or both, and each operand alone
+    (``triton_quantize_group_colwise``, column-major, with and without its amax): the dual's bytes."""
     amaxes = {}
     for name, x in (("a_amax", a), ("b_amax", b)):
         q, s, amaxes[name] = triton_quantize_rowwise_with_group_amax(x, offs, fmt, pow2)
@@ -75,6 +76,12 @@ def _check_from_group_amax(a, b, offs, pow2, fmt, kwargs, want):
         got = triton_quantize_group_colwise_dual(a, b, offs, fmt, pow2, **{n: amaxes[n] for n in given}, **kwargs)
         for g, w, name in zip(got, want, ("qa", "sa", "qb", "sb")):
             assert_same(g, w, f"{name} from {given}")
+    for x, name, (wq, ws) in ((a, "a_amax", want[:2]), (b, "b_amax", want[2:])):
+        for amax in (amaxes[name], None):
+            q, s = triton_quantize_group_colwise(x, offs, fmt, pow2, column_major=True, amax=amax, **kwargs)
+            assert q.t().is_contiguous()
+            assert_same(q, wq, f"{name[0]} alone, amax given: {amax is not None}")
+            assert_same(s, ws, f"scale of {name[0]} alone, amax given: {amax is not None}")
 
 
 def _check_single(x, offs, pow2, fmt):

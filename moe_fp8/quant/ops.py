@@ -413,11 +413,11 @@ def triton_quantize_expert_colwise_from_amax(
 # ----------------------------------------------------------------------------------- group colwise
 
 
-def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows, a_amax=None,
-                 b_amax=None) -> tuple[Float8Format, int]:
+def _check_group(a, b, offs, fmt: str, padded_offs, padded_rows, a_amax=None, b_amax=None,
+                 a_amax_name: str = "a_amax") -> tuple[Float8Format, int]:
     """Validate the per-group operands; return the format and the output row count."""
     _hp("a", a, 2)
-    for name, amax, x in (("a_amax", a_amax, a), ("b_amax", b_amax, b)):
+    for name, amax, x in ((a_amax_name, a_amax, a), ("b_amax", b_amax, b)):
         if amax is not None:
             check_tensor(name, amax, dtypes=(_F32,), shape=(offs.numel(), x.shape[1]))
             check_same_device(a=a, **{name: amax})
@@ -445,7 +445,7 @@ def _group_colwise_op(
     x: torch.Tensor, offs: torch.Tensor, fmt: str, pow2: bool, column_major: bool,
     padded_offs: Optional[torch.Tensor] = None, padded_rows: Optional[int] = None, amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    f, rows = _check_group(x, None, offs, fmt, padded_offs, padded_rows, amax)
+    f, rows = _check_group(x, None, offs, fmt, padded_offs, padded_rows, amax, a_amax_name="amax")
     C = x.shape[1]
     q = _col_major(rows, C, f.torch_dtype, x.device) if column_major else torch.empty(
         (rows, C), dtype=f.torch_dtype, device=x.device)
@@ -457,7 +457,7 @@ def _group_colwise_op(
 
 @_group_colwise_op.register_fake
 def _(x, offs, fmt, pow2, column_major, padded_offs=None, padded_rows=None, amax=None):
-    f, rows = _check_group(x, None, offs, fmt, padded_offs, padded_rows, amax)
+    f, rows = _check_group(x, None, offs, fmt, padded_offs, padded_rows, amax, a_amax_name="amax")
     C = x.shape[1]
     q = _col_major(rows, C, f.torch_dtype, x.device) if column_major else x.new_empty((rows, C), dtype=f.torch_dtype)
     return q, x.new_empty((offs.numel(), C), dtype=_F32)
