@@ -128,7 +128,7 @@ def test_bench_whole_model_kind_cpu(torch_references):
     assert set(models.VARIANTS) - set(models.MODE_VARIANTS["eager"]) == {"ours_fp8_experts_fp8_wgrad",
                                                                         "ours_fp8_experts_fp8_wgrad_cached",
                                                                         "ours_fp8_cached_all",
-                                                                        "ours_fp8_unshared", "ours_fp8_shared_kept",
+                                                                        "ours_fp8_unshared",
                                                                         "ours_fp8_experts_cached_unfused",
                                                                         "ours_bf16_fused_acc", "ours_fp8_fused_acc",
                                                                         "ours_fp8_cached_fused_acc",

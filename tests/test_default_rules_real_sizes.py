@@ -11,9 +11,7 @@ from moe_fp8 import hf  # noqa: E402
 from moe_fp8.layers import conversion_report as cr  # noqa: E402
 
 F, K, BF16, FP8E = cr.FP8_LINEAR, cr.KEPT, cr.BF16_EXPERTS, cr.FP8_EXPERTS
-ATTN = {"q_proj": F, "k_proj": K, "v_proj": K, "o_proj": F}  # GQA with 4 KV heads of 128: k/v 512 wide
-# 8 KV heads of 128: k/v 1024 wide, converted beside q_proj (MIN_SHARED_INPUT_SIZE)
-ATTN_KV8 = {"q_proj": F, "k_proj": F, "v_proj": F, "o_proj": F}
+ATTN = {"q_proj": F, "k_proj": K, "v_proj": K, "o_proj": F}  # GQA with 8 (or 4) KV heads of 128
 MLA = {"q_a_proj": F, "q_b_proj": F, "kv_a_proj_with_mqa": K, "kv_b_proj": K, "o_proj": F}
 
 
@@ -43,11 +41,11 @@ CONFIGS = {
     "mixtral_8x7b": (lambda: transformers.MixtralConfig(
         vocab_size=1024, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
-        {**{f"layers.0.self_attn.{n}": b for n, b in ATTN_KV8.items()}, "layers.0.mlp.experts": FP8E}),
+        {**{f"layers.0.self_attn.{n}": b for n, b in ATTN.items()}, "layers.0.mlp.experts": FP8E}),
     "llama3_8b": (lambda: transformers.LlamaConfig(
         vocab_size=1024, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
         num_key_value_heads=8),
-        {**{f"layers.0.self_attn.{n}": b for n, b in ATTN_KV8.items()},
+        {**{f"layers.0.self_attn.{n}": b for n, b in ATTN.items()},
          **{f"layers.0.mlp.{n}": F for n in ("gate_proj", "up_proj", "down_proj")}}),
 }
 

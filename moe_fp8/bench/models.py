@@ -39,8 +39,7 @@ of them held), ``ours_fp8_experts_cached_unfused`` (``ours_fp8_experts_cached`` 
 row quantization in separate kernels: ``FP8GroupedExperts.fused_grad_quant=False``),
 ``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache on too:
 ``cache_dense_weights=True``), ``ours_fp8_unshared`` (``ours_fp8`` with every linear on its own:
-``share_inputs=False``), ``ours_fp8_shared_kept`` (``ours_fp8`` whose sibling linears keep the dense
-size rule: ``min_shared_input_size=min_dense_size``), ``ours_bf16_fused_acc``, ``ours_fp8_fused_acc``,
+``share_inputs=False``), ``ours_bf16_fused_acc``, ``ours_fp8_fused_acc``,
 ``ours_fp8_cached_fused_acc``, ``ours_fp8_experts_fused_acc`` and ``ours_fp8_experts_cached_fused_acc``
 (those with the experts' weight-gradient GEMMs adding to ``.grad`` in place:
 ``fused_grad_accumulation=True``), ``torchao_rowwise`` and
@@ -63,8 +62,8 @@ one profiled step per row (``step_profile``). The loss is the mean of the last 1
 steps on byte-level text (the standard library's sources), trained in eager mode from the same
 initial weights on the same batches (``LOSS_VARIANTS``; the other rows run 40 micro-batches, at
 least 12 optimizer steps). ``MODE_VARIANTS`` says which variants each mode runs
-by default (the ``_fp8_wgrad``, ``_fused_acc`` ones, ``ours_fp8_cached_all``, ``ours_fp8_unshared`` and
-``ours_fp8_shared_kept`` only when named); variants named
+by default (the ``_fp8_wgrad``, ``_fused_acc`` ones, ``ours_fp8_cached_all`` and ``ours_fp8_unshared``
+only when named); variants named
 with ``--variants`` run in every mode named.
 """
 
@@ -95,7 +94,7 @@ MODES = ("eager", "compiled", "reduce-overhead")
 FUSED_ACC = "_fused_acc"  # variant suffix: hf.convert(..., fused_grad_accumulation=True)
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_experts_cached",
             "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all",
-            "ours_fp8_unshared", "ours_fp8_shared_kept",
+            "ours_fp8_unshared",
             "ours_fp8_experts_cached_unfused", "ours_bf16_fused_acc", "ours_fp8_fused_acc", "ours_fp8_cached_fused_acc",
             "ours_fp8_experts_fused_acc", "ours_fp8_experts_cached_fused_acc", "torchao_rowwise",
             "torchao_rowwise_gw_hp", "torchao_moe")
@@ -107,7 +106,7 @@ EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours
 TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs by default (the others in eager only), and those trained for ``loss_steps``
 MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v and "_unfused" not in v
-                                 and v not in ("ours_fp8_cached_all", "ours_fp8_unshared", "ours_fp8_shared_kept")
+                                 and v not in ("ours_fp8_cached_all", "ours_fp8_unshared")
                                  and not v.endswith(FUSED_ACC)),
                  "compiled": ("hf_bf16", "ours_fp8", "ours_fp8_experts", "ours_fp8_cached", "ours_fp8_experts_cached",
                               "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
@@ -224,12 +223,10 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
                 module.fused_grad_quant = False
     elif variant.startswith("ours_fp8"):
         cache_all = variant == "ours_fp8_cached_all"
-        shared = dict(share_inputs=False) if variant == "ours_fp8_unshared" else dict(
-            min_shared_input_size=min_dense_size) if variant == "ours_fp8_shared_kept" else {}
         hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached") or cache_all,
                    cache_dense_weights=cache_all, min_dense_size=min_dense_size, min_expert_size=min_expert_size,
                    min_bf16_expert_size=min_expert_size if variant == "ours_fp8_small_kept" else MIN_BF16_EXPERT_SIZE,
-                   fused_grad_accumulation=fused_acc, **shared)
+                   fused_grad_accumulation=fused_acc, share_inputs=variant != "ours_fp8_unshared")
     elif variant in TORCHAO_VARIANTS:
         recipe = "rowwise_with_gw_hp" if variant == "torchao_rowwise_gw_hp" else "rowwise"
         torchao_models.convert(model, recipe, experts=variant == "torchao_moe")

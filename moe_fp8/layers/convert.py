@@ -32,17 +32,13 @@ from .conversion_report import (
 )
 from .experts import FP8GroupedExperts
 from .fp8_linear import FP8Linear, _check_dense_recipe
-from .shared_input import join_siblings, sibling_linears
+from .shared_input import join_siblings
 
-__all__ = ["MIN_DENSE_SIZE", "MIN_SHARED_INPUT_SIZE", "check_conversion_args", "check_size", "convert_linears", "convert_to_fp8"]
+__all__ = ["MIN_DENSE_SIZE", "check_conversion_args", "check_size", "convert_linears", "convert_to_fp8"]
 
 log = logging.getLogger("moe_fp8")
 
 MIN_DENSE_SIZE = 1536
-# The size rule for a linear whose sibling (``shared_input.SIBLINGS``) reading the same input is
-# converted: that input's quantization is paid by the sibling, so only the linear's own gradient,
-# weight and GEMMs are left to weigh.
-MIN_SHARED_INPUT_SIZE = 1024
 FilterFn = Callable[[nn.Module, str], bool]
 
 
@@ -55,7 +51,6 @@ def convert_to_fp8(
     fmt=None,
     cache_weights: bool = False,
     share_inputs: bool = True,
-    min_shared_input_size: int = MIN_SHARED_INPUT_SIZE,
 ) -> nn.Module:
     """Replace the plain ``nn.Linear`` layers of ``model`` (in place) by ``FP8Linear`` layers sharing
     their parameters; return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``).
@@ -70,16 +65,14 @@ def convert_to_fp8(
     one BF16-sized copy of each weight, for gradient accumulation).
     ``share_inputs``: sibling linears that the model calls on one input (``shared_input.SIBLINGS``:
     ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_proj`` / ``up_proj``, ``q_a_proj`` /
-    ``kv_a_proj_with_mqa``) run as one ``SharedInput``, the input quantized once for all of them; a
-    sibling of a converted linear is converted from ``min(in, out) >= min_shared_input_size``
-    (``MIN_SHARED_INPUT_SIZE``) when only ``min_dense_size`` kept it.
+    ``kv_a_proj_with_mqa``) in the model classes known to call them on one tensor
+    (``shared_input.PARENTS``) run as one ``SharedInput``, the input quantized once for all of them.
     """
     recipe = _check_dense_recipe(recipe)
     check_conversion_args(model, filter_fn, min_dense_size)
     report = ConversionReport(recipe.name, min_dense_size)
     model = convert_linears(model, report, recipe=recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
-                            fmt=fmt, cache_weights=cache_weights, share_inputs=share_inputs,
-                            min_shared_input_size=min_shared_input_size)
+                            fmt=fmt, cache_weights=cache_weights, share_inputs=share_inputs)
     model.fp8_conversion_report = report
     return model
 
@@ -104,22 +97,20 @@ def check_size(name: str, value) -> None:
 def convert_linears(model: nn.Module, report: ConversionReport, *, recipe, filter_fn: FilterFn | None,
                     min_dense_size: int, fmt=None, keep_reason: str | None = None,
                     expert_rules: dict[int, tuple[str, str]] | None = None, cache_weights: bool = False,
-                    share_inputs: bool = False, min_shared_input_size: int = MIN_SHARED_INPUT_SIZE) -> nn.Module:
+                    share_inputs: bool = False) -> nn.Module:
     """Walk ``model``: record experts, routers, embeddings and linears in ``report``, swap the linears
     that pass every rule (none when ``keep_reason`` is given: all are kept for that reason).
     ``expert_rules`` maps the ``id`` of experts an expert size rule changed to ``(rule, why)``: the
     ``FP8GroupedExperts`` made for them (the detail says which rule and why), or the experts left as
     they were (recorded as kept for that rule, not entered); ``cache_weights``: ``FP8Linear``'s;
-    ``share_inputs`` / ``min_shared_input_size``: as ``convert_to_fp8`` takes them.
+    ``share_inputs``: as ``convert_to_fp8`` takes it.
     Returns ``model``, or its replacement when ``model`` itself is a converted ``nn.Linear``."""
     for flag_name, flag in (("cache_weights", cache_weights), ("share_inputs", share_inputs)):
         if not isinstance(flag, bool):
             raise TypeError(f"{flag_name}: expected a bool, got {type(flag).__name__}")
-    check_size("min_shared_input_size", min_shared_input_size)
     ctx = dict(report=report, recipe=recipe, filter_fn=filter_fn, min_size=min_dense_size, fmt=fmt,
                cache_weights=cache_weights, keep_reason=keep_reason, seen=set(), expert_rules=expert_rules or {},
-               tied={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}, share=share_inputs,
-               min_shared_size=min_shared_input_size, shared_rule=set())
+               tied={id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}, share=share_inputs)
     new = _visit(None, "", model, "", ctx)
     return model if new is None else new
 
@@ -145,8 +136,6 @@ def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Modu
     elif isinstance(module, nn.Linear):
         return _linear(module, name, fqn, ctx)
     else:
-        if ctx["share"]:
-            _siblings_rule(module, fqn, ctx)
         for child_name, child in list(module.named_children()):
             new = _visit(module, child_name, child, f"{fqn}.{child_name}" if fqn else child_name, ctx)
             if new is not None:
@@ -157,16 +146,6 @@ def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Modu
                     others = ", ".join(o for o in names if o != n)
                     report.annotate(f"{fqn}.{n}" if fqn else n, f"input quantized with {others}")
     return None
-
-
-def _siblings_rule(parent: nn.Module, fqn: str, ctx: dict) -> None:
-    """Mark (``ctx["shared_rule"]``) the sibling linears of ``parent`` (at ``fqn``) that take the
-    shared-input size rule: those of a set (``sibling_linears``) in which a linear passes every rule."""
-    for children in sibling_linears(parent):
-        passing = [c for n, c in children
-                   if isinstance(c, FP8Linear) or _keep_reason(c, n, f"{fqn}.{n}" if fqn else n, ctx) is None]
-        if passing:
-            ctx["shared_rule"].update(id(c) for _, c in children)
 
 
 def _is_router(parent, name: str, module: nn.Module) -> bool:
@@ -210,8 +189,6 @@ def _keep_reason(module: nn.Linear, name: str, fqn: str, ctx: dict) -> tuple[str
     bad = [f"{n}={v}" for n, v in dims if v % 16]
     if bad:
         return NOT_MULTIPLE_OF_16, ": " + ", ".join(bad)
-    # beside a sibling that passes, the lower of the two sizes (``_siblings_rule``)
-    least = min(ctx["min_size"], ctx["min_shared_size"]) if id(module) in ctx["shared_rule"] else ctx["min_size"]
-    if min(module.in_features, module.out_features) < least:
-        return BELOW_MIN_SIZE, f": min(in, out) < {least}"
+    if min(module.in_features, module.out_features) < ctx["min_size"]:
+        return BELOW_MIN_SIZE, f": min(in, out) < {ctx['min_size']}"
     return None

@@ -36,7 +36,7 @@ from ..routing import RouterConfig
 from .conversion_report import (
     BELOW_MIN_EXPERT_SIZE, BELOW_MIN_FP8_WGRAD_SIZE, BF16_RECIPE, DENSE_OFF, FP8_LINEAR, ConversionReport,
 )
-from .convert import MIN_DENSE_SIZE, MIN_SHARED_INPUT_SIZE, check_conversion_args, check_size, convert_linears
+from .convert import MIN_DENSE_SIZE, check_conversion_args, check_size, convert_linears
 from .experts import FP8GroupedExperts
 from .fp8_linear import DENSE_RECIPES, FP8Linear, _check_dense_recipe
 from .hf_blocks import FP8HFMoEBlock, FP8Llama4TextMoe
@@ -58,8 +58,7 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
             min_expert_size: int = MIN_EXPERT_SIZE, min_bf16_expert_size: int = MIN_BF16_EXPERT_SIZE,
             min_fp8_wgrad_size: int = MIN_FP8_WGRAD_SIZE, backend: str | None = None, fmt=None,
             cache_weights: bool = False, cache_dense_weights: bool = False,
-            fused_grad_accumulation: bool = False, share_inputs: bool = True,
-            min_shared_input_size: int = MIN_SHARED_INPUT_SIZE) -> nn.Module:
+            fused_grad_accumulation: bool = False, share_inputs: bool = True) -> nn.Module:
     """Convert a whole model in place: every supported MoE block's experts, then the dense linears;
     return ``model`` with ``model.fp8_conversion_report`` (a ``ConversionReport``: per module what it
     became and why anything was kept; ``print`` it for a table). A model without MoE blocks (Llama,
@@ -92,11 +91,9 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
       so gradient accumulation quantizes them once per optimizer step (one BF16-sized copy of the
       converted dense weights; off by default, for peak memory).
       ``share_inputs``: the converted linears that the model calls on one input (``q_proj`` /
-      ``k_proj`` / ``v_proj``, ``gate_proj`` / ``up_proj``, ``q_a_proj`` / ``kv_a_proj_with_mqa``)
-      run as one ``SharedInput``: the input quantized once for all of them, forward and backward.
-      A sibling of a converted linear is then converted from ``min(in, out) >=
-      min_shared_input_size`` (default ``MIN_SHARED_INPUT_SIZE`` = 1024) where only
-      ``min_dense_size`` kept it, since its input's quantization is paid already.
+      ``k_proj`` / ``v_proj``, ``gate_proj`` / ``up_proj``, ``q_a_proj`` / ``kv_a_proj_with_mqa`` of
+      the classes in ``shared_input.PARENTS``) run as one ``SharedInput``: the input quantized once
+      for all of them, forward and backward (docs/conversion.md).
     * ``fused_grad_accumulation``: the experts' weight-gradient GEMMs add to the weights' ``.grad``
       in place under gradient accumulation (``FP8GroupedExperts``; off by default: autograd then no
       longer sees those gradients pass, and a compiled graph cannot check what needs them; DDP
@@ -134,7 +131,7 @@ def convert(model: nn.Module, *, recipe="rowwise", dense: bool = True, dense_rec
     keep = DENSE_OFF if not dense else BF16_RECIPE if not expert_recipe.is_fp8 else None
     model = convert_linears(model, report, recipe=linear_recipe, filter_fn=filter_fn, min_dense_size=min_dense_size,
                             fmt=fmt, keep_reason=keep, expert_rules=rule.applied, cache_weights=cache_dense_weights,
-                            share_inputs=share_inputs, min_shared_input_size=min_shared_input_size)
+                            share_inputs=share_inputs)
     if blocks == 0 and FP8_LINEAR not in report.counts():  # nothing was changed
         raise ValueError(f"model: nothing to convert: no MoE block found (supported: {', '.join(SUPPORTED_BLOCKS)}, "
                          "and 5.x blocks of any family with standard SwiGLU experts) "
