@@ -26,6 +26,8 @@ the rowwise recipes their column amaxes. Each operand is quantized in the layout
 * ``tensorwise``: operands a GEMM takes transposed are quantized as they are and transposed in
   FP8 (one scale either way, so grad_out is quantized once for dgrad and wgrad); nothing is
   copied transposed in high precision.
+* Several weights of one input (``fp8_linears_shared_input``, ``SharedInput``): one autograd node
+  quantizes x once for all of them, its rows in the forward and ``x.T`` in the backward.
 """
 
 from __future__ import annotations
