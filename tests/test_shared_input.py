@@ -287,3 +287,32 @@ def test_converters_join_only_known_parents():
     model = convert_to_fp8(nn.ModuleDict({"a": CrossAttention()}))
     assert all(m.shared_input is None for m in model.modules() if isinstance(m, FP8Linear))
     assert si.sibling_linears(_Attention()) == []
+
+
+def test_shared_input_with_weight_caches_follows_the_optimizer():
+    """Members with ``cache_weights=True``, two micro-batches per step over three AdamW steps: the
+    same outputs and weight gradients as members without caches (the caches' layouts follow each
+    step's new weights)."""
+    x = _data(40)[0]
+    dy = torch.randn(40, sum(NS)).to(torch.bfloat16)
+
+    def train(cache: bool):
+        m = _grouped()
+        for lin in (m.q_proj, m.k_proj, m.v_proj):
+            lin.cache_weights = cache
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        seen = []
+        for _ in range(3):
+            for _ in range(2):
+                y = m(x.clone().requires_grad_())
+                y.backward(dy)
+                seen.append(y.detach())
+            seen.extend(p.grad.clone() for p in m.parameters())
+            kept = m.q_proj.weight_cache_nbytes  # the layouts the second micro-batch read
+            opt.step()
+            opt.zero_grad()
+        return seen, kept
+
+    (cached, kept), (plain, _) = train(True), train(False)
+    assert kept > 0 and len(cached) == len(plain)
+    assert all(torch.equal(a, b) for a, b in zip(cached, plain))
