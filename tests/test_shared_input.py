@@ -59,6 +59,19 @@ def test_fp8_linears_equal_one_linear_per_weight(recipe, M):
     assert all(torch.equal(b.grad, g) for b, g in zip(leaves[3:], want[3]))
 
 
+def test_fp8_linears_weight_of_rows_too_long_for_the_column_amax():
+    """A first weight of 16400 output rows (its gradient's rows too long for the column-amax path)
+    beside one that takes it: ``x.T`` is made from x's column amax by the first weight gradient, and
+    everything equals separate layers bit for bit."""
+    x, ws, bs, dys = _data(40, (16400, 32))
+    want = _separate(x, ws, bs, dys, "rowwise")
+    xi, *leaves = _leaves(x, *ws, *bs)
+    outs = fp8_linears_shared_input(xi, leaves[:2], leaves[2:], recipe="rowwise")
+    torch.autograd.backward(outs, dys)
+    assert torch.equal(xi.grad, want[1])
+    assert all(torch.equal(w.grad, g) for w, g in zip(leaves[:2], want[2]))
+
+
 def test_fp8_linears_some_outputs_without_gradient():
     """Outputs the loss does not read add nothing: the other weights' gradients and x's are those of
     the used outputs alone; the unused weight gets none."""

@@ -231,7 +231,8 @@ def _wgrad(ctx, i: int, grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Ten
         gt_q, gt_s = _wgrad_operand_from_amax(grad_out, offs, g_amax, grad_fmt, pow2)
     else:
         gt_q, gt_s = quantize_cols_t(grad_out, recipe.scaling, grad_fmt, pow2)  # (N, M_pad)
-    xt_q, xt_s = xt.get(lambda: quantize_cols_t(x, recipe.scaling, fmt, pow2))  # (K, M_pad)
+    xt_q, xt_s = xt.get(lambda: quantize_cols_t(x, recipe.scaling, fmt, pow2) if x_amax is None  # (K, M_pad)
+                        else _wgrad_operand_from_amax(x, offs, x_amax, fmt, pow2))  # no second reduction of x
     return scaled_mm(gt_q, gt_s, xt_q, xt_s, w_dtype, recipe.fast_accum_grads)
 
 
