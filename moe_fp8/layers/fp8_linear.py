@@ -334,6 +334,9 @@ class FP8Linear(nn.Linear):
     weight from the first forward on, which is why it is off by default. Under ``torch.compile``
     the process-wide compiled cache is read (weights in the activations' dtype only); no cache is
     read while a CUDA graph is captured, nor for weights FSDP manages.
+
+    ``shared_input``: the ``SharedInput`` this layer runs with (its siblings that read the same
+    input, which it quantizes once for all of them), or ``None``; set by ``SharedInput``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe="rowwise",
