@@ -253,10 +253,11 @@ def test_shared_input_saves_a_quantization_each_way():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ns", [(4096, 1024, 1024), (14336, 14336), (16400, 512)])
+@pytest.mark.parametrize("ns", [(4096, 1024, 1024), (14336, 14336), (16400, 512), (512, 16400)])
 def test_fp8_linears_equal_one_linear_per_weight_gpu(ns):
     """On the GPU: the shapes of Llama3-8B's q/k/v and gate/up projections (8192 tokens) and a weight
-    whose rows are too long for the column-amax path (16400), bit for bit as in the CPU test."""
+    whose rows are too long for the column-amax path (16400), first or second, bit for bit as in
+    the CPU test."""
     x, ws, bs, dys = _data(8192, ns, k=4096)
     x, ws, bs, dys = x.cuda(), [w.cuda() for w in ws], [b.cuda() for b in bs], [d.cuda() for d in dys]
     want = _separate(x, ws, bs, dys, "rowwise")
@@ -269,22 +270,24 @@ def test_fp8_linears_equal_one_linear_per_weight_gpu(ns):
     assert all(torch.equal(b.grad, g) for b, g in zip(leaves[len(ns):], want[3]))
 
 
-def test_shared_input_compiles_inside_activation_checkpointing():
+@pytest.mark.parametrize("device, backend", [("cpu", "aot_eager"),
+                                             pytest.param("cuda", "inductor", marks=pytest.mark.gpu)])
+def test_shared_input_compiles_inside_activation_checkpointing(device, backend):
     """Under torch.compile(fullgraph=True) inside a non-reentrant activation checkpoint of the parent
     (its input made outside the region) the group traces and equals eager: its kept outputs ride on
     the view of the input that the parent's pre-hook made inside."""
     from torch.utils.checkpoint import checkpoint
 
-    m = _grouped()
-    x = _data(40)[0]
-    dy = torch.randn(40, sum(NS)).to(torch.bfloat16)
+    m = _grouped().to(device)
+    x = _data(40)[0].to(device)
+    dy = torch.randn(40, sum(NS)).to(torch.bfloat16).to(device)
 
     def block(t):
-        return checkpoint(m, t.sin(), use_reentrant=False)
+        return checkpoint(m, t * 2, use_reentrant=False)  # exact: Inductor's values equal eager's
 
     eager = _run(block, x, dy, m)
     torch._dynamo.reset()
-    compiled = _run(torch.compile(block, fullgraph=True, backend="aot_eager"), x, dy, m)
+    compiled = _run(torch.compile(block, fullgraph=True, backend=backend), x, dy, m)
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
     assert all(torch.equal(a, b) for a, b in zip(compiled[2], eager[2]))
 
