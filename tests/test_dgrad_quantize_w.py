@@ -284,3 +284,28 @@ def test_fp8_grouped_mm_backward_either_way(recipe, stored_transposed, monkeypat
     assert torch.equal(out1, out2) and torch.equal(dw1, dw2)
     diff = (dx1.float() - dx2.float()).abs()  # fp32 sums in another order, then one bf16 rounding
     assert bool((diff <= ulp(dx2, torch.bfloat16)).all()) and float((diff > 0).float().mean()) <= 0.02
+
+
+@needs_cpu_kernel
+def test_fp8_grouped_mm_large_groups_read_a_layout(monkeypatch):
+    """``fp8_grouped_mm`` on an uncached parameter with two of four groups at or above the backend's
+    ``quantize_w_layout_min_rows``: the dgrad writes their layout in one launch, and ``dx`` equals
+    the all-in-GEMM one bit for bit."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(60, 48, generator=gen).bfloat16().requires_grad_()
+    param = torch.nn.Parameter(torch.randn(4, 32, 48, generator=gen).bfloat16())
+    offs = _sized_offsets([0, 30, 8, 18])
+    dy = torch.randn(60, 32, generator=gen).bfloat16()
+
+    def run():
+        x.grad = param.grad = None
+        with count_launches() as n:
+            fp8_grouped_mm(x, param, offs, recipe="rowwise", backend="triton").backward(dy)
+        return x.grad, n.ops
+
+    dx1, ops1 = run()
+    monkeypatch.setattr(TritonBackend, "quantize_w_layout_min_rows", 16)
+    dx2, ops2 = run()
+    assert "triton:_large_group_layout_kernel" not in ops1
+    assert ops2.get("triton:_large_group_layout_kernel") == 1, sorted(ops2)
+    assert torch.equal(dx1, dx2)
