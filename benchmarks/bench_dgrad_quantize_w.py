@@ -11,10 +11,7 @@ weights (128 experts) and DeepSeek-V3's (32 experts) at top-8 (65536 routed rows
 (16 experts, stored ``(E, K, N)`` as its checkpoints hold them) at top-1 (8192 rows), with every
 expert routed and with an eighth of them getting all the rows. Medians of CUDA-event times. Each
 row also gives the largest difference of the two fp32 outputs over the largest output (``max
-gap``): fp32 summation order at most, if the FP8 tiles are equal. The in-GEMM dgrad runs twice: every
-group converting its tiles, and the groups of at least the Triton backend's
-``quantize_w_layout_min_rows`` rows reading a layout of their experts (``large_group_layout``; its
-fp32 output equal to the first: ``large gap``). Then the in-GEMM dgrad under each tile
+gap``): fp32 summation order at most, if the FP8 tiles are equal. Then the in-GEMM dgrad under each tile
 configuration of ``SWEEP`` (``*``: the one ``config_dgrad_quantize_w`` picks).
 
 Usage: ``python benchmarks/bench_dgrad_quantize_w.py [--steps 20] [--out benchmarks/results]``
@@ -28,7 +25,6 @@ import torch
 
 from moe_fp8.bench.report import run_env, script_args, write_report
 from moe_fp8.bench.timing import event_median_ms
-from moe_fp8.grouped_gemm.backends.triton_backend import TritonBackend
 from moe_fp8.grouped_gemm.triton_configs import GemmConfig, config_dgrad_quantize_w
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d3d, triton_grouped_mm_dgrad_quantize_w
 from moe_fp8.quant.ops import triton_quantize_expert_colwise_from_amax
@@ -67,22 +63,16 @@ def rowwise_fp8(rows: int, cols: int, device: str) -> tuple[torch.Tensor, torch.
     return quantize_rowwise(torch.randn(rows, cols, device=device, dtype=torch.bfloat16))
 
 
-def compared(meta: dict, layout, gemm, fused, steps: int, layout_min_rows: int) -> dict:
-    """``meta`` with the median ms of layout + GEMM, the layout alone, the GEMM alone, the GEMM that
-    quantizes the weight itself, and the same with the groups of at least ``layout_min_rows`` rows
-    reading a layout of their experts (``large_layout_ms``); ``max_gap``: the largest difference of
-    the fp32 outputs of the first and third over the largest output; ``large_gap``: the same of the
-    last two (0 if the FP8 tiles are equal). ``layout()`` -> ``(q, s)``; ``gemm(q, s, out_dtype)``;
-    ``fused(out_dtype, layout_min_rows)``."""
+def compared(meta: dict, layout, gemm, fused, steps: int) -> dict:
+    """``meta`` with the median ms of layout + GEMM, the layout alone, the GEMM alone and the GEMM that
+    quantizes the weight itself, and ``max_gap``: the largest difference of the two fp32 outputs over
+    the largest output. ``layout()`` -> ``(q, s)``; ``gemm(q, s, out_dtype)``; ``fused(out_dtype)``."""
     q, s = layout()
-    fused32 = fused(torch.float32, None)
     return dict(meta, two_step_ms=event_median_ms(lambda: gemm(*layout(), torch.bfloat16), steps),
                 layout_ms=event_median_ms(layout, steps),
                 gemm_ms=event_median_ms(lambda: gemm(q, s, torch.bfloat16), steps),
-                fused_ms=event_median_ms(lambda: fused(torch.bfloat16, None), steps),
-                large_layout_ms=event_median_ms(lambda: fused(torch.bfloat16, layout_min_rows), steps),
-                max_gap=max_gap(fused32, gemm(q, s, torch.float32)),
-                large_gap=max_gap(fused(torch.float32, layout_min_rows), fused32))
+                fused_ms=event_median_ms(lambda: fused(torch.bfloat16), steps),
+                max_gap=max_gap(fused(torch.float32), gemm(q, s, torch.float32)))
 
 
 def max_gap(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -104,10 +94,9 @@ def _two_step(g, gs, w, amax, offs, out_dtype: torch.dtype = torch.bfloat16) -> 
     return triton_grouped_mm_2d3d(g, gs, q, s, offs, out_dtype)
 
 
-def _fused(g, gs, w, amax, offs, config: GemmConfig | None = None, out_dtype: torch.dtype = torch.bfloat16,
-           layout_min_rows: int | None = None) -> torch.Tensor:
-    return triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, out_dtype, config=config,
-                                              layout_min_rows=layout_min_rows)
+def _fused(g, gs, w, amax, offs, config: GemmConfig | None = None,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, out_dtype, config=config)
 
 
 def _gap(p: tuple, config: GemmConfig | None = None) -> float:
@@ -115,19 +104,13 @@ def _gap(p: tuple, config: GemmConfig | None = None) -> float:
 
 
 def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, in_out: bool, steps: int,
-         device: str, layout_min_rows: int) -> dict:
+         device: str) -> dict:
     p = _problem(n, k, rows, experts, active, in_out, device)
     g, gs, w, amax, offs = p
     meta = dict(model=model, weight=name, experts=experts, n=n, k=k, rows=rows, active=active)
     return compared(meta, lambda: triton_quantize_expert_colwise_from_amax(w, amax),
                     lambda q, s, dtype: triton_grouped_mm_2d3d(g, gs, q, s, offs, dtype),
-                    lambda dtype, min_rows: _fused(*p, out_dtype=dtype, layout_min_rows=min_rows), steps,
-                    layout_min_rows)
-
-
-def layout_min_rows(quick: bool) -> int:
-    """The Triton backend's ``quantize_w_layout_min_rows``; 16 for the smoke shapes (groups of 12-96 rows)."""
-    return 16 if quick else TritonBackend.quantize_w_layout_min_rows
+                    lambda dtype: _fused(*p, out_dtype=dtype), steps)
 
 
 def _sweep_rows(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, in_out: bool,
@@ -154,12 +137,10 @@ def weight_cases(models: dict) -> list[tuple]:
 def table_lines(table: list[dict]) -> list[str]:
     """The markdown table of ``_row`` results: layout + GEMM against quantized in the GEMM, per weight."""
     body = ["| model | weight (E, N, K) | routed rows | experts with rows | layout + GEMM ms | layout ms | GEMM ms | "
-            "quantized in the GEMM ms | speedup | large groups from a layout ms | speedup | max gap | large gap |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+            "quantized in the GEMM ms | speedup | max gap |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     return body + [f"| {r['model']} | {r['weight']} ({r['experts']}, {r['n']}, {r['k']}) | {r['rows']} | "
                    f"{r['active']} | {r['two_step_ms']:.3f} | {r['layout_ms']:.3f} | {r['gemm_ms']:.3f} | "
-                   f"{r['fused_ms']:.3f} | {r['two_step_ms'] / r['fused_ms']:.2f}x | {r['large_layout_ms']:.3f} | "
-                   f"{r['two_step_ms'] / r['large_layout_ms']:.2f}x | {r['max_gap']:.1e} | {r['large_gap']:.1e} |"
+                   f"{r['fused_ms']:.3f} | {r['two_step_ms'] / r['fused_ms']:.2f}x | {r['max_gap']:.1e} |"
                    for r in table]
 
 
@@ -167,7 +148,7 @@ def main() -> None:
     args, device = script_args(__doc__, 20)
     models = QUICK_MODELS if args.quick else MODELS
     torch.manual_seed(0)
-    table = [_row(*case, args.steps, device, layout_min_rows(args.quick)) for case in weight_cases(models)]
+    table = [_row(*case, args.steps, device) for case in weight_cases(models)]
     body = table_lines(table)
     sweep = [r for case in weight_cases(models) for r in _sweep_rows(*case, args.steps, device)]
     body += ["", "Quantized in the GEMM, per tile configuration (block_m x block_n x block_k, stages, warps; `*`: "

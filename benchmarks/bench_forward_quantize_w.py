@@ -9,9 +9,8 @@ the same product from the BF16 weight when it is handed ``w.transpose(1, 2)`` an
 known before the GEMM: the experts' amax-only weight cache (``Fp8WeightCache(copies=False)``, one
 read of the weight per weight state) supplies it; it is taken as given here. Same shapes as ``bench_dgrad_quantize_w.py`` (8 x 1024 tokens; Qwen3-30B-A3B and
 DeepSeek-V3 top-8, Llama 4 Scout top-1 with its weights stored ``(E, K, N)``), every expert routed
-and an eighth of them; the in-GEMM forward also with the large groups reading a layout of their
-experts, as ``bench_dgrad_quantize_w.py`` says. Medians of CUDA-event times; ``max gap``: the largest
-difference of the two fp32 outputs over the largest output.
+and an eighth of them. Medians of CUDA-event times; ``max gap``: the largest difference of the two
+fp32 outputs over the largest output.
 
 Usage: ``python benchmarks/bench_forward_quantize_w.py [--steps 20] [--out benchmarks/results]``
 (writes ``forward_quantize_w.json`` and ``.md``); ``--quick``: tiny shapes on the CPU (a smoke run,
@@ -21,8 +20,8 @@ under ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import torch
-from bench_dgrad_quantize_w import (MODELS, QUICK_MODELS, compared, expert_weight, layout_min_rows, routed_offsets,
-                                    rowwise_fp8, table_lines, weight_cases)
+from bench_dgrad_quantize_w import (MODELS, QUICK_MODELS, compared, expert_weight, routed_offsets, rowwise_fp8,
+                                    table_lines, weight_cases)
 
 from moe_fp8.bench.report import run_env, script_args, write_report
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d3d, triton_grouped_mm_dgrad_quantize_w
@@ -30,7 +29,7 @@ from moe_fp8.quant.ops import triton_quantize_expert_rowwise_with_amax
 
 
 def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active: int, in_out: bool, steps: int,
-         device: str, min_rows: int) -> dict:
+         device: str) -> dict:
     """Token rows' rowwise FP8 ``(rows, k)`` through the weight ``(E, n, k)`` both ways."""
     x, xs = rowwise_fp8(rows, k, device)
     w = expert_weight(n, k, experts, in_out, device)
@@ -38,16 +37,15 @@ def _row(model: str, name: str, n: int, k: int, rows: int, experts: int, active:
     meta = dict(model=model, weight=name, experts=experts, n=n, k=k, rows=rows, active=active)
     return compared(meta, lambda: triton_quantize_expert_rowwise_with_amax(w)[:2],
                     lambda q, s, dtype: triton_grouped_mm_2d3d(x, xs, q, s, offs, dtype),
-                    lambda dtype, large: triton_grouped_mm_dgrad_quantize_w(x, xs, w.transpose(1, 2), row_amax, offs,
-                                                                            dtype, layout_min_rows=large),
-                    steps, min_rows)
+                    lambda dtype: triton_grouped_mm_dgrad_quantize_w(x, xs, w.transpose(1, 2), row_amax, offs, dtype),
+                    steps)
 
 
 def main() -> None:
     args, device = script_args(__doc__, 20)
     models = QUICK_MODELS if args.quick else MODELS
     torch.manual_seed(0)
-    table = [_row(*case, args.steps, device, layout_min_rows(args.quick)) for case in weight_cases(models)]
+    table = [_row(*case, args.steps, device) for case in weight_cases(models)]
     body = table_lines(table)
     print("\n".join(body))
     stem = "forward_quantize_w" + ("_quick" if args.quick else "")

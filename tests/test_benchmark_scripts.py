@@ -358,7 +358,6 @@ def test_bench_dgrad_quantize_w_quick(tmp_path):
         ("qwen3_30b", "gate_up", 8), ("qwen3_30b", "down", 8), ("qwen3_30b", "gate_up", 1), ("qwen3_30b", "down", 1),
         ("llama4", "gate_up", 8), ("llama4", "gate_up", 1)}
     assert all(r["max_gap"] <= 1e-5 for r in rows)
-    assert all(r["large_gap"] == 0 for r in rows if "config" not in r)
 
 
 @pytest.mark.interpreter
@@ -374,7 +373,6 @@ def test_bench_forward_quantize_w_quick(tmp_path):
         ("qwen3_30b", "gate_up", 8), ("qwen3_30b", "down", 8), ("qwen3_30b", "gate_up", 1), ("qwen3_30b", "down", 1),
         ("llama4", "gate_up", 8), ("llama4", "gate_up", 1)}
     assert all(r["max_gap"] <= 1e-5 for r in rows)
-    assert all(r["large_gap"] == 0 for r in rows)
 
 
 @pytest.mark.interpreter

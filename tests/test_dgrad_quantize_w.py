@@ -19,7 +19,6 @@ from moe_fp8.grouped_gemm.backends import get_backend
 from moe_fp8.grouped_gemm.backends.triton_backend import TritonBackend
 from moe_fp8.grouped_gemm.emulated import emulated_grouped_mm_2d3d
 from moe_fp8.grouped_gemm.triton_configs import GemmConfig
-from moe_fp8.grouped_gemm import triton_kernel
 from moe_fp8.grouped_gemm.triton_kernel import triton_grouped_mm_2d3d, triton_grouped_mm_dgrad_quantize_w
 from moe_fp8.kernel_backend import interpreter_enabled
 from moe_fp8.quant.reference import quantize_expert_colwise, quantize_rowwise
@@ -118,54 +117,6 @@ def test_against_fp64():
     assert sqnr(exact, out) >= 25
 
 
-def _sized_offsets(sizes):
-    return torch.tensor(sizes).cumsum(0).to(torch.int32)
-
-
-@needs_cpu_kernel
-@pytest.mark.parametrize("stored_transposed", [False, True])
-@pytest.mark.parametrize("pow2", [False, True])
-def test_large_groups_read_their_layout(stored_transposed, pow2, dirty_allocator, monkeypatch):
-    """Groups of at least ``layout_min_rows`` rows (here 30 and 45 of 20, between empty and small
-    ones, tail rows past ``offs[-1]``) read the FP8 layout of their experts: the outputs equal the
-    all-in-GEMM ones bit for bit (the same FP8 values in the same order), the layout's slots equal
-    the reference layout of the large experts, in expert order."""
-    from moe_fp8.grouped_gemm.large_group_layout import large_group_layout
-    from moe_fp8.quant.formats import resolve_format
-
-    sizes = [0, 5, 30, 12, 0, 45, 19]
-    g, gs, w, amax, _ = _problem(120, 48, 80, len(sizes), 1, "balanced", stored_transposed=stored_transposed,
-                                 seed=13 + pow2)
-    offs = _sized_offsets(sizes)
-    want = triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, torch.float32, pow2=pow2)
-    out = triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, torch.float32, pow2=pow2, layout_min_rows=20)
-    assert torch.equal(out, want)
-    assert bool((out[sum(sizes):] == 0).all())
-    _assert_fp32_close(out, _layout_then_gemm(g, gs, w, amax, offs, pow2=pow2)[2])
-
-    q = large_group_layout(w, amax, offs, 120, 20, resolve_format("e4m3fn"), pow2, False)
-    ref, _ = quantize_expert_colwise(w, "e4m3fn", pow2=pow2, transposed=True, amax=amax)
-    assert q.shape == (6, 80, 48)  # 120 // 20 slots, of which 2 are written
-    assert torch.equal(q[:2].view(torch.uint8), ref[[2, 5]].view(torch.uint8))
-
-    # the large groups' rows, and only theirs, come from the layout: zeroed, they read zero
-    monkeypatch.setattr(triton_kernel, "large_group_layout", lambda *args: large_group_layout(*args).zero_())
-    out = triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, torch.float32, pow2=pow2, layout_min_rows=20)
-    large = torch.zeros(120, dtype=torch.bool)
-    large[5:35] = large[47:92] = True
-    assert not out[large].any() and torch.equal(out[~large], want[~large]) and want[large].abs().min() > 0
-
-
-@needs_cpu_kernel
-def test_every_group_large():
-    """Every group at or above ``layout_min_rows``, one slot each: no tile converts in the GEMM."""
-    g, gs, w, amax, _ = _problem(64, 32, 48, 4, 1, "balanced", seed=17)
-    offs = _sized_offsets([16, 16, 16, 16])
-    want = triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, torch.float32)
-    assert torch.equal(triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, torch.float32, layout_min_rows=16),
-                        want)
-
-
 @needs_cpu_kernel
 def test_no_rows():
     g, gs, w, amax, offs = _problem(0, 32, 48, 3, 0, "balanced")
@@ -190,8 +141,6 @@ def _bad_cases():
         (dict(ok, offs=torch.tensor([8], dtype=torch.int32)), ValueError, "offs:"),
         (dict(ok, out_dtype=torch.int32), TypeError, "out_dtype:"),
         (dict(ok, w_amax=amax.to("meta")), ValueError, "w_amax:.*one device"),
-        (dict(ok, layout_min_rows=0), ValueError, "layout_min_rows:"),
-        (dict(ok, layout_min_rows=2.0), ValueError, "layout_min_rows:"),
     ]  # fmt: skip
 
 
@@ -234,25 +183,6 @@ def test_gpu_matches_layout_then_gemm(kind, pow2):
     _assert_fp32_close(out, ref)
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("stored_transposed", [False, True])
-def test_gpu_large_groups_read_their_layout(stored_transposed):
-    """Qwen3-30B-A3B's gate_up shapes with routing concentrated on 7 of 128 experts (2000 rows each;
-    40 more hold 50 rows) at the backend's ``layout_min_rows``: bit for bit the all-in-GEMM output."""
-    sizes = torch.zeros(128, dtype=torch.int64)
-    sizes[torch.arange(0, 120, 3)[:40]] = 50
-    sizes[[4, 17, 40, 64, 91, 101, 122]] = 2000
-    g, gs, w, amax, _ = _problem(16400, 1536, 2048, 128, 1, "balanced", stored_transposed=stored_transposed, seed=9,
-                                 device="cuda")
-    offs = sizes.cumsum(0).to(torch.int32).cuda()
-    want = triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, torch.float32)
-    out = triton_grouped_mm_dgrad_quantize_w(g, gs, w, amax, offs, torch.float32,
-                                             layout_min_rows=TritonBackend.quantize_w_layout_min_rows)
-    assert torch.equal(out, want)
-    _assert_fp32_close(out, _layout_then_gemm(g, gs, w, amax, offs)[2])
-
-
 @needs_cpu_kernel
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
 @pytest.mark.parametrize("stored_transposed", [False, True])
@@ -284,28 +214,3 @@ def test_fp8_grouped_mm_backward_either_way(recipe, stored_transposed, monkeypat
     assert torch.equal(out1, out2) and torch.equal(dw1, dw2)
     diff = (dx1.float() - dx2.float()).abs()  # fp32 sums in another order, then one bf16 rounding
     assert bool((diff <= ulp(dx2, torch.bfloat16)).all()) and float((diff > 0).float().mean()) <= 0.02
-
-
-@needs_cpu_kernel
-def test_fp8_grouped_mm_large_groups_read_a_layout(monkeypatch):
-    """``fp8_grouped_mm`` on an uncached parameter with two of four groups at or above the backend's
-    ``quantize_w_layout_min_rows``: the dgrad writes their layout in one launch, and ``dx`` equals
-    the all-in-GEMM one bit for bit."""
-    gen = torch.Generator().manual_seed(12)
-    x = torch.randn(60, 48, generator=gen).bfloat16().requires_grad_()
-    param = torch.nn.Parameter(torch.randn(4, 32, 48, generator=gen).bfloat16())
-    offs = _sized_offsets([0, 30, 8, 18])
-    dy = torch.randn(60, 32, generator=gen).bfloat16()
-
-    def run():
-        x.grad = param.grad = None
-        with count_launches() as n:
-            fp8_grouped_mm(x, param, offs, recipe="rowwise", backend="triton").backward(dy)
-        return x.grad, n.ops
-
-    dx1, ops1 = run()
-    monkeypatch.setattr(TritonBackend, "quantize_w_layout_min_rows", 16)
-    dx2, ops2 = run()
-    assert "triton:_large_group_layout_kernel" not in ops1
-    assert ops2.get("triton:_large_group_layout_kernel") == 1, sorted(ops2)
-    assert torch.equal(dx1, dx2)

@@ -275,7 +275,10 @@ def test_fp8_linears_equal_one_linear_per_weight_gpu(ns):
 def test_shared_input_compiles_inside_activation_checkpointing(device, backend):
     """Under torch.compile(fullgraph=True) inside a non-reentrant activation checkpoint of the parent
     (its input made outside the region) the group traces and equals eager: its kept outputs ride on
-    the view of the input that the parent's pre-hook made inside."""
+    the view of the input that the parent's pre-hook made inside. The outputs and weight gradients
+    come from the library's kernels: bit for bit. Inductor adds the members' input gradients and
+    reduces the bias gradient in fp32 with one rounding (eager rounds each sum to bf16): those agree
+    to bf16 rounding there (``aot_eager`` runs eager's ops: bit for bit)."""
     from torch.utils.checkpoint import checkpoint
 
     m = _grouped().to(device)
@@ -288,8 +291,14 @@ def test_shared_input_compiles_inside_activation_checkpointing(device, backend):
     eager = _run(block, x, dy, m)
     torch._dynamo.reset()
     compiled = _run(torch.compile(block, fullgraph=True, backend=backend), x, dy, m)
-    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
-    assert all(torch.equal(a, b) for a, b in zip(compiled[2], eager[2]))
+    assert torch.equal(compiled[0], eager[0])
+    grads = list(zip(m.parameters(), compiled[2], eager[2]))
+    assert all(torch.equal(got, want) for p, got, want in grads if p.dim() == 2)
+    for got, want in [(compiled[1], eager[1])] + [(got, want) for p, got, want in grads if p.dim() == 1]:
+        if backend == "aot_eager":
+            assert torch.equal(got, want)
+        else:  # a missing or doubled term would move them by about the largest value
+            assert float((got.float() - want.float()).abs().max()) <= 2**-6 * float(want.float().abs().max())
 
 
 def test_converters_join_only_known_parents():

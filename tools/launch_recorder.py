@@ -27,7 +27,6 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from moe_fp8 import FP8MoE, fp8_grouped_mm  # noqa: E402
-from moe_fp8.grouped_gemm.backends import get_backend  # noqa: E402
 from moe_fp8.grouped_gemm.tail import launch_zero_empty_groups_kernel, launch_zero_rows_kernel  # noqa: E402
 from moe_fp8.kernel_backend import LaunchTarget, configure_launches_for  # noqa: E402
 from moe_fp8.layers.fp8_linear import fp8_linear  # noqa: E402
@@ -124,24 +123,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def workload(fmt) -> None:
     """Launch every kernel of the library at least once, in the layouts training uses: FP8MoE
     (rowwise, weights cached and not, the gradients' FP8 rows from the SwiGLU and combine backwards
-    and from the dgrads, the uncached GEMMs' large groups), the forward layout of (E, K, N) storage, the grouped GEMM in each FP8
+    and from the dgrads), the forward layout of (E, K, N) storage, the grouped GEMM in each FP8
     recipe and adding its weight gradient in place (fp8 and bf16 operands), FP8Linear, the zeroing
     kernels, the dispatch plan without empty-expert rows, and the fused AdamW + quantize step. Shapes are small
     but wide enough (256) for the GPU's widest tiles."""
     torch.manual_seed(0)
     bf16 = torch.bfloat16
     H, I, E, T = 256, 256, 4, 64
-    triton_backend = get_backend("triton")
-    # fused: the gradients' rows from upstream; large: the uncached GEMMs' large groups read FP8 layouts
-    for cache, fused, large in ((True, True, False), (False, True, False), (False, False, False), (False, True, True)):
-        triton_backend.quantize_w_layout_min_rows = 16 if large else type(triton_backend).quantize_w_layout_min_rows
+    for cache, fused in ((True, True), (False, True), (False, False)):  # fused: the gradients' rows from upstream
         moe = FP8MoE(H, I, E, 2, shared_expert_hidden_size=0, recipe="rowwise", backend="triton", fmt=fmt,
                      cache_weights=cache, dtype=bf16)
         moe.experts.fused_grad_quant = fused
         x = torch.randn(T, H, dtype=bf16, requires_grad=True)
         for _ in range(1 if cache else 2):  # uncached, the second forward reads the weights' kept amaxes
             moe(x).sum().backward()
-    del triton_backend.quantize_w_layout_min_rows
     w = torch.randn(E, H, I, dtype=bf16).transpose(1, 2)  # (E, K, N) storage: the layout reads the storage's rows
     triton_quantize_expert_rowwise_with_amax(w, fmt)
     offs = torch.tensor([20, 20, 50, 64], dtype=torch.int32)

@@ -43,9 +43,8 @@ from ..kernel_backend import interpreter_enabled, launch_target
 from ..launch import launch
 from ..launch_math import cdiv, next_power_of_2
 from ..quant.formats import Float8Format, resolve_format
-from ..quant.triton_helpers import fp8_constexprs, fp8_scales
+from ..quant.triton_helpers import fp8_constexprs, fp8_round, fp8_scales
 from .emulated import FP8_DTYPES
-from .large_group_layout import large_group_layout, large_group_slot, quantize_tile
 from .triton_configs import (
     BLOCKWISE_BLOCK,
     SCALE_BLOCKWISE,
@@ -182,13 +181,12 @@ def _grouped_mm_2d3d_kernel(
 
 @triton.jit
 def _grouped_mm_dgrad_quantize_w_kernel(
-    a_ptr, b_ptr, out_ptr, sa_ptr, amax_ptr, offs_ptr, q_ptr,
-    M, N, K, E, NUM_SLOTS, MIN_ROWS,
+    a_ptr, b_ptr, out_ptr, sa_ptr, amax_ptr, offs_ptr,
+    M, N, K, E,
     stride_am, stride_ak,
     stride_be, stride_bn, stride_bk,
     stride_om, stride_on,
     stride_sam, stride_ae, stride_an,
-    stride_qs, stride_qn, stride_qk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
     POW2: tl.constexpr, EXACT_CAST: tl.constexpr,
@@ -203,8 +201,6 @@ def _grouped_mm_dgrad_quantize_w_kernel(
     # the weight's contiguous dim is the output's). EXACT_CAST: the hardware cast rounds like torch
     # and saturates to +-448 like the quantizers' clamp (NVIDIA e4m3fn: cvt.rn.satfinite), so the
     # scaled tile is cast as it is; else it is clamped and rounded onto the FP8 grid in fp32 first.
-    # A large group's tiles read its expert's FP8 weight from q instead (large_group_layout: the
-    # same values, written before this launch; NUM_SLOTS == 0: no group is).
     e = tl.arange(0, BLOCK_E)  # group E: the tail rows past offs[-1]
     ends = tl.load(offs_ptr + e, mask=e < E, other=M)
     starts = tl.load(offs_ptr + e - 1, mask=(e >= 1) & (e <= E), other=0)
@@ -224,36 +220,22 @@ def _grouped_mm_dgrad_quantize_w_kernel(
     inv_b, scale_b = fp8_scales(tl.load(amax_ptr + g.to(tl.int64) * stride_ae + cols_ld * stride_an), FP8_MAX, POW2)
     ks = tl.arange(0, BK)
     a_ptrs = a_ptr + ks[:, None] * stride_ak + rows_ld[None, :] * stride_am
+    b_ptrs = b_ptr + g.to(tl.int64) * stride_be + cols_ld[:, None] * stride_bn + ks[None, :] * stride_bk
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    large, slot = large_group_slot(ends, starts, g, M, E, MIN_ROWS, NUM_SLOTS, BLOCK_E)
-    if large:
-        q_ptrs = q_ptr + slot.to(tl.int64) * stride_qs + cols_ld[:, None] * stride_qn + ks[None, :] * stride_qk
-        for kt in range(0, tl.cdiv(K, BK)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(q_ptrs)
-            else:
-                k_left = K - kt * BK
-                a = tl.load(a_ptrs, mask=ks[:, None] < k_left, other=0.0)
-                b = tl.load(q_ptrs, mask=ks[None, :] < k_left, other=0.0)
-            acc = tl.dot(b, a, acc, max_num_imprecise_acc=MAX_IMPRECISE)
-            a_ptrs += BK * stride_ak
-            q_ptrs += BK * stride_qk
-    else:
-        b_ptrs = b_ptr + g.to(tl.int64) * stride_be + cols_ld[:, None] * stride_bn + ks[None, :] * stride_bk
-        for kt in range(0, tl.cdiv(K, BK)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_left = K - kt * BK
-                a = tl.load(a_ptrs, mask=ks[:, None] < k_left, other=0.0)
-                b = tl.load(b_ptrs, mask=ks[None, :] < k_left, other=0.0)
-            b = quantize_tile(b, inv_b[:, None], EXACT_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE,
-                              FP8_NEG_ZERO)
-            acc = tl.dot(b.to(a_ptr.dtype.element_ty), a, acc, max_num_imprecise_acc=MAX_IMPRECISE)
-            a_ptrs += BK * stride_ak
-            b_ptrs += BK * stride_bk
+    for kt in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - kt * BK
+            a = tl.load(a_ptrs, mask=ks[:, None] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=ks[None, :] < k_left, other=0.0)
+        b = b.to(tl.float32) * inv_b[:, None]
+        if not EXACT_CAST:
+            b = fp8_round(b, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+        acc = tl.dot(b.to(a_ptr.dtype.element_ty), a, acc, max_num_imprecise_acc=MAX_IMPRECISE)
+        a_ptrs += BK * stride_ak
+        b_ptrs += BK * stride_bk
     sa = tl.load(sa_ptr + rows_ld * stride_sam)
     acc = scale_b[:, None] * (sa[None, :] * acc)
     _store_tile(out_ptr, rows, cols, row_mask, col_mask, stride_om, stride_on, tl.trans(acc), OUT_BF16)
@@ -472,16 +454,13 @@ def triton_grouped_mm_dgrad_quantize_w(
     fmt: Float8Format | str | None = None,
     pow2: bool = False,
     config: GemmConfig | None = None,
-    layout_min_rows: int | None = None,
 ) -> torch.Tensor:
     """The rowwise dgrad ``out[rows of g] = a[rows of g] @ w[g]`` from the high-precision weight,
     quantized inside the GEMM: each tile of ``w`` is scaled, rounded and cast to FP8 in registers
     before the FP8 dot, with the per-column scales of ``w_amax`` (those
     ``quant.reference.amax_to_scales`` gives), which the epilogue applies. The FP8 operands equal
     the dgrad layout's (``quantize_expert_colwise(w, transposed=True, amax=w_amax)``) given to
-    :func:`triton_grouped_mm_2d3d`; that layout is never written whole: with ``layout_min_rows``,
-    the groups of at least that many rows read the layout of their own experts, written by one
-    launch before the GEMM (:mod:`.large_group_layout`; the same values).
+    :func:`triton_grouped_mm_2d3d`; that layout is never written.
 
     Args:
         a: ``(M, N)`` fp8 rowwise (N contiguous), ``scale_a (M,)`` fp32; ``offs`` as in
@@ -490,13 +469,10 @@ def triton_grouped_mm_dgrad_quantize_w(
         w_amax: ``(E, K)`` fp32, the amax of each ``w[g, :, k]`` (a larger value gives coarser scales).
         fmt: the FP8 format, ``a``'s (default: ``a``'s dtype's); pow2: power-of-two scales.
         config: tile configuration override (default: :func:`.triton_configs.config_dgrad_quantize_w`).
-        layout_min_rows: positive int, or ``None``: every group quantizes its tiles in the GEMM.
     Returns:
         ``(M, K)`` contiguous ``out_dtype``; rows at or past ``offs[-1]`` are zero.
     """
     check_tensor("a", a, dtypes=FP8_DTYPES, ndim=2)
-    if layout_min_rows is not None and (not isinstance(layout_min_rows, int) or layout_min_rows < 1):
-        raise ValueError(f"layout_min_rows: expected a positive int or None, got {layout_min_rows!r}")
     fp8 = resolve_format(a.dtype if fmt is None else fmt)
     if fp8.torch_dtype != a.dtype:
         raise TypeError(f"a: expected {fp8.torch_dtype} (fmt {fp8.name}), got {a.dtype}")
@@ -519,22 +495,18 @@ def triton_grouped_mm_dgrad_quantize_w(
     if M == 0:
         return out
     cfg = config or config_dgrad_quantize_w(a.device)
-    exact_cast = launch_target(a.device).kind == "cuda" and fp8.name == "e4m3fn"
-    min_rows = M + 1 if layout_min_rows is None else layout_min_rows
-    q = large_group_layout(w, w_amax, offs, M, min_rows, fp8, pow2, exact_cast)
     grid = ((cdiv(M, cfg.block_m) + E) * cdiv(K, cfg.block_n),)
     launch(_grouped_mm_dgrad_quantize_w_kernel)[grid](
-        a, w, out, scale_a, w_amax, offs, q,
-        M, K, N, E, q.shape[0], min_rows,
+        a, w, out, scale_a, w_amax, offs,
+        M, K, N, E,
         a.stride(0), a.stride(1),
         w.stride(0), w.stride(2), w.stride(1),
         out.stride(0), out.stride(1),
         scale_a.stride(0), w_amax.stride(0), w_amax.stride(1),
-        q.stride(0), q.stride(1), q.stride(2),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         BLOCK_E=next_power_of_2(E + 1), EVEN_K=N % cfg.block_k == 0,
         MAX_IMPRECISE=_max_imprecise(cfg, a.device), OUT_BF16=out_dtype == torch.bfloat16,
-        POW2=bool(pow2), EXACT_CAST=exact_cast,
+        POW2=bool(pow2), EXACT_CAST=launch_target(a.device).kind == "cuda" and fp8.name == "e4m3fn",
         **fp8_constexprs(fp8),
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip

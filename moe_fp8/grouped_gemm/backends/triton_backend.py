@@ -37,12 +37,6 @@ class TritonBackend(GroupedGemmBackend):
     #: 0.78-0.90x; from the conversion's cost per row tile the two meet near 1000 rows. The forward
     #: (``forward_quantize_w_h100.md``): 1.21-1.45x at Qwen3-30B-A3B's sizes, 0.65-0.82x at DeepSeek-V3's.
     quantize_w_max_rows_per_group: int = 768
-    #: Within those GEMMs, the experts whose groups hold at least this many rows read an FP8 layout
-    #: of their own weight, written just before the GEMM (:mod:`..large_group_layout`), and the
-    #: others convert their tiles: the layout costs about as much as four conversions (one read and
-    #: one FP8 write of the weight against a BF16 read and a conversion per 256-row tile), and routing
-    #: may give a few experts thousands of rows while the average stays small.
-    quantize_w_layout_min_rows: int = 1024
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type == "cpu":
@@ -61,5 +55,4 @@ class TritonBackend(GroupedGemmBackend):
         return rows <= self.quantize_w_max_rows_per_group * groups
 
     def mm_dgrad_quantize_w(self, a, scale_a, w, w_amax, offs, out_dtype, fmt, pow2):
-        return triton_grouped_mm_dgrad_quantize_w(a, scale_a, w, w_amax, offs, out_dtype, fmt=fmt, pow2=pow2,
-                                                  layout_min_rows=self.quantize_w_layout_min_rows)
+        return triton_grouped_mm_dgrad_quantize_w(a, scale_a, w, w_amax, offs, out_dtype, fmt=fmt, pow2=pow2)
