@@ -15,9 +15,12 @@ eagerly and replayed; plain PyTorch eagerly, ``do_bench``):
 
 Bytes per kernel (the minimum each must move): permute(+quantize) reads ``T*H`` bf16 once and
 writes ``M*H`` codes (+ ``M`` fp32 scales); combine reads ``T*k*H`` and writes ``T*H``; its
-backward reads ``T*H + T*k*H`` and writes ``M*H``.
+backward reads ``T*H + T*k*H`` and writes ``M*H`` (the quantizing backward, which the dgrad of
+``rowwise_gw_hp`` experts takes, also ``M*H`` codes and ``M`` scales).
 
-Usage: ``python benchmarks/bench_routing.py [--out DIR]`` (writes ``routing.json`` and ``routing.md``).
+Usage: ``python benchmarks/bench_routing.py [--out DIR] [--name NAME] [--shapes NAME...] [--tokens T]``
+(writes ``NAME.json`` and ``NAME.md``, default ``routing``; ``--tokens`` replaces the shapes' T, e.g.
+8192 for the whole-model benchmark's 8 x 1024 tokens).
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ def patch(module, **values):
     return lambda: [setattr(module, k, v) for k, v in old.items()]
 
 
-def bench_shape(name, copy_gbs, sweep_rows):
+def bench_shape(name, copy_gbs, sweep_rows, tokens=None):
     T, k, E, H, I, cfg = SHAPES[name]
+    T = tokens or T
     N = T * k
     M = N + (PAD - 1) * E
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -134,6 +138,14 @@ def bench_shape(name, copy_gbs, sweep_rows):
         [(4096, 4), (8192, 8), (2048, 4)], lambda: bwd(go, y, plan.pair_to_row, plan.pad_rows, w), cb_bytes, copy_gbs, sweep_rows,
     )
     res["combine_bwd_bytes"] = cb_bytes
+    cbq_bytes = cb_bytes + M * H + M * 4  # + grad_y's FP8 rows and scales
+    bwd_q = torch.ops.moe_fp8.routing_combine_backward_quantize
+    res["combine_bwd_quantize_ms"] = sweep(
+        f"{name}/combine_bwd_quantize", lambda v: patch(combine_ops, _BWD_TILE=v[0], _BWD_WARPS=v[1]),
+        [(2048, 4), (4096, 4), (4096, 8), (1024, 4), (8192, 8)],
+        lambda: bwd_q(go, y, plan.pair_to_row, plan.pad_rows, w, "e4m3fn", True), cbq_bytes, copy_gbs, sweep_rows,
+    )
+    res["combine_bwd_quantize_bytes"] = cbq_bytes
 
     # plain PyTorch: argsort + bincount plan, index_select + reference quantizer, index_add_ combine
     flat = ids.reshape(-1)
@@ -153,7 +165,8 @@ def bench_shape(name, copy_gbs, sweep_rows):
     res["torch_combine_ms"] = ms(
         lambda: torch.zeros(T, H, device="cuda", dtype=torch.bfloat16).index_add_(0, src, y_sorted * w_sorted[:, None].to(y.dtype))
     )
-    for key, nbytes in (("permute_quantize", pq_bytes), ("permute_bf16", p_bytes), ("combine", c_bytes), ("combine_bwd", cb_bytes)):
+    for key, nbytes in (("permute_quantize", pq_bytes), ("permute_bf16", p_bytes), ("combine", c_bytes), ("combine_bwd", cb_bytes),
+                        ("combine_bwd_quantize", cbq_bytes)):
         res[f"{key}_GBps"] = nbytes / res[f"{key}_ms"] / 1e6
         res[f"{key}_of_copy"] = res[f"{key}_GBps"] / copy_gbs
     res["speedup_vs_torch"] = {
@@ -175,9 +188,10 @@ def markdown(meta, results, sweep_rows) -> str:
         "| shape | kernel | ours ms | GB/s | of copy | plain torch ms | speedup |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, r in results.items():
+    for shape, r in results.items():
+        name = f"{shape}, T={r['T']}"
         for key, tkey in (("permute_quantize", "torch_permute_quantize_ms"), ("permute_bf16", "torch_permute_bf16_ms"),
-                          ("combine", "torch_combine_ms"), ("combine_bwd", None)):
+                          ("combine", "torch_combine_ms"), ("combine_bwd", None), ("combine_bwd_quantize", None)):
             base = f"{r[tkey]:.3f}" if tkey else "-"
             speed = f"{r[tkey] / r[key + '_ms']:.2f}x" if tkey else "-"
             lines.append(f"| {name} | {key} | {r[key + '_ms']:.3f} | {r[key + '_GBps']:.0f} | {r[key + '_of_copy']:.0%} | {base} | {speed} |")
@@ -194,6 +208,9 @@ def markdown(meta, results, sweep_rows) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--name", default="routing")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--tokens", type=int, default=None, help="tokens T for every shape (default: the shape's)")
     args = ap.parse_args()
     copy_gbs = copy_bandwidth()
     meta = {
@@ -205,13 +222,13 @@ def main():
         "pad_multiple": PAD,
     }
     sweep_rows, results = [], {}
-    for name in SHAPES:
-        results[name] = bench_shape(name, copy_gbs, sweep_rows)
+    for name in args.shapes:
+        results[name] = bench_shape(name, copy_gbs, sweep_rows, args.tokens)
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    Path(args.out, "routing.json").write_text(json.dumps({"meta": meta, "results": results, "sweep": sweep_rows}, indent=1))
+    Path(args.out, f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": results, "sweep": sweep_rows}, indent=1))
     md = markdown(meta, results, sweep_rows)
-    Path(args.out, "routing.md").write_text(md)
+    Path(args.out, f"{args.name}.md").write_text(md)
     print(md)
 
 

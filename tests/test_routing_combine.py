@@ -198,6 +198,25 @@ def test_backward_quantize_is_the_backward_then_quantize_rowwise(kind, P, weight
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_backward_quantize_amax_of_signed_weights(dtype):
+    """The row amax comes from ``|w| * max|g|`` rounded once; it must equal the amax of the rounded
+    rows for weights of either sign (zero included) and every row dtype."""
+    T, E, k, H = 17, 6, 4, 136
+    plan, y, w = setup(T, E, k, H, 16, "skewed", seed=11, dtype=dtype)
+    g = torch.Generator().manual_seed(12)
+    w = (w - 0.5) * torch.pow(10.0, torch.randint(-3, 3, (T, k), generator=g))
+    w[0, 1] = 0.0
+    go = (torch.randn(T, H, generator=g) * torch.pow(10.0, torch.randint(-4, 3, (T, 1), generator=g))).to(dtype)
+    assert (w[..., None] * go[:, None].float()).abs().max() < torch.finfo(dtype).max  # finite rows
+    torch.full((plan.num_rows + 5, H), float("nan"))  # dirty the allocator
+    grad_y, _, q, scale = _backward_rows(go, y, plan, w, E4M3FN, pow2=False)
+    yr = y.clone().requires_grad_()
+    assert torch.equal(grad_y, torch.autograd.grad(combine(yr, plan, w), yr, go)[0])
+    ref_q, ref_s = quantize_rowwise(grad_y, E4M3FN)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
+
+
 def test_backward_quantize_loops_over_wide_rows(monkeypatch):
     """Rows wider than one block (tile shrunk): both passes loop over H."""
     import moe_fp8.routing.combine_ops as ops

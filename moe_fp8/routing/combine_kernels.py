@@ -58,8 +58,9 @@ def combine_backward_kernel(
 ):
     """Grid ``(T + padding programs,)``: token ``t`` writes ``grad_y[row_j] = w_j * g[t]`` and
     ``grad_w[t, j] = <g[t], y[row_j]>`` (fp32, fixed reduction order); the rest zero ``pad_rows``.
-    ``QUANTIZE``: also each ``grad_y`` row's FP8 codes (``q``) and scale: the amax over the rounded
-    row in the first pass, then the row recomputed from ``g[t]`` (the same bits) and quantized."""
+    ``QUANTIZE``: also each ``grad_y`` row's FP8 codes (``q``) and scale, in the same pass over the
+    columns. The row's amax needs no pass over ``grad_y``: rounding is monotonic, so
+    ``max_c |round(w_j * g[t, c])| = round(|w_j| * max_c |g[t, c]|)``, bit for bit."""
     pid = tl.program_id(0)
     if pid < num_tokens:
         t = pid.to(tl.int64)
@@ -69,8 +70,16 @@ def combine_backward_kernel(
         w = tl.load(w_ptr + t * TOPK + slots, mask=smask, other=0.0).to(tl.float32)
         live = rows >= 0
         cols = tl.arange(0, BLOCK_H)
+        if QUANTIZE:
+            g_cols = tl.arange(0, TOPK_POW2 * BLOCK_H)
+            g_max = tl.zeros([TOPK_POW2 * BLOCK_H], dtype=tl.float32)
+            for c in range(0, H, TOPK_POW2 * BLOCK_H):
+                g = tl.load(g_ptr + t * H + c + g_cols, mask=c + g_cols < H, other=0.0).to(tl.float32)
+                g_max = tl.maximum(g_max, tl.abs(g))
+            amax = cast_rne(tl.abs(w) * tl.max(g_max, axis=0), grad_y_ptr.dtype.element_ty).to(tl.float32)
+            inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
+            tl.store(scale_ptr + rows, scale, mask=live)
         dots = tl.zeros([TOPK_POW2, BLOCK_H], dtype=tl.float32)
-        amax = tl.zeros([TOPK_POW2], dtype=tl.float32)
         for c in range(0, H, BLOCK_H):
             cc = c + cols
             m = cc < H
@@ -82,19 +91,10 @@ def combine_backward_kernel(
             grad_y = cast_rne(w[:, None] * g[None, :], grad_y_ptr.dtype.element_ty)
             tl.store(grad_y_ptr + offs, grad_y, mask=tile)
             if QUANTIZE:
-                amax = tl.maximum(amax, tl.max(tl.abs(grad_y.to(tl.float32)), axis=1))
+                q = to_fp8(grad_y, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT,
+                           FP8_MIN_NORMAL, FP8_SUB_SCALE, FP8_NEG_ZERO)
+                tl.store(q_ptr + offs, q, mask=tile)
         tl.store(grad_w_ptr + t * TOPK + slots, cast_rne(tl.sum(dots, axis=1), grad_w_ptr.dtype.element_ty), mask=smask)
-        if QUANTIZE:
-            inv_scale, scale = fp8_scales(amax, FP8_MAX, POW2)
-            tl.store(scale_ptr + rows, scale, mask=live)
-            for c in range(0, H, BLOCK_H):
-                cc = c + cols
-                m = cc < H
-                g = tl.load(g_ptr + t * H + cc, mask=m, other=0.0).to(tl.float32)
-                grad_y = cast_rne(w[:, None] * g[None, :], grad_y_ptr.dtype.element_ty)
-                q = to_fp8(grad_y, inv_scale[:, None], OUT_DTYPE, HW_CAST, FP8_MAX, FP8_MANT, FP8_MIN_NORMAL,
-                           FP8_SUB_SCALE, FP8_NEG_ZERO)
-                tl.store(q_ptr + rows[:, None] * H + cc[None, :], q, mask=live[:, None] & m[None, :])
     else:
         first = (pid - num_tokens) * PAD_ROWS
         write_padding_rows(grad_y_ptr, grad_y_ptr, pad_rows_ptr, first, num_pad_rows, H, 0.0, False, PAD_ROWS, BLOCK_H)
