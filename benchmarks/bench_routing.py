@@ -141,8 +141,8 @@ def bench_shape(name, copy_gbs, sweep_rows, tokens=None):
     cbq_bytes = cb_bytes + M * H + M * 4  # + grad_y's FP8 rows and scales
     bwd_q = torch.ops.moe_fp8.routing_combine_backward_quantize
     res["combine_bwd_quantize_ms"] = sweep(
-        f"{name}/combine_bwd_quantize", lambda v: patch(combine_ops, _BWD_TILE=v[0], _BWD_WARPS=v[1]),
-        [(2048, 4), (4096, 4), (4096, 8), (1024, 4), (8192, 8)],
+        f"{name}/combine_bwd_quantize", lambda v: patch(combine_ops, _BWD_QUANTIZE_TILE=v[0], _BWD_WARPS=v[1]),
+        [(4096, 4), (8192, 4), (4096, 8), (2048, 4), (8192, 8)],
         lambda: bwd_q(go, y, plan.pair_to_row, plan.pad_rows, w, "e4m3fn", True), cbq_bytes, copy_gbs, sweep_rows,
     )
     res["combine_bwd_quantize_bytes"] = cbq_bytes

@@ -218,10 +218,10 @@ def test_backward_quantize_amax_of_signed_weights(dtype):
 
 
 def test_backward_quantize_loops_over_wide_rows(monkeypatch):
-    """Rows wider than one block (tile shrunk): both passes loop over H."""
+    """Rows wider than one block (tile shrunk): the amax pass and the main pass loop over H."""
     import moe_fp8.routing.combine_ops as ops
 
-    monkeypatch.setattr(ops, "_BWD_TILE", 64)
+    monkeypatch.setattr(ops, "_BWD_QUANTIZE_TILE", 64)
     T, E, k, H = 9, 4, 2, 300
     plan, y, w = setup(T, E, k, H, 16, "skewed", seed=3)
     go = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).bfloat16() * 1e3

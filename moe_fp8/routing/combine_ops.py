@@ -39,6 +39,7 @@ __all__ = ["combine", "combine_backward_rows"]
 _FWD_BLOCK_H = 1024
 _FWD_WARPS = 4
 _BWD_TILE = 2048  # k x BLOCK_H elements per backward iteration (H200 sweep: 2048 > 4096 > 8192)
+_BWD_QUANTIZE_TILE = 4096  # the same, quantizing grad_y too (H100 sweep: 4096 > 8192 > 2048, 1024)
 _BWD_WARPS = 4
 _PAD_ROWS_PER_PROGRAM = 16
 
@@ -92,7 +93,7 @@ def _launch_combine_backward(
             scale.fill_(padding_scale(fmt, pow2))  # rows of no element, or padding rows only: zero rows
         return grad_y, grad_w.zero_() if H == 0 else grad_w, q, scale
     k_pow2 = next_power_of_2(k)
-    block = min(next_power_of_2(H), max(128, _BWD_TILE // k_pow2))
+    block = min(next_power_of_2(H), max(128, (_BWD_QUANTIZE_TILE if quantize else _BWD_TILE) // k_pow2))
     with device_guard(y):
         launch(combine_backward_kernel)[(grid,)](
             grad_out, y, weights, grad_y, grad_w, q if quantize else y, scale if quantize else y, pair_to_row,
