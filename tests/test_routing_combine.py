@@ -198,8 +198,9 @@ def test_backward_quantize_is_the_backward_then_quantize_rowwise(kind, P, weight
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_backward_quantize_amax_of_signed_weights(dtype):
+def test_backward_quantize_amax_of_signed_weights(dtype, fmt):
     """The row amax comes from ``|w| * max|g|`` rounded once; it must equal the amax of the rounded
     rows for weights of either sign (zero included) and every row dtype."""
     T, E, k, H = 17, 6, 4, 136
@@ -210,10 +211,10 @@ def test_backward_quantize_amax_of_signed_weights(dtype):
     go = (torch.randn(T, H, generator=g) * torch.pow(10.0, torch.randint(-4, 3, (T, 1), generator=g))).to(dtype)
     assert (w[..., None] * go[:, None].float()).abs().max() < torch.finfo(dtype).max  # finite rows
     torch.full((plan.num_rows + 5, H), float("nan"))  # dirty the allocator
-    grad_y, _, q, scale = _backward_rows(go, y, plan, w, E4M3FN, pow2=False)
+    grad_y, _, q, scale = _backward_rows(go, y, plan, w, fmt, pow2=False)
     yr = y.clone().requires_grad_()
     assert torch.equal(grad_y, torch.autograd.grad(combine(yr, plan, w), yr, go)[0])
-    ref_q, ref_s = quantize_rowwise(grad_y, E4M3FN)
+    ref_q, ref_s = quantize_rowwise(grad_y, fmt)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_s)
 
 
