@@ -129,6 +129,8 @@ def test_bench_whole_model_kind_cpu(torch_references):
                                                                         "ours_fp8_experts_fp8_wgrad_cached",
                                                                         "ours_fp8_cached_all",
                                                                         "ours_fp8_unshared",
+                                                                        "ours_fp8_every_expert",
+                                                                        "ours_fp8_every_expert_fused_acc",
                                                                         "ours_fp8_experts_cached_unfused",
                                                                         "ours_bf16_fused_acc", "ours_fp8_fused_acc",
                                                                         "ours_fp8_cached_fused_acc",
@@ -140,6 +142,14 @@ def test_bench_whole_model_kind_cpu(torch_references):
         experts = [m for m in models.convert(base, variant, None).modules() if type(m).__name__ == "FP8GroupedExperts"]
         assert experts and {(m.recipe.name, m.cache_weights, m.fused_grad_quant) for m in experts} == {
             (recipe, "cached" in variant, "unfused" not in variant)}
+    # The defaults keep these small experts off FP8; every_expert converts them, the dense linears by
+    # the defaults' size rule (each one kept below min_dense_size here, as by the defaults).
+    reports = {v: models.convert(base, v, None).fp8_conversion_report for v in ("ours_fp8", "ours_fp8_every_expert")}
+    counts = {v: r.counts() for v, r in reports.items()}
+    assert "fp8 experts" not in counts["ours_fp8"] and counts["ours_fp8_every_expert"]["fp8 experts"] == 1
+    dense = {v: [(e.fqn, e.became, e.reason) for e in r.entries if "self_attn" in e.fqn] for v, r in reports.items()}
+    assert len(dense["ours_fp8"]) == 4 and dense["ours_fp8"] == dense["ours_fp8_every_expert"]
+    assert {reason for *_, reason in dense["ours_fp8"]} == {"below min_dense_size"}
     assert by_variant["hf_bf16"]["speedup"] == 1.0
     assert set(models.LOSS_VARIANTS) - set(by_variant) == {"ours_fp8_experts_cached_fused_acc"}  # when named
     for name in set(models.LOSS_VARIANTS) & set(by_variant):

@@ -32,7 +32,8 @@ with every expert weight gradient in FP8: ``min_fp8_wgrad_size=0``),
 ``ours_fp8`` (``moe_fp8.hf.convert`` with its defaults, ``rowwise``: FP8 experts and dense linears
 where the size rules say FP8 pays, experts below them on the BF16 grouped path, the rest as built;
 no weight cache), ``ours_fp8_small_kept`` (the same, but experts below the size rule left as
-built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_cached`` and
+built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_every_expert`` (the same, but every
+expert in FP8 whatever its size: ``min_expert_size=0``; dense linears by the size rule), ``ours_fp8_cached`` and
 ``ours_fp8_experts_cached`` / ``ours_fp8_experts_fp8_wgrad_cached`` (the same with the expert
 weights' FP8 cache on: quantized once per optimizer step, eager or compiled; one more BF16-sized copy
 of them held), ``ours_fp8_experts_cached_unfused`` (``ours_fp8_experts_cached`` with the gradients'
@@ -40,7 +41,8 @@ row quantization in separate kernels: ``FP8GroupedExperts.fused_grad_quant=False
 ``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache on too:
 ``cache_dense_weights=True``), ``ours_fp8_unshared`` (``ours_fp8`` with every linear on its own:
 ``share_inputs=False``), ``ours_bf16_fused_acc``, ``ours_fp8_fused_acc``,
-``ours_fp8_cached_fused_acc``, ``ours_fp8_experts_fused_acc`` and ``ours_fp8_experts_cached_fused_acc``
+``ours_fp8_cached_fused_acc``, ``ours_fp8_experts_fused_acc``, ``ours_fp8_experts_cached_fused_acc`` and
+``ours_fp8_every_expert_fused_acc``
 (those with the experts' weight-gradient GEMMs adding to ``.grad`` in place:
 ``fused_grad_accumulation=True``), ``torchao_rowwise`` and
 ``torchao_rowwise_gw_hp`` (TorchAO's ``convert_to_float8_training`` on the dense linears, its own
@@ -62,8 +64,8 @@ one profiled step per row (``step_profile``). The loss is the mean of the last 1
 steps on byte-level text (the standard library's sources), trained in eager mode from the same
 initial weights on the same batches (``LOSS_VARIANTS``; the other rows run 40 micro-batches, at
 least 12 optimizer steps). ``MODE_VARIANTS`` says which variants each mode runs
-by default (the ``_fp8_wgrad``, ``_fused_acc`` ones, ``ours_fp8_cached_all`` and ``ours_fp8_unshared``
-only when named); variants named
+by default (the ``_fp8_wgrad``, ``_fused_acc`` ones, ``ours_fp8_cached_all``, ``ours_fp8_unshared`` and
+``ours_fp8_every_expert`` only when named); variants named
 with ``--variants`` run in every mode named.
 """
 
@@ -92,21 +94,24 @@ from . import step_profile, torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
 FUSED_ACC = "_fused_acc"  # variant suffix: hf.convert(..., fused_grad_accumulation=True)
-VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_experts_cached",
+VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_every_expert",
+            "ours_fp8_experts_cached",
             "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all",
             "ours_fp8_unshared",
             "ours_fp8_experts_cached_unfused", "ours_bf16_fused_acc", "ours_fp8_fused_acc", "ours_fp8_cached_fused_acc",
-            "ours_fp8_experts_fused_acc", "ours_fp8_experts_cached_fused_acc", "torchao_rowwise",
+            "ours_fp8_experts_fused_acc", "ours_fp8_experts_cached_fused_acc", "ours_fp8_every_expert_fused_acc",
+            "torchao_rowwise",
             "torchao_rowwise_gw_hp", "torchao_moe")
 #: variants that change MoE experts only (skipped for a dense model) and TorchAO's (GPU only)
-EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours_fp8_experts_cached",
+EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours_fp8_every_expert",
+                   "ours_fp8_experts_cached",
                    "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_experts_cached_unfused",
                    "ours_bf16_fused_acc", "ours_fp8_experts_fused_acc", "ours_fp8_experts_cached_fused_acc",
-                   "torchao_moe")
+                   "ours_fp8_every_expert_fused_acc", "torchao_moe")
 TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs by default (the others in eager only), and those trained for ``loss_steps``
 MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v and "_unfused" not in v
-                                 and v not in ("ours_fp8_cached_all", "ours_fp8_unshared")
+                                 and v not in ("ours_fp8_cached_all", "ours_fp8_unshared", "ours_fp8_every_expert")
                                  and not v.endswith(FUSED_ACC)),
                  "compiled": ("hf_bf16", "ours_fp8", "ours_fp8_experts", "ours_fp8_cached", "ours_fp8_experts_cached",
                               "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
@@ -223,8 +228,10 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
                 module.fused_grad_quant = False
     elif variant.startswith("ours_fp8"):
         cache_all = variant == "ours_fp8_cached_all"
+        every_expert = variant == "ours_fp8_every_expert"
         hf.convert(model, recipe="rowwise", backend=backend, cache_weights=variant.endswith("_cached") or cache_all,
-                   cache_dense_weights=cache_all, min_dense_size=min_dense_size, min_expert_size=min_expert_size,
+                   cache_dense_weights=cache_all, min_dense_size=min_dense_size,
+                   min_expert_size=0 if every_expert else min_expert_size,
                    min_bf16_expert_size=min_expert_size if variant == "ours_fp8_small_kept" else MIN_BF16_EXPERT_SIZE,
                    fused_grad_accumulation=fused_acc, share_inputs=variant != "ours_fp8_unshared")
     elif variant in TORCHAO_VARIANTS:
