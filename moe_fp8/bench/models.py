@@ -32,8 +32,9 @@ with every expert weight gradient in FP8: ``min_fp8_wgrad_size=0``),
 ``ours_fp8`` (``moe_fp8.hf.convert`` with its defaults, ``rowwise``: FP8 experts and dense linears
 where the size rules say FP8 pays, experts below them on the BF16 grouped path, the rest as built;
 no weight cache), ``ours_fp8_small_kept`` (the same, but experts below the size rule left as
-built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_every_expert`` (the same, but every
-expert in FP8 whatever its size: ``min_expert_size=0``; dense linears by the size rule), ``ours_fp8_cached`` and
+built: ``min_bf16_expert_size=min_expert_size``), ``ours_fp8_every_expert`` (``ours_fp8`` with
+every expert in FP8 whatever its size: ``min_expert_size=0``; dense linears by the size rule),
+``ours_fp8_cached`` and
 ``ours_fp8_experts_cached`` / ``ours_fp8_experts_fp8_wgrad_cached`` (the same with the expert
 weights' FP8 cache on: quantized once per optimizer step, eager or compiled; one more BF16-sized copy
 of them held), ``ours_fp8_experts_cached_unfused`` (``ours_fp8_experts_cached`` with the gradients'
