@@ -96,19 +96,16 @@ from . import step_profile, torchao_models
 MODES = ("eager", "compiled", "reduce-overhead")
 FUSED_ACC = "_fused_acc"  # variant suffix: hf.convert(..., fused_grad_accumulation=True)
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_every_expert",
-            "ours_fp8_experts_cached",
-            "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all",
-            "ours_fp8_unshared",
+            "ours_fp8_experts_cached", "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad",
+            "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all", "ours_fp8_unshared",
             "ours_fp8_experts_cached_unfused", "ours_bf16_fused_acc", "ours_fp8_fused_acc", "ours_fp8_cached_fused_acc",
             "ours_fp8_experts_fused_acc", "ours_fp8_experts_cached_fused_acc", "ours_fp8_every_expert_fused_acc",
-            "torchao_rowwise",
-            "torchao_rowwise_gw_hp", "torchao_moe")
-#: variants that change MoE experts only (skipped for a dense model) and TorchAO's (GPU only)
+            "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
+#: variants that differ from another only in the MoE experts (skipped for a dense model) and TorchAO's (GPU only)
 EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours_fp8_every_expert",
-                   "ours_fp8_experts_cached",
-                   "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_experts_cached_unfused",
-                   "ours_bf16_fused_acc", "ours_fp8_experts_fused_acc", "ours_fp8_experts_cached_fused_acc",
-                   "ours_fp8_every_expert_fused_acc", "torchao_moe")
+                   "ours_fp8_experts_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached",
+                   "ours_fp8_experts_cached_unfused", "ours_bf16_fused_acc", "ours_fp8_experts_fused_acc",
+                   "ours_fp8_experts_cached_fused_acc", "ours_fp8_every_expert_fused_acc", "torchao_moe")
 TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs by default (the others in eager only), and those trained for ``loss_steps``
 MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v and "_unfused" not in v
