@@ -14,7 +14,7 @@
 #   modes from $MODES, default "eager compiled"; variants from $VARIANTS, default hf_bf16 ours_fp8
 #   ours_fp8_experts torchao_rowwise; eager loss steps from $STEPS, default 40; time limit $LIMIT,
 #   default 590 s; PROFILE=1: each row also profiles one more step, device time by kernel category
-#   and the allocations alive at its peak: bench_job_acc<ACCUMULATE>_<first model><$SUFFIX>.json/.md) | ab OUT BASE ARGS... (the
+#   and the allocations alive at its peak; ROUTING=balanced: the MoE routers score random inputs: bench_job_acc<ACCUMULATE>_<first model><$SUFFIX>.json/.md) | ab OUT BASE ARGS... (the
 #   `python -m moe_fp8.bench ARGS...` run twice, on the tree in the folder BASE (another commit, e.g.
 #   `git worktree add build/base COMMIT`, carried to the device) and on this one, named ARGS' --name
 #   with the suffixes _base and _head)
@@ -84,7 +84,7 @@ case $stage in
            run "${LIMIT:-590}" "bench_job_acc${acc}_$1${SUFFIX:-}.log" python3 -m moe_fp8.bench --preset models --kinds model \
              --models "$@" --layers "${LAYERS:-4}" --accumulate "$acc" --modes "${modes[@]}" --steps "${STEPS:-40}" \
              --name "bench_job_acc${acc}_$1${SUFFIX:-}" --out "$out" --variants "${variants[@]}" \
-             ${PROFILE:+--profile} ;;
+             ${PROFILE:+--profile} ${ROUTING:+--routing "$ROUTING"} ;;
   ab)      [[ -d ${1:-}/moe_fp8 ]] || { echo "ab: BASE '${1:-}' holds no moe_fp8 tree (run_gpu.sh ab OUT BASE ARGS...)" >&2; exit 2; }
            base=$(cd "$1" && pwd) || exit 2
            shift

@@ -49,7 +49,8 @@ def _collect(kind: str, args: dict, device: str, gemm_methods: list[str] | None)
         return models.collect(device, models=args.get("models"), modes=args.get("modes"),
                               loss_steps=args.get("steps"), variants=args.get("variants"),
                               accumulate=args.get("accumulate") or 1, layers=args.get("layers"),
-                              profile=bool(args.get("profile")), router_aux_loss=args.get("router_aux_loss")), {}
+                              profile=bool(args.get("profile")), router_aux_loss=args.get("router_aux_loss"),
+                              routing=args.get("routing") or "learned"), {}
     from . import train
 
     return train.collect(device, steps=args.get("steps")), {}
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router-aux-loss", type=float, metavar="COEF",
                     help="whole-model kind: the Qwen3-MoE models' load-balancing loss coefficient, added to "
                          "the loss (default 0: none; Qwen3-30B-A3B's released config has 0.001)")
+    ap.add_argument("--routing", choices=("learned", "balanced"), default="learned",
+                    help="whole-model kind: the MoE routers score the hidden states (learned, default) or random "
+                         "inputs (balanced: a trained router's even load; an untrained model routes most tokens to "
+                         "a few experts)")
     ap.add_argument("--profile", action="store_true",
                     help="whole-model kind: one more step per row profiled (device time by kernel category) and, "
                          "on CUDA, the allocations alive at its peak memory")
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if "model" in plan:
         plan["model"] = dict(plan["model"], models=args.models, modes=args.modes, steps=args.steps,
                              variants=args.variants, accumulate=args.accumulate, layers=args.layers,
-                             profile=args.profile, router_aux_loss=args.router_aux_loss)
+                             profile=args.profile, router_aux_loss=args.router_aux_loss, routing=args.routing)
     gemm_methods = None if device == "cpu" or args.gemm_methods == ["all"] else args.gemm_methods
     name = args.name or f"bench_{args.preset}" + ("_quick" if args.quick else "")
     start = time.time()

@@ -23,6 +23,8 @@ way: at Qwen3-30B-A3B sizes, over the last 20 of 41 optimizer steps of 4 micro-b
 layer's 128 experts get no token per micro-batch without the loss and 78-97 with 0.001 (eager, one
 H100),
 so the experts' GEMMs see a few dozen large groups, not 128 groups of about 512 rows.
+``routing="balanced"`` (``--routing balanced``) has the routers of every variant score random inputs
+instead (``balanced_routing``): the even load of a trained router, in expectation.
 Transformers' router-logit recording breaks the compiled graph (8 breaks, 2 graphs per step).
 
 Variants: ``hf_bf16`` (unconverted), ``ours_bf16`` (experts on the library's BF16 grouped path),
@@ -91,9 +93,10 @@ from ..grouped_gemm.compiled_cache import compiled_weight_cache
 from ..layers.convert import MIN_DENSE_SIZE
 from ..layers.experts import FP8GroupedExperts
 from ..layers.hf_convert import MIN_BF16_EXPERT_SIZE, MIN_EXPERT_SIZE
-from . import step_profile, torchao_models
+from . import balanced_routing, step_profile, torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
+ROUTINGS = ("learned", "balanced")
 FUSED_ACC = "_fused_acc"  # variant suffix: hf.convert(..., fused_grad_accumulation=True)
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_every_expert",
             "ours_fp8_experts_cached", "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad",
@@ -132,6 +135,7 @@ class ModelSpec:
     dense_layers: int = 0
     dense_hidden: int = 0
     router_aux_loss: float = 0.0  # load-balancing loss coefficient (Qwen3-MoE), 0: none
+    routing: str = "learned"  # "balanced": the routers score random inputs (balanced_routing)
 
     @property
     def moe(self) -> bool:
@@ -196,12 +200,16 @@ def hf_config(spec: ModelSpec, seq: int):
 
 
 def build(spec: ModelSpec, seq: int, device: str, seed: int = 0) -> nn.Module:
-    """The unconverted BF16 model, initialised on ``device`` from ``seed``."""
+    """The unconverted BF16 model, initialised on ``device`` from ``seed``; with ``spec.routing ==
+    "balanced"`` its routers score random inputs (``balanced_routing``)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(hf_config(spec, seq)).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(hf_config(spec, seq)).to(torch.bfloat16)
+    if spec.routing == "balanced":
+        balanced_routing.route_on_random_inputs(model)
+    return model
 
 
 def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: bool = True) -> nn.Module:
@@ -235,6 +243,8 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
     elif variant in TORCHAO_VARIANTS:
         recipe = "rowwise_with_gw_hp" if variant == "torchao_rowwise_gw_hp" else "rowwise"
         torchao_models.convert(model, recipe, experts=variant == "torchao_moe")
+    if balanced_routing.routers_on_random_inputs(base):  # a router module the conversion replaced gets the hook too
+        balanced_routing.route_on_random_inputs(model)
     return model.train()
 
 
@@ -301,7 +311,9 @@ def stale_cache_gap(model: nn.Module, forward, batch: torch.Tensor, graphs: bool
     for _ in range(2):
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        logits.append(forward(input_ids=batch).logits.detach().float().clone())
+        with torch.random.fork_rng(devices=[batch.device.index or 0] if batch.is_cuda else []):
+            torch.manual_seed(0)  # the same random router inputs in both forwards (balanced routing)
+            logits.append(forward(input_ids=batch).logits.detach().float().clone())
         for cache in (*caches, compiled_weight_cache()):
             cache.invalidate()
     return (logits[0] - logits[1]).abs().max().item()
@@ -409,16 +421,21 @@ class _Job:
     layers: int | None = None
     profile: bool = False
     router_aux_loss: float | None = None
+    routing: str = "learned"
 
 
-def _spec(model: str, device: str, layers: int | None, router_aux_loss: float | None = None) -> ModelSpec:
+def _spec(model: str, device: str, layers: int | None, router_aux_loss: float | None = None,
+          routing: str = "learned") -> ModelSpec:
     """The sizes of ``model`` on ``device`` (the CPU stand-in off CUDA), with ``layers`` decoder
-    layers and the load-balancing loss coefficient ``router_aux_loss`` (Qwen3-MoE) when given."""
+    layers, the load-balancing loss coefficient ``router_aux_loss`` (Qwen3-MoE) when given, and
+    ``routing`` for its MoE layers (a dense model ignores it)."""
     spec = (MODELS if device == "cuda" else CPU_MODELS)[model]
     if layers is not None:
         spec = replace(spec, layers=layers)
     if router_aux_loss is not None and spec.family == "qwen3":
         spec = replace(spec, router_aux_loss=router_aux_loss)
+    if spec.moe:
+        spec = replace(spec, routing=routing)
     return spec
 
 
@@ -437,7 +454,7 @@ def _corpus(device: str, loss_steps: int, accumulate: int) -> torch.Tensor:
 
 def _run_job(job: _Job, base: nn.Module, train: torch.Tensor) -> dict:
     gpu = job.device == "cuda"
-    spec = _spec(job.model, job.device, job.layers, job.router_aux_loss)
+    spec = _spec(job.model, job.device, job.layers, job.router_aux_loss, job.routing)
     batch, seq = _shapes(job.device)
     return run_variant(base, job.variant, job.mode, _data(job, train, batch, seq), steps=job.steps, timed=job.timed,
                        lr=min(3e-3, 1.2 / spec.hidden), device=job.device, backend=job.backend,
@@ -460,7 +477,7 @@ def _run_isolated(job: _Job) -> dict:
 
 def _child(arg: str) -> None:
     job = _Job(**json.loads(arg))
-    base = build(_spec(job.model, job.device, job.layers, job.router_aux_loss), _shapes(job.device)[1], job.device)
+    base = build(_spec(job.model, job.device, job.layers, job.router_aux_loss, job.routing), _shapes(job.device)[1], job.device)
     result = _run_job(job, base, _corpus(job.device, job.loss_steps, job.accumulate))
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -479,14 +496,16 @@ def _variants_of(spec: ModelSpec, mode: str, gpu: bool, chosen: list[str] | None
 def collect(device: str, models: list[str] | None = None, modes: list[str] | None = None,
             loss_steps: int | None = None, backend: str | None = None, variants: list[str] | None = None,
             accumulate: int = 1, layers: int | None = None, profile: bool = False,
-            router_aux_loss: float | None = None) -> list[dict]:
+            router_aux_loss: float | None = None, routing: str = "learned") -> list[dict]:
     """One row per (model, mode, variant): optimizer-step ms (and its forward+backward and optimizer
     parts), tokens/s, speedup over ``hf_bf16`` in the same mode, peak GiB (over the run, and over the
     steps after the first), and (eager rows) the final loss and its gap to ``hf_bf16``. ``layers``:
     decoder layers of every model (default: each model's own; DeepSeek-V3's first is its dense
     layer). ``profile``: each row also gets ``profile`` (device time by kernel category of one more
     step) and on CUDA ``peak_allocations`` (what is alive at that step's peak), see ``run_variant``.
-    ``router_aux_loss``: the Qwen3-MoE models' load-balancing loss coefficient (default 0: none)."""
+    ``router_aux_loss``: the Qwen3-MoE models' load-balancing loss coefficient (default 0: none).
+    ``routing``: ``"learned"`` (the routers score the hidden states) or ``"balanced"`` (they score
+    random inputs: a trained router's balanced load, which an untrained model does not have)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -498,6 +517,8 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
         raise ValueError(f"layers: expected >= 1, got {layers}")
     if router_aux_loss is not None and not router_aux_loss >= 0:
         raise ValueError(f"router_aux_loss: expected >= 0, got {router_aux_loss}")
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing: expected one of {ROUTINGS}, got {routing!r}")
     unknown = set(variants or ()) - set(VARIANTS)
     if unknown:
         raise ValueError(f"variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
@@ -514,14 +535,14 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
     train = _corpus(device, loss_steps, accumulate)
     rows = []
     for name in names:
-        spec = _spec(name, device, layers, router_aux_loss)
+        spec = _spec(name, device, layers, router_aux_loss, routing)
         base = build(spec, seq, device)
         for mode in modes:
             for variant in _variants_of(spec, mode, gpu, variants):
                 loss_run = mode == "eager" and variant in LOSS_VARIANTS
                 steps = loss_steps if loss_run else timed_steps
                 job = _Job(name, mode, variant, device, steps, min(20, steps - steps // 3), accumulate, backend,
-                           loss_steps, layers, profile, router_aux_loss)
+                           loss_steps, layers, profile, router_aux_loss, routing)
                 try:
                     r = _run_isolated(job) if variant == "torchao_moe" else _run_job(job, base, train)
                 except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
@@ -530,6 +551,7 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
                     print(f"{name} {mode} {variant}: failed: {rows[-1]['error'][:300]}", flush=True)
                     continue
                 row = dict(model=name, mode=mode, variant=variant, layers=spec.layers, accumulate=accumulate,
+                           routing=spec.routing,
                            step_ms=r["step_ms"],
                            fwd_bwd_ms=r["fwd_bwd_ms"], optim_ms=r["optim_ms"],
                            tokens_per_s=accumulate * batch * seq / r["step_ms"] * 1e3, peak_gib=r["peak_gib"],
