@@ -1,8 +1,8 @@
 """Balanced routing for benchmarks of untrained MoE models.
 
-An untrained model's MoE inputs share one large direction (its attention averages nearly uniformly
-over the context), so every token's router logits rank the same few experts first: at
-Qwen3-30B-A3B sizes 96-112 of 128 experts get no token, and the expert GEMMs see a few groups of
+An untrained model's MoE inputs share a large common component, so most tokens' router logits
+rank the same experts first: at Qwen3-30B-A3B sizes 47 of 128 experts get no token at
+initialisation and 96-112 once the benchmark trains, and the expert GEMMs see a few groups of
 thousands of rows where a trained model's balanced router gives 128 groups of about 512.
 
 :func:`route_on_random_inputs` hooks each MoE block's router module so that it scores standard-normal
