@@ -113,3 +113,15 @@ def test_balanced_routing_refusals(torch_references):
         router(hidden_states=torch.zeros(3, model.config.hidden_size, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="routing: expected one of"):
         models.collect("cpu", models=["qwen3_h1024"], routing="uniform")
+
+
+@pytest.mark.parametrize("argv, want", [([], "learned"), (["--routing", "balanced"], "balanced")])
+def test_bench_cli_passes_the_routing(argv, want, tmp_path, monkeypatch):
+    """``python -m moe_fp8.bench --kinds model --routing ...`` reaches ``models.collect``."""
+    from moe_fp8.bench.__main__ import main
+
+    seen = {}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # on the CPU, main restarts itself without it
+    monkeypatch.setattr(models, "collect", lambda device, **kw: seen.update(kw) or [])
+    main(["--preset", "models", "--kinds", "model", "--models", "qwen3_h1024", "--out", str(tmp_path), *argv])
+    assert seen["routing"] == want
