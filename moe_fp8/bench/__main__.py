@@ -20,6 +20,7 @@ import torch
 import triton
 
 from . import presets, report
+from .balanced_routing import ROUTINGS
 
 
 def _collect(kind: str, args: dict, device: str, gemm_methods: list[str] | None) -> tuple[list[dict], dict]:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router-aux-loss", type=float, metavar="COEF",
                     help="whole-model kind: the Qwen3-MoE models' load-balancing loss coefficient, added to "
                          "the loss (default 0: none; Qwen3-30B-A3B's released config has 0.001)")
-    ap.add_argument("--routing", choices=("learned", "balanced"), default="learned",
+    ap.add_argument("--routing", choices=ROUTINGS, default="learned",
                     help="whole-model kind: the MoE routers score the hidden states (learned, default) or random "
                          "inputs (balanced: a trained router's even load; an untrained model routes most tokens to "
                          "a few experts)")

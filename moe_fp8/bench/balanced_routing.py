@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["route_on_random_inputs", "routers_on_random_inputs"]
+__all__ = ["ROUTINGS", "route_on_random_inputs", "routers_on_random_inputs"]
 
-_ROUTER_ATTRS = ("gate", "router")  # Qwen3-MoE / Mixtral / DeepSeek-V3; Llama 4
+#: the benchmark's routings: the routers score the hidden states, or random inputs
+ROUTINGS = ("learned", "balanced")
 
 
 def _random_inputs(module: nn.Module, args: tuple) -> tuple:
@@ -32,19 +33,13 @@ def _random_inputs(module: nn.Module, args: tuple) -> tuple:
 
 
 def _routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, router module)`` of each MoE block (a module with ``experts`` and a ``gate`` /
-    ``router`` module holding a 2-D ``weight``)."""
-    found = []
-    for name, block in model.named_modules():
-        if not isinstance(getattr(block, "experts", None), nn.Module):
-            continue
-        for attr in _ROUTER_ATTRS:
-            router = getattr(block, attr, None)
-            if isinstance(router, nn.Module) and getattr(router, "weight", None) is not None \
-                    and router.weight.ndim == 2:
-                found.append((f"{name}.{attr}" if name else attr, router))
-                break
-    return found
+    """``(name, router module)`` of each MoE block (a module with ``experts``), routers recognised as
+    the dense converter recognises them (``layers.convert.is_router``)."""
+    from ..layers.convert import is_router
+
+    return [(f"{name}.{child_name}" if name else child_name, child)
+            for name, block in model.named_modules() if isinstance(getattr(block, "experts", None), nn.Module)
+            for child_name, child in block.named_children() if is_router(block, child_name, child)]
 
 
 def routers_on_random_inputs(model: nn.Module) -> int:

@@ -96,7 +96,6 @@ from ..layers.hf_convert import MIN_BF16_EXPERT_SIZE, MIN_EXPERT_SIZE
 from . import balanced_routing, step_profile, torchao_models
 
 MODES = ("eager", "compiled", "reduce-overhead")
-ROUTINGS = ("learned", "balanced")
 FUSED_ACC = "_fused_acc"  # variant suffix: hf.convert(..., fused_grad_accumulation=True)
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_every_expert",
             "ours_fp8_experts_cached", "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad",
@@ -517,8 +516,8 @@ def collect(device: str, models: list[str] | None = None, modes: list[str] | Non
         raise ValueError(f"layers: expected >= 1, got {layers}")
     if router_aux_loss is not None and not router_aux_loss >= 0:
         raise ValueError(f"router_aux_loss: expected >= 0, got {router_aux_loss}")
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing: expected one of {ROUTINGS}, got {routing!r}")
+    if routing not in balanced_routing.ROUTINGS:
+        raise ValueError(f"routing: expected one of {balanced_routing.ROUTINGS}, got {routing!r}")
     unknown = set(variants or ()) - set(VARIANTS)
     if unknown:
         raise ValueError(f"variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")

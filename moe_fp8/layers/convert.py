@@ -131,7 +131,7 @@ def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Modu
         log.info("%s stays as it was (%s): %s", fqn or "<model>", *applied)
     elif isinstance(module, nn.Embedding):
         report.add(fqn, module, KEPT, EMBEDDING, f"{module.num_embeddings}x{module.embedding_dim}")
-    elif _is_router(parent, name, module):
+    elif is_router(parent, name, module):
         report.add(fqn, module, KEPT, ROUTER, _shape(module))
     elif isinstance(module, nn.Linear):
         return _linear(module, name, fqn, ctx)
@@ -148,7 +148,9 @@ def _visit(parent, name: str, module: nn.Module, fqn: str, ctx: dict) -> nn.Modu
     return None
 
 
-def _is_router(parent, name: str, module: nn.Module) -> bool:
+def is_router(parent: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether ``module``, the child ``name`` of ``parent``, is a MoE router (kept out of FP8): a class
+    named like one, or an ``nn.Linear`` called ``gate`` / ``router`` beside ``experts``."""
     if "router" in type(module).__name__.lower():
         return True
     return isinstance(module, nn.Linear) and name in ("gate", "router") and hasattr(parent, "experts")
