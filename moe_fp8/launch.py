@@ -28,7 +28,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 import os
@@ -40,7 +39,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-__all__ = ["launch", "device_descriptor_scratch", "descriptor_scratch_available", "fast_launch", "fast_launch_enabled", "interpreted_trace", "kernel_input", "zeroed",
+__all__ = ["launch", "fast_launch", "fast_launch_enabled", "interpreted_trace", "kernel_input", "zeroed",
            "FAST_LAUNCH_VERSIONS"]
 
 FAST_LAUNCH_VERSIONS = ((3, 4), (3, 5), (3, 6), (3, 7), (3, 8), (3, 9))
@@ -50,7 +49,6 @@ _VERSION_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) in FAST_L
 _KNOBS = getattr(triton, "knobs", None)  # Triton 3.4+
 _STATE = {"fast": os.environ.get("MOE_FP8_FAST_LAUNCH", "1") != "0"}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_SCRATCH = getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)  # Triton's ContextVar
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # kernels are decorated at import
 _MISSING = inspect.Parameter.empty
 _UNSUPPORTED = object()
@@ -305,24 +303,3 @@ class _InterpretedJIT(JITFunction):
     # A JITFunction hashes its source's dependencies, which the interpreter's kernels cannot give.
     __hash__ = object.__hash__
     __eq__ = object.__eq__
-
-
-def descriptor_scratch_available() -> bool:
-    """Whether this Triton takes the global scratch of in-kernel tensor descriptors from a context
-    variable (:func:`device_descriptor_scratch` can then scope it to one launch)."""
-    return isinstance(_SCRATCH, contextvars.ContextVar)
-
-
-@contextlib.contextmanager
-def device_descriptor_scratch(device: torch.device | None) -> Iterator[None]:
-    """Within the block, launches that make tensor descriptors in the kernel
-    (``tl.make_tensor_descriptor``) take their global scratch from torch's caching allocator on
-    ``device``; the allocator set before is restored after. ``None``: no change."""
-    if device is None:
-        yield
-        return
-    token = _SCRATCH.set(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-    try:
-        yield
-    finally:
-        _SCRATCH.reset(token)

@@ -11,8 +11,6 @@ SQNR against the fp64 product of the unquantized inputs checks the numbers thems
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import triton
@@ -295,33 +293,6 @@ def test_2d2d_bf16_operands_match_fp64(poisoned_empty):
         triton_grouped_mm_2d2d(a, None, b, torch.ones(()), offs)
     with pytest.raises(TypeError, match="accumulate_into"):
         triton_grouped_mm_2d2d(a, None, b, None, offs, accumulate_into=torch.zeros(4, 32, 48))
-
-
-@needs_cpu_kernel
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_2d2d_descriptor_and_prefetch_variants(accumulate, poisoned_empty):
-    """The bf16 weight gradient read through tensor descriptors made in the kernel (``tma``: each
-    group's rows one descriptor, rows past its end zero-filled; its blocks start at the group's first
-    row, so fp32 sums in another order) matches the fp64 reference like the pointer-load kernel;
-    loading the added-to tile before the main loop (``prefetch_out``) changes no bit. Groups of any
-    size, empty ones (left untouched), 32-row blocks running past a group's end, partial column tiles."""
-    sizes = [0, 37, 5, 90, 0, 16, 51, 33]
-    offs = _offs_from_sizes(sizes)
-    gen = torch.Generator().manual_seed(15)
-    a, b = torch.randn(240, 48, generator=gen).bfloat16(), torch.randn(240, 80, generator=gen).bfloat16()
-    start = torch.randn(8, 80, 48, generator=gen).bfloat16().transpose(1, 2) if accumulate else None
-    base = GemmConfig(32, 32, 32, 2, 1, 1)
-    outs = [triton_grouped_mm_2d2d(a, None, b, None, offs, config=replace(base, tma=t, prefetch_out=p),
-                                   accumulate_into=None if start is None else start.clone())
-            for t, p in ((False, False), (True, False), (False, True), (True, True))]
-    for plain, prefetched in ((outs[0], outs[2]), (outs[1], outs[3])):
-        assert torch.equal(plain.view(torch.int16), prefetched.view(torch.int16))
-    ref = _reference_wgrad(a.float(), b.float(), offs) + (0 if start is None else start.double())
-    for out in outs:
-        assert_matches_reference(out, ref.bfloat16())
-    if start is not None:
-        empty = torch.tensor(sizes) == 0
-        assert torch.equal(outs[1][empty].view(torch.int16), start[empty].view(torch.int16))
 
 
 # ---- CPU: explicit tiles larger than the 16-alignment of N, K and the wgrad row body ---------

@@ -42,8 +42,6 @@ class GemmConfig:
     num_stages: int = 3
     num_warps: int = 8
     fast_accum: bool = True
-    tma: bool = False
-    prefetch_out: bool = False
 
 
 def config_2d3d(n: int, k: int, num_groups: int, scale_mode: int, device: torch.device) -> GemmConfig:

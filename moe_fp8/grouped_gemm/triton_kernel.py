@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..checks import check_multiple_of, check_offsets, check_same_device, check_tensor
 from ..kernel_backend import interpreter_enabled, launch_target
-from ..launch import device_descriptor_scratch, descriptor_scratch_available, launch
+from ..launch import launch
 from ..launch_math import cdiv, next_power_of_2
 from ..quant.formats import Float8Format, resolve_format
 from ..quant.triton_helpers import fp8_constexprs, fp8_round, fp8_scales
@@ -267,7 +267,7 @@ def _grouped_mm_2d2d_kernel(
     SCALE_MODE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     MAX_IMPRECISE: tl.constexpr, EDGE_MAX_IMPRECISE: tl.constexpr, OUT_BF16: tl.constexpr,
-    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     # Output tile (BM rows of N) x (BN cols of K) of group g; BK is the reduction over rows.
     # ACCUMULATE: out += the product (one rounding); an empty group's tile is left as it is.
@@ -312,30 +312,13 @@ def _grouped_mm_2d2d_kernel(
     # The body's blocks start at multiples of BK (the first one masked below body_start), so that
     # with column-major operands each block row is whole aligned cache lines: blocks that start at
     # the group's 16-aligned first row straddle two lines per row and ran 1.2-1.4x slower (H200).
-    out_g = out_ptr + g.to(tl.int64) * stride_oe
-    if ACCUMULATE and PREFETCH:
-        old = tl.load(out_g + ns_ld[:, None] * stride_on + ks_ld[None, :] * stride_ok)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if TMA:
-        count = tl.maximum(end - start, 1)
-        a_desc = tl.make_tensor_descriptor(a_ptr + start.to(tl.int64) * stride_ar, shape=[count, N],
-                                           strides=[stride_ar, 1], block_shape=[BK, BM])
-        b_desc = tl.make_tensor_descriptor(b_ptr + start.to(tl.int64) * stride_br, shape=[count, K],
-                                           strides=[stride_br, 1], block_shape=[BK, BN])
-        for r0 in range(0, end - start, BK):
-            a = a_desc.load([r0, tile_m * BM]).T
-            b = b_desc.load([r0, tile_n * BN])
-            if UPCAST:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-    else:
-        r = tl.arange(0, BK)
-        for r0 in range(body_start // BK * BK, body_end, BK):
-            rows = r0 + r
-            acc = _dot_rows(a_ptr, b_ptr, rows, (rows >= body_start) & (rows < body_end), ns_ld, ks_ld,
-                            stride_ar, stride_an, stride_br, stride_bk, acc, MAX_IMPRECISE, UPCAST)  # fmt: skip
-    if (not TMA) and ((start < body_start) | (body_end < end)):
+    r = tl.arange(0, BK)
+    for r0 in range(body_start // BK * BK, body_end, BK):
+        rows = r0 + r
+        acc = _dot_rows(a_ptr, b_ptr, rows, (rows >= body_start) & (rows < body_end), ns_ld, ks_ld,
+                        stride_ar, stride_an, stride_br, stride_bk, acc, MAX_IMPRECISE, UPCAST)  # fmt: skip
+    if (start < body_start) | (body_end < end):
         i = tl.arange(0, 32)
         rows = tl.where(i < 16, start // 16 * 16 + i, body_end + i - 16)
         r_mask = tl.where(i < 16, (rows >= start) & (rows < head_end), (rows >= tail_start) & (rows < end))
@@ -348,9 +331,9 @@ def _grouped_mm_2d2d_kernel(
         acc = sb[None, :] * (sa[:, None] * acc)
     elif SCALE_MODE == 0:
         acc = tl.load(sb_ptr) * (tl.load(sa_ptr) * acc)
+    out_g = out_ptr + g.to(tl.int64) * stride_oe
     if ACCUMULATE:
-        if not PREFETCH:
-            old = tl.load(out_g + ns_ld[:, None] * stride_on + ks_ld[None, :] * stride_ok)
+        old = tl.load(out_g + ns_ld[:, None] * stride_on + ks_ld[None, :] * stride_ok)
         acc += old.to(tl.float32)
     _store_tile(out_g, ns, ks, n_mask, k_mask, stride_on, stride_ok, acc, OUT_BF16)
 
@@ -530,20 +513,6 @@ def triton_grouped_mm_dgrad_quantize_w(
     return out
 
 
-def _tma_operands(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` can be read through tensor descriptors made in the kernel: a CUDA
-    device with TMA (sm90+) or the interpreter, row-major operands, 16-byte aligned rows and bases."""
-    target = launch_target(a.device)
-    if target.kind == "cuda" and target.arch[0] < 9:
-        return False
-    if target.kind not in ("cuda", "interpreter") or not descriptor_scratch_available():
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in (a, b))
-
-
 def triton_grouped_mm_2d2d(
     a: torch.Tensor,
     scale_a: torch.Tensor | None,
@@ -611,22 +580,19 @@ def triton_grouped_mm_2d2d(
     cfg = config or config_2d2d(N, K, E, mode, a.device, accumulate_into is not None)
     max_imprecise = _max_imprecise(cfg, a.device) if scaled else None  # fp8 only
     grid = (E * cdiv(N, cfg.block_m) * cdiv(K, cfg.block_n),)
-    tma = cfg.tma and not scaled and _tma_operands(a, b)
-    with device_descriptor_scratch(a.device if tma else None):
-        launch(_grouped_mm_2d2d_kernel)[grid](
-            a, b, out, scale_a, scale_b, offs,
-            M, N, K,
-            a.stride(0), a.stride(1),
-            b.stride(0), b.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            *sa_strides,
-            *sb_strides,
-            SCALE_MODE=mode,
-            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-            MAX_IMPRECISE=max_imprecise, EDGE_MAX_IMPRECISE=max_imprecise and min(max_imprecise, 32),
-            OUT_BF16=out_dtype == torch.bfloat16, ACCUMULATE=accumulate_into is not None,
-            UPCAST=not scaled and launch_target(a.device).kind == "interpreter", TMA=tma,
-            PREFETCH=cfg.prefetch_out and accumulate_into is not None,
-            num_stages=cfg.num_stages, num_warps=cfg.num_warps,
-        )  # fmt: skip
+    launch(_grouped_mm_2d2d_kernel)[grid](
+        a, b, out, scale_a, scale_b, offs,
+        M, N, K,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        *sa_strides,
+        *sb_strides,
+        SCALE_MODE=mode,
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        MAX_IMPRECISE=max_imprecise, EDGE_MAX_IMPRECISE=max_imprecise and min(max_imprecise, 32),
+        OUT_BF16=out_dtype == torch.bfloat16, ACCUMULATE=accumulate_into is not None,
+        UPCAST=not scaled and launch_target(a.device).kind == "interpreter",
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )  # fmt: skip
     return out
