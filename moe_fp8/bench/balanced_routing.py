@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..layers.convert import is_router
+
 __all__ = ["ROUTINGS", "route_on_random_inputs", "routers_on_random_inputs"]
 
 #: the benchmark's routings: the routers score the hidden states, or random inputs
@@ -35,8 +37,6 @@ def _random_inputs(module: nn.Module, args: tuple) -> tuple:
 def _routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, router module)`` of each MoE block (a module with ``experts``), routers recognised as
     the dense converter recognises them (``layers.convert.is_router``)."""
-    from ..layers.convert import is_router
-
     return [(f"{name}.{child_name}" if name else child_name, child)
             for name, block in model.named_modules() if isinstance(getattr(block, "experts", None), nn.Module)
             for child_name, child in block.named_children() if is_router(block, child_name, child)]

@@ -34,7 +34,7 @@ from .experts import FP8GroupedExperts
 from .fp8_linear import FP8Linear, _check_dense_recipe
 from .shared_input import join_siblings
 
-__all__ = ["MIN_DENSE_SIZE", "check_conversion_args", "check_size", "convert_linears", "convert_to_fp8"]
+__all__ = ["MIN_DENSE_SIZE", "check_conversion_args", "check_size", "convert_linears", "convert_to_fp8", "is_router"]
 
 log = logging.getLogger("moe_fp8")
 
