@@ -33,7 +33,7 @@ from moe_fp8.quant.recipes import get_recipe
 
 #: variant -> (hf.convert keyword arguments, names of dense linears kept in BF16)
 ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
+MLP = m.DENSE_MLP
 VARIANTS = {
     "hf_bf16": None,
     "ours_bf16_experts": (dict(recipe="bf16", min_expert_size=0), ()),

@@ -42,8 +42,10 @@ weights' FP8 cache on: quantized once per optimizer step, eager or compiled; one
 of them held), ``ours_fp8_experts_cached_unfused`` (``ours_fp8_experts_cached`` with the gradients'
 row quantization in separate kernels: ``FP8GroupedExperts.fused_grad_quant=False``),
 ``ours_fp8_cached_all`` (``ours_fp8_cached`` with the dense FP8 linears' weight cache on too:
-``cache_dense_weights=True``), ``ours_fp8_unshared`` (``ours_fp8`` with every linear on its own:
-``share_inputs=False``), ``ours_bf16_fused_acc``, ``ours_fp8_fused_acc``,
+``cache_dense_weights=True``), ``ours_fp8_bf16_mlp`` (``ours_fp8`` with the dense MLP linears,
+``gate_proj`` / ``up_proj`` / ``down_proj``, kept in BF16 by ``filter_fn``: the split that keeps
+DeepSeek-V3 sizes' loss at HF's), ``ours_fp8_unshared`` (``ours_fp8`` with every linear on its own:
+``share_inputs=False``), ``ours_bf16_fused_acc``, ``ours_fp8_fused_acc``, ``ours_fp8_bf16_mlp_fused_acc``,
 ``ours_fp8_cached_fused_acc``, ``ours_fp8_experts_fused_acc``, ``ours_fp8_experts_cached_fused_acc`` and
 ``ours_fp8_every_expert_fused_acc``
 (those with the experts' weight-gradient GEMMs adding to ``.grad`` in place:
@@ -67,7 +69,8 @@ one profiled step per row (``step_profile``). The loss is the mean of the last 1
 steps on byte-level text (the standard library's sources), trained in eager mode from the same
 initial weights on the same batches (``LOSS_VARIANTS``; the other rows run 40 micro-batches, at
 least 12 optimizer steps). ``MODE_VARIANTS`` says which variants each mode runs
-by default (the ``_fp8_wgrad``, ``_fused_acc`` ones, ``ours_fp8_cached_all``, ``ours_fp8_unshared`` and
+by default (the ``_fp8_wgrad``, ``_fused_acc`` ones, ``ours_fp8_cached_all``, ``ours_fp8_bf16_mlp``,
+``ours_fp8_unshared`` and
 ``ours_fp8_every_expert`` only when named); variants named
 with ``--variants`` run in every mode named.
 """
@@ -99,10 +102,10 @@ MODES = ("eager", "compiled", "reduce-overhead")
 FUSED_ACC = "_fused_acc"  # variant suffix: hf.convert(..., fused_grad_accumulation=True)
 VARIANTS = ("hf_bf16", "ours_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_small_kept", "ours_fp8_every_expert",
             "ours_fp8_experts_cached", "ours_fp8_cached", "ours_fp8_experts_fp8_wgrad",
-            "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all", "ours_fp8_unshared",
+            "ours_fp8_experts_fp8_wgrad_cached", "ours_fp8_cached_all", "ours_fp8_bf16_mlp", "ours_fp8_unshared",
             "ours_fp8_experts_cached_unfused", "ours_bf16_fused_acc", "ours_fp8_fused_acc", "ours_fp8_cached_fused_acc",
             "ours_fp8_experts_fused_acc", "ours_fp8_experts_cached_fused_acc", "ours_fp8_every_expert_fused_acc",
-            "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
+            "ours_fp8_bf16_mlp_fused_acc", "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: variants that differ from another only in the MoE experts (skipped for a dense model) and TorchAO's (GPU only)
 EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours_fp8_every_expert",
                    "ours_fp8_experts_cached", "ours_fp8_experts_fp8_wgrad", "ours_fp8_experts_fp8_wgrad_cached",
@@ -111,11 +114,14 @@ EXPERT_VARIANTS = ("ours_bf16", "ours_fp8_experts", "ours_fp8_small_kept", "ours
 TORCHAO_VARIANTS = ("torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe")
 #: the variants each mode runs by default (the others in eager only), and those trained for ``loss_steps``
 MODE_VARIANTS = {"eager": tuple(v for v in VARIANTS if "_fp8_wgrad" not in v and "_unfused" not in v
-                                 and v not in ("ours_fp8_cached_all", "ours_fp8_unshared", "ours_fp8_every_expert")
+                                 and v not in ("ours_fp8_cached_all", "ours_fp8_bf16_mlp", "ours_fp8_unshared",
+                                               "ours_fp8_every_expert")
                                  and not v.endswith(FUSED_ACC)),
                  "compiled": ("hf_bf16", "ours_fp8", "ours_fp8_experts", "ours_fp8_cached", "ours_fp8_experts_cached",
                               "torchao_rowwise", "torchao_rowwise_gw_hp", "torchao_moe"),
                  "reduce-overhead": ("hf_bf16", "ours_fp8")}
+#: names of the dense MLP linears (a dense MLP's, the shared experts')
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 LOSS_VARIANTS = ("hf_bf16", "ours_fp8_experts", "ours_fp8", "ours_fp8_experts_cached_fused_acc")
 
 
@@ -238,13 +244,19 @@ def convert(base: nn.Module, variant: str, backend: str | None, *, size_rules: b
                    cache_dense_weights=cache_all, min_dense_size=min_dense_size,
                    min_expert_size=0 if every_expert else min_expert_size,
                    min_bf16_expert_size=min_expert_size if variant == "ours_fp8_small_kept" else MIN_BF16_EXPERT_SIZE,
-                   fused_grad_accumulation=fused_acc, share_inputs=variant != "ours_fp8_unshared")
+                   fused_grad_accumulation=fused_acc, share_inputs=variant != "ours_fp8_unshared",
+                   filter_fn=_outside_mlp if variant == "ours_fp8_bf16_mlp" else None)
     elif variant in TORCHAO_VARIANTS:
         recipe = "rowwise_with_gw_hp" if variant == "torchao_rowwise_gw_hp" else "rowwise"
         torchao_models.convert(model, recipe, experts=variant == "torchao_moe")
     if balanced_routing.routers_on_random_inputs(base):  # a router module the conversion replaced gets the hook too
         balanced_routing.route_on_random_inputs(model)
     return model.train()
+
+
+def _outside_mlp(module: nn.Module, fqn: str) -> bool:
+    """``filter_fn`` keeping the dense MLP linears (dense MLPs, shared experts) in BF16."""
+    return not fqn.endswith(DENSE_MLP)
 
 
 def empty_experts(model: nn.Module, batch: torch.Tensor) -> float | None:
