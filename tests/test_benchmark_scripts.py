@@ -187,9 +187,9 @@ def test_bench_whole_model_dense_and_accumulation_cpu(torch_references):
     linears = [m for m in models.convert(base, "ours_fp8_cached_all", None, size_rules=False).modules()
                if type(m).__name__ == "FP8Linear"]
     assert linears and all(m.cache_weights for m in linears)
-    kept = {n.rsplit(".", 1)[-1] for n, m in models.convert(base, "ours_fp8_bf16_mlp", None, size_rules=False)
-            .named_modules() if type(m).__name__ == "FP8Linear"}
-    assert kept == {"q_proj", "k_proj", "v_proj", "o_proj"}, kept  # the MLP's linears stay nn.Linear
+    in_fp8 = {n.rsplit(".", 1)[-1] for n, m in models.convert(base, "ours_fp8_bf16_mlp", None, size_rules=False)
+              .named_modules() if type(m).__name__ == "FP8Linear"}
+    assert in_fp8 == {"q_proj", "k_proj", "v_proj", "o_proj"}, in_fp8  # the MLP's linears stay nn.Linear
     for variant, shared in (("ours_fp8", True), ("ours_fp8_unshared", False)):  # q/k/v and gate/up of 3 layers
         converted = models.convert(base, variant, None, size_rules=False)
         assert len({id(m.shared_input) for m in converted.modules() if getattr(m, "shared_input", None)}) == (
